@@ -1,0 +1,87 @@
+# Layer Offload developer targets. They work on a fresh clone:
+#
+#   make demo     python -m offload demo   (CUDA when present, the simulated device otherwise)
+#   make test     python -m pytest -q      (tests/)
+#   make bench    benchmarks/bench_offload.py on the scaled-down shapes (BENCH_ARGS="..." to change)
+#
+# Environment: a .venv is created when missing. torch is never a project dependency; it is installed
+# only when the chosen interpreter cannot import one, and an installed torch (e.g. a CUDA build) is kept:
+#   PYTHON=/path/to/python3 make test      create .venv from that interpreter (default: python3);
+#                                          if it can already import torch, the venv sees it
+#                                          (--system-site-packages; SYSTEM_SITE_PACKAGES=auto|1|0)
+#   PY=/path/to/comfy/python make test     use an existing environment directly, no .venv
+#   TORCH_SPEC="torch==2.13.0" (default)   what to install when no torch is importable
+
+PYTHON ?= python3
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+SYSTEM_SITE_PACKAGES ?= auto
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?= -q
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+
+ifeq ($(PY),$(VENV)/bin/python)
+STAMP := $(VENV)/.layer-offload-installed
+else
+STAMP := .make/installed-$(subst /,_,$(PY))
+endif
+
+.PHONY: env demo test bench bench-deps clean
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@set -e; \
+	if [ "$(PY)" = "$(VENV)/bin/python" ] && [ ! -x "$(VENV)/bin/python" ]; then \
+	  flags=""; \
+	  case "$(SYSTEM_SITE_PACKAGES)" in \
+	    1|yes|true) flags="--system-site-packages" ;; \
+	    auto) if $(PYTHON) -c "import torch" >/dev/null 2>&1; then flags="--system-site-packages"; \
+	            echo "[make] $(PYTHON) already has torch: the venv will use it (--system-site-packages)"; fi ;; \
+	  esac; \
+	  echo "[make] creating $(VENV) with $(PYTHON) $$flags"; \
+	  $(PYTHON) -m venv $$flags $(VENV); \
+	fi; \
+	if $(PY) -c "import torch" >/dev/null 2>&1; then \
+	  echo "[make] keeping the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	else \
+	  echo "[make] no torch importable in $(PY): pip install $(TORCH_SPEC)"; \
+	  $(PY) -m pip install "$(TORCH_SPEC)"; \
+	fi; \
+	before=$$($(PY) -c "import torch; print(torch.__version__)"); \
+	$(PY) -m pip install -e ".[test]"; \
+	after=$$($(PY) -c "import torch; print(torch.__version__)"); \
+	if [ "$$before" != "$$after" ]; then \
+	  echo "[make] ERROR: installing the project replaced torch $$before with $$after" >&2; exit 1; \
+	fi; \
+	echo "[make] environment ready: torch $$after"; \
+	mkdir -p $(dir $(STAMP)); touch $(STAMP)
+
+demo: env
+	$(PY) -m offload demo $(DEMO_ARGS)
+
+test: env
+	@set +e; $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "[make] ERROR: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$rc
+
+$(STAMP)-bench: $(STAMP)
+	@set -e; before=$$($(PY) -c "import torch; print(torch.__version__)"); \
+	$(PY) -m pip install -e ".[test,bench]"; \
+	after=$$($(PY) -c "import torch; print(torch.__version__)"); \
+	if [ "$$before" != "$$after" ]; then \
+	  echo "[make] ERROR: installing the bench extras replaced torch $$before with $$after" >&2; exit 1; \
+	fi; \
+	touch $@
+
+bench-deps: $(STAMP)-bench
+
+bench: env
+	@if $(PY) -c "import accelerate, diffusers" >/dev/null 2>&1; then :; else \
+	  echo "[make] accelerate/diffusers not installed: their baselines are skipped (make bench-deps installs them)"; fi
+	$(PY) benchmarks/bench_offload.py --model flux $(BENCH_ARGS)
+	$(PY) benchmarks/bench_offload.py --model decoder7b $(BENCH_ARGS)
+
+clean:
+	rm -rf .make .pytest_cache build *.egg-info
