@@ -1,0 +1,318 @@
+"""`python -m offload demo`: run one model resident and offloaded, check the outputs are bitwise equal, time both.
+
+It exists so a new user sees, in under a minute and without a GPU, that offloading moves bytes and never
+changes them, and what it costs. On CUDA it uses the GPU; otherwise the simulated device, with a copy
+bandwidth calibrated so that copying one block takes about half of that block's compute (overlap visible).
+The helpers here (timing, sim calibration, table) are shared with benchmarks/bench_offload.py.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+@dataclass
+class Row:
+    """One configuration's figures; `None` prints as "-" (not measured for that configuration)."""
+
+    config: str
+    ms_per_forward: float
+    ratio: float | None = None  # ms_per_forward / resident ms_per_forward, same run
+    peak_device_bytes: int | None = None
+    overlap_ratio: float | None = None
+    effective_gbps: float | None = None
+    max_abs_diff: float | None = None
+    equal: bool | None = None  # bitwise equal to the resident output
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, so tests and scripts need not parse the table."""
+        return dataclasses.asdict(self)
+
+
+def resolve_device(device: str) -> str:
+    """Map "auto" to "cuda" when a GPU is usable, else "sim", so the demo runs everywhere."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "sim"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch.cuda.is_available() is False; use 'sim' or 'auto'")
+    if device != "sim" and not device.startswith("cuda"):
+        raise ValueError(f"device must be 'auto', 'cuda', 'cuda:N' or 'sim', got {device!r}")
+    return device
+
+
+def torch_device(device: str) -> torch.device:
+    """The torch device that holds "device" tensors: the GPU, or the CPU for the simulated device."""
+    return torch.device("cpu") if device == "sim" else torch.device(device)
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers: what a fully resident copy keeps on the device."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def synchronize(device: str) -> None:
+    """Wait for queued device work so a timer measures finished forwards."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def time_forwards(fn: Callable[[], Any], iters: int, device: str, warmup: int = 1,
+                  after_warmup: Callable[[], None] | None = None) -> tuple[float, Any]:
+    """Mean wall ms of `iters` calls after `warmup` calls (device-synchronized), and the last output."""
+    out = None
+    with torch.inference_mode():
+        for _ in range(warmup):
+            out = fn()
+        synchronize(device)
+        if after_warmup is not None:
+            after_warmup()
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn()
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+    return elapsed * 1000.0 / max(iters, 1), out
+
+
+def calibrate_sim_gbps(block: nn.Module, args: Sequence[torch.Tensor], copy_to_compute: float = 0.5,
+                       repeats: int = 3) -> tuple[float, float]:
+    """Bandwidth (GB/s, 1e9) at which copying `block` takes `copy_to_compute` times its measured compute.
+
+    The simulated device has no natural speed: tying its bandwidth to the CPU's compute speed makes
+    copies cost something comparable to compute, so prefetch overlap shows in the figures.
+    Returns (gbps, block compute ms).
+    """
+    with torch.inference_mode():
+        block(*args)  # warm-up (allocator, kernels)
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            block(*args)
+            best = min(best, time.perf_counter() - start)
+    nbytes = weight_bytes(block)
+    gbps = nbytes / (copy_to_compute * best) / 1e9
+    return gbps, best * 1000.0
+
+
+def max_abs_diff(a: Any, b: Any) -> float:
+    """Largest absolute difference between two outputs (0.0 when bitwise equal)."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    if a.shape != b.shape:
+        return math.inf
+    return float((a - b).abs().max()) if a.numel() else 0.0
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes: the promise offloading makes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach().cpu(), b.detach().cpu())
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if kind == "ms":
+        return f"{value:.1f}"
+    if kind == "ratio":
+        return f"{value:.2f}x"
+    if kind == "mib":
+        return f"{value / MIB:.1f}"
+    if kind == "frac":
+        return f"{value:.2f}"
+    if kind == "gbps":
+        return f"{value:.2f}"
+    if kind == "diff":
+        return f"{value:.3g}"
+    if kind == "bool":
+        return "yes" if value else "NO"
+    return str(value)
+
+
+TABLE_COLUMNS = (
+    ("config", "config", "str"),
+    ("ms/forward", "ms_per_forward", "ms"),
+    ("vs resident", "ratio", "ratio"),
+    ("peak device MiB", "peak_device_bytes", "mib"),
+    ("overlap", "overlap_ratio", "frac"),
+    ("GB/s", "effective_gbps", "gbps"),
+    ("max abs diff", "max_abs_diff", "diff"),
+    ("bitwise equal", "equal", "bool"),
+    ("note", "note", "str"),
+)
+
+
+def format_table(rows: Iterable[Row]) -> str:
+    """A markdown table of the rows (readable in a terminal and pasteable into docs/benchmarks.md)."""
+    rows = list(rows)
+    header = [c[0] for c in TABLE_COLUMNS]
+    body = [[_fmt(getattr(r, attr), kind) for _, attr, kind in TABLE_COLUMNS] for r in rows]
+    if not any(r.note for r in rows):
+        header, body = header[:-1], [b[:-1] for b in body]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(b, widths)) + " |" for b in body]
+    return "\n".join(lines)
+
+
+def _report_figures(handle: Any) -> tuple[int | None, float | None, float | None, str]:
+    """Peak device bytes, overlap, GB/s and a tier summary from an offload handle's report."""
+    rep = handle.report()
+    tiers: dict[str, int] = {}
+    for unit in rep.blocks:
+        tiers[unit.tier] = tiers.get(unit.tier, 0) + 1
+    summary = ", ".join(f"{n} {tier}" for tier, n in sorted(tiers.items()))
+    return rep.peak_device_bytes, rep.overlap_ratio, rep.effective_gbps, summary
+
+
+def run_offloaded(model: nn.Module, inputs: Sequence[torch.Tensor], cfg: Any, reference: torch.Tensor,
+                  iters: int, warmup: int, name: str, budget_bytes: int | None = None) -> tuple[Row, dict]:
+    """Offload `model` with `cfg` under its own budget, time it, compare with `reference`, then detach."""
+    from offload import VramBudget, offload_module
+
+    budget = VramBudget(int(budget_bytes)) if budget_bytes is not None else None
+    handle = offload_module(model, cfg, name=name, budget=budget)
+    try:
+        ms, out = time_forwards(lambda: model(*inputs), iters, cfg.device, warmup,
+                                after_warmup=handle.reset_stats)
+        handle.backend.synchronize()
+        peak, overlap, gbps, tiers = _report_figures(handle)
+        report = handle.report().to_dict()
+    finally:
+        handle.detach()
+    row = Row(config=name, ms_per_forward=ms, peak_device_bytes=peak, overlap_ratio=overlap,
+              effective_gbps=gbps, max_abs_diff=max_abs_diff(out, reference),
+              equal=bitwise_equal(out, reference), note=tiers)
+    return row, report
+
+
+def build_demo_model(model: str, dim: int, depth: int, tokens: int, seed: int) -> tuple[nn.Module, list[torch.Tensor], nn.Module, list[torch.Tensor]]:
+    """The demo model (float32, random weights), its CPU inputs, and one block with that block's inputs."""
+    from offload.reference_models import DiTStack, TransformerStack
+
+    torch.manual_seed(seed)
+    heads = max(1, dim // 64)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if model == "transformer":
+        net = TransformerStack(dim=dim, depth=depth, heads=heads).eval()
+        x = torch.randn(1, tokens, dim, generator=gen)
+        return net, [x], net.blocks[0], [torch.randn(1, tokens, dim, generator=gen)]
+    if model == "flux":
+        double, single = max(1, depth // 3), max(1, depth - depth // 3)
+        net = DiTStack(dim=dim, double=double, single=single, heads=heads, in_channels=64, txt_dim=128).eval()
+        txt_tokens = max(1, tokens // 8)
+        img = torch.randn(1, tokens, 64, generator=gen)
+        txt = torch.randn(1, txt_tokens, 128, generator=gen)
+        t = torch.randn(1, dim, generator=gen)
+        block = net.single_blocks[0]
+        return net, [img, txt, t], block, [torch.randn(1, tokens + txt_tokens, dim, generator=gen),
+                                          torch.randn(1, dim, generator=gen)]
+    raise ValueError(f"unknown demo model {model!r}; valid: transformer, flux")
+
+
+def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, depth: int = 8,
+             tokens: int = 256, iters: int = 3, warmup: int = 1, presets: Sequence[str] = ("mid_range", "budget"),
+             sim_gbps: float | None = None, copy_to_compute: float = 0.5, seed: int = 0) -> tuple[list[Row], dict]:
+    """Resident run, then one offloaded run per preset on the same model and input; rows plus run info."""
+    from offload import OffloadConfig
+
+    device = resolve_device(device)
+    net, inputs, block, block_inputs = build_demo_model(model, dim, depth, tokens, seed)
+    total = weight_bytes(net)
+    info: dict[str, Any] = {"device": device, "model": model, "dim": dim, "depth": depth, "tokens": tokens,
+                            "weight_bytes": total, "torch": torch.__version__}
+    tdev = torch_device(device)
+
+    # Resident reference: the whole model on the device, no hooks.
+    resident = net if device == "sim" else copy.deepcopy(net).to(tdev)
+    dev_inputs = [x.to(tdev) for x in inputs]
+    ms_res, ref = time_forwards(lambda: resident(*dev_inputs), iters, device, warmup)
+    ref = ref.detach().cpu()
+    rows = [Row(config="resident (no offload)", ms_per_forward=ms_res, ratio=1.0, peak_device_bytes=total,
+                max_abs_diff=0.0, equal=True, note="all on device")]
+    if resident is not net:
+        del resident
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    overrides: dict[str, Any] = {"device": device}
+    if device == "sim":
+        if sim_gbps is None:
+            sim_gbps, block_ms = calibrate_sim_gbps(block, block_inputs, copy_to_compute)
+            info["block_compute_ms"] = block_ms
+            log.info("simulated device: one block computes in %.2f ms; bandwidth set to %.3f GB/s "
+                     "(a block's copy takes %.0f%% of its compute)", block_ms, sim_gbps, 100 * copy_to_compute)
+        overrides["sim_bandwidth_gbps"] = sim_gbps
+        info["sim_bandwidth_gbps"] = sim_gbps
+
+    for preset in presets:
+        cfg = OffloadConfig.from_preset(preset, **overrides)
+        # A budget of half the model (and the preset's own share of it) makes sure something streams.
+        budget_bytes = total // 2
+        cfg = cfg.replace(vram_budget_bytes=budget_bytes)
+        row, report = run_offloaded(net, dev_inputs, cfg, ref, iters, warmup, name=f"offload: {preset}",
+                                    budget_bytes=budget_bytes)
+        row.ratio = row.ms_per_forward / ms_res if ms_res > 0 else None
+        rows.append(row)
+        info.setdefault("reports", {})[preset] = report
+    return rows, info
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's command-line flags (shared by `python -m offload demo`)."""
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else sim), cuda, cuda:N or sim")
+    parser.add_argument("--model", default="transformer", choices=("transformer", "flux"),
+                        help="TransformerStack, or a small Flux-shaped DiT (double + single blocks)")
+    parser.add_argument("--dim", type=int, default=512, help="model width")
+    parser.add_argument("--depth", type=int, default=8, help="number of blocks")
+    parser.add_argument("--tokens", type=int, default=256, help="sequence length of the random input")
+    parser.add_argument("--iters", type=int, default=3, help="timed forwards per configuration (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed forwards per configuration")
+    parser.add_argument("--presets", default="mid_range,budget", help="comma-separated presets to run")
+    parser.add_argument("--sim-gbps", type=float, default=None,
+                        help="simulated copy bandwidth in GB/s (default: calibrated from one block's compute)")
+    parser.add_argument("--copy-to-compute", type=float, default=0.5,
+                        help="sim calibration: a block's copy time as a fraction of its compute time")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the demo from parsed arguments, print the table; non-zero exit when any output differs."""
+    import json
+
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    rows, info = run_demo(device=args.device, model=args.model, dim=args.dim, depth=args.depth,
+                          tokens=args.tokens, iters=args.iters, warmup=args.warmup, presets=presets,
+                          sim_gbps=args.sim_gbps, copy_to_compute=args.copy_to_compute, seed=args.seed)
+    ok = all(r.equal for r in rows)
+    if args.json:
+        print(json.dumps({"rows": [r.to_dict() for r in rows], "ok": ok,
+                          **{k: v for k, v in info.items() if k != "reports"}}, indent=2))
+    else:
+        dev = info["device"]
+        if dev == "sim":
+            dev = f"simulated device (CPU), copy bandwidth {info['sim_bandwidth_gbps']:.2f} GB/s"
+        else:
+            dev = f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
+        print(f"Layer Offload demo: {info['model']} dim={info['dim']} depth={info['depth']} "
+              f"tokens={info['tokens']}, {info['weight_bytes'] / MIB:.1f} MiB of weights, on {dev}, "
+              f"torch {info['torch']}")
+        print(format_table(rows))
+        print("OK: every offloaded output is bitwise equal to the resident one" if ok
+              else "FAIL: an offloaded output differs from the resident one")
+    return 0 if ok else 1
