@@ -1,0 +1,83 @@
+"""Shared fixtures for the engine suite.
+
+Every engine test runs on ``device="sim"`` (a simulated device whose tensors are CPU tensors) with its own
+``VramBudget`` so tests never share the process-wide default budget. CUDA tests carry ``@pytest.mark.cuda``
+and skip without a GPU.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+BIG_BUDGET = 1 << 40  # 1 TiB: a VramBudget that never constrains a test
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def sim_budget():
+    """A fresh, effectively unlimited VramBudget (isolates the test from default_budget())."""
+    from offload import VramBudget
+
+    return VramBudget(BIG_BUDGET)
+
+
+@pytest.fixture
+def sim_cfg():
+    """Factory: ``sim_cfg(**overrides)`` -> OffloadConfig on the simulated device."""
+    from offload import OffloadConfig
+
+    def make(**kw):
+        kw.setdefault("device", "sim")
+        return OffloadConfig(**kw)
+
+    return make
+
+
+@pytest.fixture
+def offload():
+    """Factory: ``offload(model, cfg, **kw)`` -> handle, with a private VramBudget unless one is given.
+
+    Handles still attached at teardown are detached so a failing test cannot leak hooks into another.
+    """
+    from offload import VramBudget, offload_module
+
+    handles = []
+
+    def attach(model, cfg, **kw):
+        if kw.get("budget") is None:
+            kw["budget"] = VramBudget(BIG_BUDGET)
+        h = offload_module(model, cfg, **kw)
+        handles.append(h)
+        return h
+
+    yield attach
+    for h in handles:
+        try:
+            h.detach()
+        except Exception:  # the test itself reports engine failures; teardown must not mask them
+            pass

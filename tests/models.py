@@ -1,0 +1,494 @@
+"""Small test models for the engine suite (dims 32-256, CPU-fast).
+
+Each model here stresses one thing the engine must get right: buffers and tied weights, float8 storage
+with a float32 scale, a tensor-subclass weight moved through ``__tensor_flatten__``, block discovery
+by list name / class hint / heuristic, and a unit that raises mid-forward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from offload.reference_models import DecoderStack, DiTStack, TransformerStack  # noqa: F401 (re-exported)
+
+
+def seeded(fn, *args, seed: int = 0, **kwargs):
+    """Build a model with a fixed seed so tests are reproducible."""
+    torch.manual_seed(seed)
+    model = fn(*args, **kwargs)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plain MLP block stacks
+# ----------------------------------------------------------------------------------------------------------
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int | None = None) -> None:
+        super().__init__()
+        hidden = hidden or 2 * dim
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class LayersModel(nn.Module):
+    """Blocks under the conventional `layers` name (HF decoder style)."""
+
+    def __init__(self, dim: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+class FancyBlock(MLPBlock):
+    """The block class named by HF-style hints."""
+
+
+class HintedModel(nn.Module):
+    """Blocks live in a list with an unhelpful name; only `_no_split_modules` says what a block is."""
+
+    _no_split_modules = ["FancyBlock"]
+
+    def __init__(self, dim: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.stuff = nn.ModuleList(FancyBlock(dim) for _ in range(depth))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.stuff:
+            x = b(x)
+        return self.out(x)
+
+
+class RepeatedHintModel(HintedModel):
+    """Same, with the diffusers-style `_repeated_blocks` hint instead."""
+
+    _no_split_modules = None
+    _repeated_blocks = ["FancyBlock"]
+
+
+class WeirdListModel(nn.Module):
+    """Blocks in a ModuleList with a name no list of conventions would contain, nested one level deep."""
+
+    def __init__(self, dim: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Linear(dim, dim)
+        self.trunk = nn.Module()
+        self.trunk.zorglubs = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
+        self.tail = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for b in self.trunk.zorglubs:
+            x = b(x)
+        return self.tail(x)
+
+
+class SingleLinear(nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class OddMLP(nn.Module):
+    """Three Linears of different sizes: nothing repeats."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, 96)
+        self.b = nn.Linear(96, 48)
+        self.c = nn.Linear(48, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(F.relu(self.b(F.relu(self.a(x)))))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Buffers and tied weights
+# ----------------------------------------------------------------------------------------------------------
+
+
+class BufferBlock(nn.Module):
+    """A block whose forward uses a registered (persistent) buffer and a non-persistent one."""
+
+    def __init__(self, dim: int, shared: nn.Linear | None = None) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.shared = shared if shared is not None else nn.Linear(dim, dim)
+        self.register_buffer("offset", torch.randn(dim))
+        self.register_buffer("gain", torch.rand(dim) + 0.5, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.shared(self.fc(x) * self.gain + self.offset))
+
+
+class TiedBufferModel(nn.Module):
+    """Blocks 0 and 1 share one Linear module (same Parameter objects); head is tied to the embedding."""
+
+    def __init__(self, dim: int = 64, depth: int = 4, vocab: int = 100) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        shared = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(
+            BufferBlock(dim, shared=shared if i < 2 else None) for i in range(depth))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("pos", torch.randn(16, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Float8 weights with a float32 scale
+# ----------------------------------------------------------------------------------------------------------
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = torch.randn(dim_out, dim_in) * 0.2
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 16.0
+        self.weight = nn.Parameter((w / scale).to(dtype), requires_grad=False)
+        self.scale = nn.Parameter(scale.to(torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.randn(dim_out) * 0.1, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(torch.float32) * self.scale
+        return F.linear(x, w, self.bias)
+
+
+class Fp8Block(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.up = Fp8Linear(dim, 2 * dim, dtype)
+        self.down = Fp8Linear(2 * dim, dim, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.silu(self.up(x)))
+
+
+class Fp8Stack(nn.Module):
+    def __init__(self, dim: int = 64, depth: int = 4, dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Fp8Block(dim, dtype) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tensor-subclass weight: int8 qdata * float32 per-row scale
+# ----------------------------------------------------------------------------------------------------------
+
+
+class Int8WeightTensor(torch.Tensor):
+    """A minimal wrapper subclass (torchao-style): int8 `qdata` plus float32 per-row `scale`.
+
+    Shape and dtype are those of the dequantized float32 weight. Structural ops (detach, clone, to,
+    copy_) keep the subclass; compute ops see the dequantized tensor.
+    """
+
+    @staticmethod
+    def __new__(cls, qdata: torch.Tensor, scale: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, qdata.shape, dtype=torch.float32, device=qdata.device, requires_grad=False)
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor) -> None:
+        self.qdata = qdata
+        self.scale = scale
+
+    def __repr__(self) -> str:
+        return f"Int8WeightTensor(shape={tuple(self.shape)}, device={self.qdata.device})"
+
+    def __tensor_flatten__(self):
+        return ["qdata", "scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return Int8WeightTensor(inner_tensors["qdata"], inner_tensors["scale"])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qdata.to(torch.float32) * self.scale
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Int8WeightTensor":
+        scale = (w.abs().amax(dim=1, keepdim=True).clamp(min=1e-6) / 127.0).to(torch.float32)
+        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        return cls(q, scale)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func in (aten.detach.default, aten.alias.default):
+            (t,) = args
+            return Int8WeightTensor(func(t.qdata), func(t.scale))
+        if func is aten.clone.default:
+            t = args[0]
+            return Int8WeightTensor(t.qdata.clone(), t.scale.clone())
+        if func is aten._to_copy.default:
+            t = args[0]
+            dev = kwargs.get("device", None)
+            if kwargs.get("dtype", None) not in (None, torch.float32):
+                return func(t.dequantize(), **kwargs)
+            pin = kwargs.get("pin_memory", False)
+            q = t.qdata.to(device=dev) if dev is not None else t.qdata.clone()
+            s = t.scale.to(device=dev) if dev is not None else t.scale.clone()
+            if pin:
+                q, s = q.pin_memory(), s.pin_memory()
+            return Int8WeightTensor(q, s)
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if isinstance(dst, Int8WeightTensor) and isinstance(src, Int8WeightTensor):
+                dst.qdata.copy_(src.qdata)
+                dst.scale.copy_(src.scale)
+                return dst
+        if func is aten.is_pinned.default:
+            return args[0].qdata.is_pinned()
+        if func is aten._has_compatible_shallow_copy_type.default:
+            return True
+        # Everything else computes on the dequantized weight and returns plain tensors.
+        def unwrap(a):
+            return a.dequantize() if isinstance(a, Int8WeightTensor) else a
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+class QLinear(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        w = torch.randn(dim_out, dim_in) * 0.2
+        self.weight = nn.Parameter(Int8WeightTensor.quantize(w), requires_grad=False)
+        self.bias = nn.Parameter(torch.randn(dim_out) * 0.1, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = QLinear(dim, 2 * dim)
+        self.down = QLinear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.silu(self.up(x)))
+
+
+class QuantStack(nn.Module):
+    def __init__(self, dim: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(QBlock(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def param_inner_tensors(p: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding a parameter's bytes (inner tensors for a flattenable subclass)."""
+    if hasattr(type(p), "__tensor_flatten__") and type(p) not in (torch.Tensor, nn.Parameter):
+        names, _ = p.__tensor_flatten__()
+        out = []
+        for n in names:
+            out.extend(param_inner_tensors(getattr(p, n)))
+        return out
+    return [p]
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return sum(x.numel() * x.element_size() for x in param_inner_tensors(t))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A block that raises on demand (an interrupted prompt)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class RaisingBlock(MLPBlock):
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.explode = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)  # weights are used before raising, as a real interrupt would
+        if self.explode:
+            raise Boom("interrupted")
+        return y
+
+
+class RaisingStack(nn.Module):
+    def __init__(self, dim: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RaisingBlock(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A stack whose compute per unit dwarfs its weights (for the overlap test)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class HeavyBlock(nn.Module):
+    """One small weight applied many times: compute grows with `reps`, bytes do not."""
+
+    def __init__(self, dim: int, reps: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.reps = reps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.reps):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
+class HeavyStack(nn.Module):
+    def __init__(self, dim: int = 128, depth: int = 6, reps: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(HeavyBlock(dim, reps) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers shared by the test files
+# ----------------------------------------------------------------------------------------------------------
+
+ALIGN = 512  # DESIGN §4: 512-byte aligned offsets in the staging buffer
+
+
+def run(model: nn.Module, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(*inputs)
+
+
+def unit_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Distinct plain tensors (params and buffers, subclass inner tensors) of a module."""
+    seen, out = set(), []
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.extend(param_inner_tensors(t))
+    return out
+
+
+def raw_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in unit_tensors(module))
+
+
+def aligned_bytes(module: nn.Module) -> int:
+    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in unit_tensors(module))
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Deep copy of the state dict (clones: keeps no reference to the live storages)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality that also works for float8 and the int8 subclass."""
+    if type(a) is not type(b) and (isinstance(a, Int8WeightTensor) or isinstance(b, Int8WeightTensor)):
+        return False
+    if isinstance(a, Int8WeightTensor):
+        return same_tensor(a.qdata, b.qdata) and same_tensor(a.scale, b.scale)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+    return torch.equal(a.cpu(), b.cpu())
+
+
+def module_path(model: nn.Module, module: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return name
+    raise KeyError("module not in model")
+
+
+class Case:
+    """A model family with its inputs."""
+
+    def __init__(self, name, build, inputs, block_lists):
+        self.name, self.build, self.inputs, self.block_lists = name, build, inputs, block_lists
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        out = []
+        for path in self.block_lists:
+            out.extend(model.get_submodule(path))
+        return out
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+CASES = {
+    "transformer": Case("transformer", lambda: seeded(TransformerStack, dim=64, depth=6, heads=4),
+                        lambda: (torch.randn(2, 8, 64),), ["blocks"]),
+    "dit": Case("dit", lambda: seeded(DiTStack, dim=64, double=2, single=4, heads=4, in_channels=32, txt_dim=48),
+                lambda: (torch.randn(2, 16, 32), torch.randn(2, 6, 48), torch.randn(2, 64)),
+                ["double_blocks", "single_blocks"]),
+    "decoder": Case("decoder", lambda: seeded(DecoderStack, dim=64, depth=4, heads=4, kv_heads=2,
+                                               intermediate=128, vocab=128),
+                    lambda: (torch.randint(0, 128, (2, 7)),), ["layers"]),
+    "tied_buffers": Case("tied_buffers", lambda: seeded(TiedBufferModel, dim=64, depth=4),
+                         lambda: (torch.randint(0, 100, (2, 9)),), ["blocks"]),
+    "fp8_e4m3": Case("fp8_e4m3", lambda: seeded(Fp8Stack, dim=64, depth=4, dtype=torch.float8_e4m3fn),
+                     lambda: (torch.randn(2, 5, 64),), ["blocks"]),
+    "fp8_e5m2": Case("fp8_e5m2", lambda: seeded(Fp8Stack, dim=64, depth=4, dtype=torch.float8_e5m2),
+                     lambda: (torch.randn(2, 5, 64),), ["blocks"]),
+    "int8_subclass": Case("int8_subclass", lambda: seeded(QuantStack, dim=64, depth=4),
+                          lambda: (torch.randn(2, 5, 64),), ["blocks"]),
+}
+
+
+def streaming_budget(case_model: nn.Module, blocks: list[nn.Module], slots: int) -> int:
+    """A device budget that holds everything outside the blocks plus `slots` of the largest block, so at
+    most a couple of blocks can be resident and the rest must stream."""
+    block_bytes = sum(aligned_bytes(b) for b in blocks)
+    rest = aligned_bytes(case_model) - block_bytes
+    return max(rest, 0) + slots * max(aligned_bytes(b) for b in blocks) + 4 * ALIGN

@@ -1,0 +1,104 @@
+"""The same contracts on a real CUDA device (skipped without one)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models import CASES, module_path, param_inner_tensors, run, same_tensor, snapshot, streaming_budget
+
+pytestmark = pytest.mark.cuda
+
+
+def _to(inputs, device):
+    return tuple(t.to(device) for t in inputs)
+
+
+def _cuda_case(name, offload, slots=3, prefetch=2, model=None):
+    from offload import OffloadConfig
+
+    case = CASES[name]
+    model = case.build() if model is None else model
+    x_cpu = case.inputs()
+    # reference: the same model fully resident on the GPU (same kernels as the offloaded run)
+    ref = run(model.to("cuda"), _to(x_cpu, "cuda"))
+    model.to("cpu")
+    torch.cuda.synchronize()
+    cfg = OffloadConfig(device="cuda", vram_budget_bytes=streaming_budget(model, case.blocks(model), slots),
+                        prefetch=prefetch)
+    handle = offload(model, cfg)
+    return case, model, _to(x_cpu, "cuda"), ref, handle
+
+
+@pytest.mark.parametrize("case_name", ["transformer", "dit", "tied_buffers", "fp8_e4m3", "int8_subclass"])
+def test_cuda_outputs_bitwise_equal(case_name, offload):
+    case, model, x, ref, handle = _cuda_case(case_name, offload)
+    assert handle.streamed_unit_modules()
+    for _ in range(3):
+        out = run(model, x)
+        assert out.device.type == "cuda"
+        assert torch.equal(out, ref), case_name
+
+
+def test_cuda_params_pinned_between_and_on_device_during(offload):
+    case, model, x, ref, handle = _cuda_case("transformer", offload)
+    streamed = handle.streamed_unit_modules()
+    unit = streamed[len(streamed) // 2]
+    path = module_path(model, unit)
+    host = {n: (t.data_ptr(), t.device.type, t.is_pinned()) for n, p in unit.named_parameters()
+            for t in param_inner_tensors(p)}
+    for n, (ptr, dev, pinned) in host.items():
+        assert dev == "cpu" and pinned, f"{path}.{n} between forwards: device {dev}, pinned {pinned}"
+    seen = []
+    hook = unit.register_forward_pre_hook(
+        lambda m, a: seen.append({n: (t.device.type, t.data_ptr()) for n, p in m.named_parameters()
+                                  for t in param_inner_tensors(p)}))
+    try:
+        for _ in range(2):
+            assert torch.equal(run(model, x), ref)
+    finally:
+        hook.remove()
+    assert len(seen) == 2
+    for during in seen:
+        for n, (dev, ptr) in during.items():
+            assert dev == "cuda", f"{path}.{n} on {dev} during its forward"
+            assert ptr != host[n][0]
+    for n, p in unit.named_parameters():
+        for t in param_inner_tensors(p):
+            assert t.device.type == "cpu" and t.is_pinned() and t.data_ptr() == host[n][0], n
+
+
+def test_cuda_report_and_budget(offload):
+    case, model, x, ref, handle = _cuda_case("dit", offload, slots=3, prefetch=2)
+    cfg_budget = streaming_budget(model, case.blocks(model), 3)
+    for _ in range(3):
+        assert torch.equal(run(model, x), ref)
+    torch.cuda.synchronize()
+    rep = handle.report()
+    names = {b.name: b for b in rep.blocks}
+    for u in handle.streamed_unit_modules():
+        b = names[module_path(model, u)]
+        assert b.tier in ("pinned", "pageable")
+        assert b.h2d_ms > 0 and b.bytes > 0
+    assert rep.total_bytes_streamed > 0
+    assert 0.0 <= rep.overlap_ratio <= 1.0
+    assert rep.effective_gbps > 0
+    assert 0 < rep.peak_device_bytes <= cfg_budget
+    assert handle.device_bytes() <= cfg_budget
+
+
+def test_cuda_detach_restores(offload):
+    case = CASES["transformer"]
+    model = case.build()
+    before = snapshot(model)
+    case, model, x, ref, handle = _cuda_case("transformer", offload, model=model)
+    assert torch.equal(run(model, x), ref)
+    handle.detach()
+    assert list(model.state_dict()) == list(before)
+    for n, p in model.named_parameters():
+        for t in param_inner_tensors(p):
+            assert t.device.type == "cpu", f"{n} on {t.device} after detach (it started on the CPU)"
+    sd = model.state_dict()
+    for k, v in before.items():
+        assert same_tensor(sd[k], v), k
+    model.to("cuda")
+    assert torch.equal(run(model, x), ref)

@@ -1,0 +1,295 @@
+"""Where the bytes live (DESIGN §4, §6): parameters point at device slots only during their unit's forward,
+host RAM holds each weight once, the device budget is never exceeded, errors and unload leave a usable model."""
+from __future__ import annotations
+
+import gc
+import logging
+import re
+import warnings
+
+import pytest
+import torch
+
+from tests.models import (ALIGN, CASES, Boom, RaisingStack, aligned_bytes, module_path, param_inner_tensors,
+                          raw_bytes, run, seeded, snapshot, same_tensor, streaming_budget, unit_tensors)
+
+
+def _param_tensors(unit):
+    """(name, plain tensor) for every parameter's bytes in the unit as the module sees it right now."""
+    out = []
+    for name, p in unit.named_parameters():
+        for i, t in enumerate(param_inner_tensors(p)):
+            out.append((f"{name}[{i}]", t))
+    return out
+
+
+def _attach_streaming(case_name, sim_cfg, offload, slots=3, prefetch=2):
+    case = CASES[case_name]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), slots),
+                                    prefetch=prefetch))
+    streamed = handle.streamed_unit_modules()
+    assert streamed, "expected streamed units under a tight budget"
+    return case, model, x, ref, handle, streamed
+
+
+@pytest.mark.parametrize("case_name", ["transformer", "fp8_e4m3", "int8_subclass"])
+def test_params_point_at_slots_only_during_forward(case_name, sim_cfg, offload):
+    case, model, x, ref, handle, streamed = _attach_streaming(case_name, sim_cfg, offload)
+    backend = handle.backend
+    units = [streamed[0], streamed[len(streamed) // 2], streamed[-1]]
+    host_ptrs = {id(u): {n: t.data_ptr() for n, t in _param_tensors(u)} for u in units}
+    for u in units:
+        for n, t in _param_tensors(u):
+            assert not backend.owns(t), f"{module_path(model, u)}.{n} is on the device between forwards"
+
+    seen = {}
+
+    def make_hook(u):
+        def hook(mod, args):
+            # registered after offload_module, so it runs after the engine's swap-in
+            seen[id(u)] = [(n, backend.owns(t), t.data_ptr()) for n, t in _param_tensors(u)]
+        return hook
+
+    hooks = [u.register_forward_pre_hook(make_hook(u)) for u in units]
+    try:
+        for _ in range(3):
+            seen.clear()
+            assert torch.equal(run(model, x), ref)
+            for u in units:
+                path = module_path(model, u)
+                assert id(u) in seen, f"pre-hook of {path} never ran"
+                for n, owned, ptr in seen[id(u)]:
+                    assert owned, f"{path}.{n} not in device slot memory during its forward"
+                    assert ptr != host_ptrs[id(u)][n], f"{path}.{n} still points at the host master in forward"
+                # between forwards: back on the same host master, no new copy
+                for n, t in _param_tensors(u):
+                    assert not backend.owns(t), f"{path}.{n} left on the device after its forward"
+                    assert t.data_ptr() == host_ptrs[id(u)][n], f"{path}.{n} host pointer changed"
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_host_values_unchanged_between_forwards(sim_cfg, offload):
+    """Host masters are the truth: their bytes never change, and state_dict() reads them."""
+    case = CASES["tied_buffers"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    before = snapshot(model)
+    offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
+    for _ in range(3):
+        assert torch.equal(run(model, x), ref)
+        sd = model.state_dict()
+        assert list(sd) == list(before)
+        for k, v in before.items():
+            assert same_tensor(sd[k].detach(), v), k
+
+
+def test_host_ram_holds_each_weight_once(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    model_bytes = raw_bytes(model)
+    # weak handles on every original storage (no strong reference kept)
+    weak = [p.untyped_storage()._weak_ref() for p in model.parameters()]
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
+    streamed = handle.streamed_unit_modules()
+    assert len(streamed) >= 2
+    run(model, x)
+    gc.collect()
+    try:
+        # every streamed unit's params are views of one staging storage
+        for u in streamed:
+            storages = {t.untyped_storage().data_ptr() for _, t in _param_tensors(u)}
+            assert len(storages) == 1, f"{module_path(model, u)}: params spread over {len(storages)} storages"
+        # the streamed units' original storages were released (no second host copy)
+        streamed_ids = {id(p) for u in streamed for p in u.parameters()}
+        params = list(model.parameters())
+        for p, w in zip(params, weak):
+            if id(p) in streamed_ids:
+                assert torch.UntypedStorage._expired(w), "original storage of a streamed param still alive"
+        # distinct storages behind all params add up to about the model size
+        distinct = {}
+        for p in params:
+            for t in param_inner_tensors(p):
+                s = t.untyped_storage()
+                distinct[s.data_ptr()] = s.nbytes()
+        total = sum(distinct.values())
+        n_tensors = sum(len(param_inner_tensors(p)) for p in params) + sum(1 for _ in model.buffers())
+        assert total <= model_bytes + n_tensors * ALIGN + 4096, (
+            f"params' storages hold {total} B for a {model_bytes} B model: a second copy exists")
+    finally:
+        for w in weak:
+            torch.UntypedStorage._free_weak_ref(w)
+    assert torch.equal(run(model, x), ref)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_device_budget_never_exceeded(prefetch, sim_cfg, offload):
+    case = CASES["dit"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    budget = streaming_budget(model, case.blocks(model), slots=prefetch + 1)
+    assert budget < aligned_bytes(model)
+    handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=prefetch))
+    backend = handle.backend
+    assert backend.peak_bytes <= budget, "setup already went over the budget"
+    backend.reset_peak()
+    for _ in range(3):
+        assert torch.equal(run(model, x), ref)
+        assert handle.device_bytes() <= budget
+    backend.synchronize()
+    assert 0 < backend.peak_bytes <= budget, f"sim peak {backend.peak_bytes} B > budget {budget} B"
+    rep = handle.report()
+    assert 0 < rep.peak_device_bytes <= budget
+
+
+def _warned(caplog, record, pattern):
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    msgs += [str(w.message) for w in record]
+    return [m for m in msgs if re.search(pattern, m, re.I)], msgs
+
+
+def test_budget_too_small_for_ring_shrinks_prefetch(sim_cfg, offload, caplog):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    budget = streaming_budget(model, case.blocks(model), slots=2)  # room for 2 slots, prefetch=4 wants 5
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=4))
+        for _ in range(2):
+            assert torch.equal(run(model, x), ref)
+    hits, msgs = _warned(caplog, rec, r"prefetch|slot|ring|budget")
+    assert hits, f"no warning about shrinking prefetch; got {msgs}"
+    handle.backend.synchronize()
+    assert handle.backend.peak_bytes <= budget
+    assert handle.report().peak_device_bytes <= budget
+
+
+def _assert_clear_slot_error(excinfo, model, unit_paths):
+    err = excinfo.value
+    assert isinstance(err, (ValueError, MemoryError)) or type(err).__module__.startswith("offload"), (
+        f"unexpected error type {type(err).__name__}: {err}")
+    msg = str(err)
+    assert any(p in msg for p in unit_paths), f"error does not name the unit: {msg!r}"
+    assert re.search(r"\d", msg), f"error does not give the unit's size: {msg!r}"
+
+
+def test_budget_below_one_slot_is_a_clear_error(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    blocks = case.blocks(model)
+    rest = aligned_bytes(model) - sum(aligned_bytes(b) for b in blocks)
+    budget = rest + aligned_bytes(blocks[0]) // 2
+    paths = [module_path(model, b) for b in blocks]
+    with pytest.raises(Exception) as excinfo:
+        offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=2))
+        run(model, x)
+    _assert_clear_slot_error(excinfo, model, paths)
+
+
+def test_sim_capacity_smaller_than_plan_shrinks(sim_cfg, offload):
+    """The config asks for nothing specific; the simulated device only has room for ~2.5 slots."""
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    blocks = case.blocks(model)
+    rest = aligned_bytes(model) - sum(aligned_bytes(b) for b in blocks)
+    cap = rest + (5 * aligned_bytes(blocks[0])) // 2 + 4 * ALIGN
+    handle = offload(model, sim_cfg(sim_capacity_bytes=cap, prefetch=4))
+    assert handle.backend.capacity_bytes == cap
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)
+    handle.backend.synchronize()
+    assert handle.backend.used_bytes <= cap
+    assert handle.backend.peak_bytes <= cap
+    assert handle.streamed_unit_modules()
+
+
+def test_sim_capacity_below_one_slot_is_a_clear_error(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    blocks = case.blocks(model)
+    rest = aligned_bytes(model) - sum(aligned_bytes(b) for b in blocks)
+    cap = rest + aligned_bytes(blocks[0]) // 3
+    paths = [module_path(model, b) for b in blocks]
+    with pytest.raises(Exception) as excinfo:
+        offload(model, sim_cfg(sim_capacity_bytes=cap, prefetch=2))
+        run(model, x)
+    _assert_clear_slot_error(excinfo, model, paths)
+
+
+@pytest.mark.parametrize("bad_index", [0, 3, 5])
+def test_exception_inside_unit_leaves_model_usable(bad_index, sim_cfg, offload):
+    model = seeded(RaisingStack, dim=64, depth=6)
+    x = (torch.randn(2, 5, 64),)
+    ref = run(model, x)
+    blocks = list(model.blocks)
+    handle = offload(model, sim_cfg(vram_budget_bytes=3 * aligned_bytes(blocks[0]) + 4 * ALIGN, prefetch=2))
+    assert torch.equal(run(model, x), ref)
+    handle.backend.synchronize()
+    steady_handle, steady_backend = handle.device_bytes(), handle.backend.used_bytes
+    for _ in range(3):  # repeated interrupts must not leak slots either
+        model.blocks[bad_index].explode = True
+        with pytest.raises(Boom):
+            run(model, x)
+        model.blocks[bad_index].explode = False
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)
+    handle.backend.synchronize()
+    assert handle.device_bytes() == steady_handle
+    assert handle.backend.used_bytes == steady_backend
+    for b in blocks:  # after a clean forward nothing streamed is left on the device
+        if any(b is s for s in handle.streamed_unit_modules()):
+            for n, t in _param_tensors(b):
+                assert not handle.backend.owns(t), n
+
+
+def test_unload_partial_then_forward(sim_cfg, offload):
+    case = CASES["decoder"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    handle = offload(model, sim_cfg(prefetch=2))  # roomy: the planner may keep much resident
+    assert torch.equal(run(model, x), ref)
+    handle.backend.synchronize()
+    held = handle.device_bytes()
+    assert held > 0
+    ask = held // 2
+    freed = handle.unload(ask)
+    assert freed >= ask, f"asked for {ask} B, unload reports {freed} B"
+    assert handle.device_bytes() <= held - ask
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)
+
+
+def test_unload_all_then_forward(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 4), prefetch=2))
+    assert torch.equal(run(model, x), ref)
+    handle.backend.synchronize()
+    held = handle.device_bytes()
+    freed = handle.unload()
+    handle.backend.synchronize()
+    assert freed >= held
+    assert handle.device_bytes() == 0
+    assert handle.backend.used_bytes == 0
+    for p in model.parameters():
+        for t in param_inner_tensors(p):
+            assert not handle.backend.owns(t)
+    assert torch.equal(run(model, x), ref)
+    assert torch.equal(run(model, x), ref)

@@ -1,0 +1,181 @@
+"""OffloadReport (DESIGN §3): per-unit tiers and bytes, streamed totals, JSON, and copy/compute overlap on a
+bandwidth-limited simulated device."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from tests.models import (ALIGN, CASES, HeavyStack, aligned_bytes, module_path, raw_bytes, run, seeded,
+                          streaming_budget, unit_tensors)
+
+
+def _by_name(rep):
+    out = {}
+    for b in rep.blocks:
+        assert b.name not in out, f"unit {b.name} reported twice"
+        out[b.name] = b
+    return out
+
+
+def _setup(sim_cfg, offload, slots=4, prefetch=2):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    budget = streaming_budget(model, case.blocks(model), slots)
+    handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=prefetch))
+    return case, model, x, ref, handle, budget
+
+
+def test_report_tiers_and_bytes(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    run(model, x)
+    blocks = case.blocks(model)
+    # room for the non-block weights, a 3-slot ring and ~2 resident blocks
+    budget = streaming_budget(model, blocks, slots=5)
+    handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=2))
+    run(model, x)
+    rep = handle.report()
+    names = _by_name(rep)
+    streamed = handle.streamed_unit_modules()
+    resident = handle.resident_unit_modules()
+    assert streamed
+    assert not ({id(m) for m in streamed} & {id(m) for m in resident}), "a unit is both streamed and resident"
+    tiers = set()
+    for u in streamed:
+        path = module_path(model, u)
+        assert path in names, f"streamed unit {path} missing from report ({sorted(names)})"
+        b = names[path]
+        assert b.tier in ("pinned", "pageable"), f"{path}: tier {b.tier}"
+        tiers.add(b.tier)
+        raw, n = raw_bytes(u), len(unit_tensors(u))
+        assert raw <= b.bytes <= raw + n * ALIGN, f"{path}: reported {b.bytes} B for {raw} B of tensors"
+        assert b.h2d_ms > 0, f"{path}: streamed but no copy time"
+        assert b.compute_ms >= 0 and b.stall_ms >= 0
+    assert len(tiers) == 1, f"streamed units disagree on host tier: {tiers}"
+    for u in resident:
+        path = module_path(model, u)
+        assert path in names, f"resident unit {path} missing from report"
+        assert names[path].tier == "vram"
+        raw, n = raw_bytes(u), len(unit_tensors(u))
+        assert raw <= names[path].bytes <= raw + n * ALIGN
+    resident_unit_bytes = sum(names[module_path(model, u)].bytes for u in resident)
+    assert rep.resident_bytes >= resident_unit_bytes
+    assert 0 < rep.peak_device_bytes <= budget
+    assert 0.0 <= rep.overlap_ratio <= 1.0
+    assert rep.effective_gbps > 0 and math.isfinite(rep.effective_gbps)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_total_bytes_streamed_counts_forwards(prefetch, sim_cfg, offload):
+    """Since reset_stats, bytes streamed = sum of streamed unit bytes x forwards. The warm-up forward's
+    lookahead lands before the reset and each measured forward's lookahead lands inside it, so the count
+    is exact in steady state."""
+    case, model, x, ref, handle, _ = _setup(sim_cfg, offload, slots=prefetch + 2, prefetch=prefetch)
+    run(model, x)
+    handle.backend.synchronize()
+    handle.reset_stats()
+    assert handle.report().total_bytes_streamed == 0
+    streamed = handle.streamed_unit_modules()
+    assert streamed
+    for n in (1, 2, 3):
+        assert torch.equal(run(model, x), ref)
+        handle.backend.synchronize()
+        rep = handle.report()
+        names = _by_name(rep)
+        padded = n * sum(names[module_path(model, u)].bytes for u in streamed)
+        raw = n * sum(raw_bytes(u) for u in streamed)
+        assert rep.total_bytes_streamed in (padded, raw), (
+            f"after {n} forwards: {rep.total_bytes_streamed} B streamed, expected {padded} B "
+            f"(or {raw} B unpadded)")
+    handle.reset_stats()
+    assert handle.report().total_bytes_streamed == 0
+
+
+def test_report_to_dict_is_json(sim_cfg, offload):
+    case, model, x, ref, handle, _ = _setup(sim_cfg, offload)
+    run(model, x)
+    rep = handle.report()
+    d = rep.to_dict()
+    text = json.dumps(d)
+    assert json.loads(text) == d
+    # the JSON carries the per-unit figures, not just totals
+    assert str(rep.total_bytes_streamed) in text
+    for b in rep.blocks:
+        assert b.name in text
+    assert len(rep.blocks) >= len(handle.streamed_unit_modules())
+
+
+def _measure_unit_compute_s(model, x, reps=7):
+    """Fastest of several timed runs of one unit's forward, after warm-up (first calls are several times
+    slower). The minimum is the least noisy estimate on a shared machine, and under-estimating compute
+    only makes the copies relatively longer, i.e. the test stricter, never laxer."""
+    blk = model.blocks[0]
+    times = []
+    with torch.no_grad():
+        for _ in range(3):
+            blk(x)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            blk(x)
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+HEAVY = dict(dim=256, depth=6, reps=8)
+HEAVY_BATCH = 768
+
+
+def _overlap_run(sim_cfg, offload, prefetch, gbps):
+    model = seeded(HeavyStack, **HEAVY)
+    x = (torch.randn(HEAVY_BATCH, HEAVY["dim"]),)
+    ref = run(model, x)
+    unit = aligned_bytes(model.blocks[0])
+    budget = (prefetch + 1) * unit + 4 * ALIGN
+    handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=prefetch, sim_bandwidth_gbps=gbps))
+    assert len(handle.streamed_unit_modules()) >= 4
+    assert torch.equal(run(model, x), ref)  # warm-up
+    handle.backend.synchronize()
+    handle.reset_stats()
+    for _ in range(3):
+        assert torch.equal(run(model, x), ref)
+    handle.backend.synchronize()
+    rep = handle.report()
+    handle.detach()
+    return rep
+
+
+@pytest.fixture
+def one_compute_thread():
+    """Compute on one thread leaves the other core to the simulated copy engine, and keeps OpenMP from
+    spinning against it: timings stay meaningful on a 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_copies_hide_behind_compute(sim_cfg, offload, one_compute_thread):
+    model = seeded(HeavyStack, **HEAVY)
+    x = torch.randn(HEAVY_BATCH, HEAVY["dim"])
+    compute_s = _measure_unit_compute_s(model, x)
+    unit_bytes = aligned_bytes(model.blocks[0])
+    # a copy takes ~40% of a unit's compute
+    gbps = unit_bytes / (0.4 * compute_s) / 1e9
+    deep = _overlap_run(sim_cfg, offload, prefetch=2, gbps=gbps)
+    none = _overlap_run(sim_cfg, offload, prefetch=0, gbps=gbps)
+    h2d = sum(b.h2d_ms for b in deep.blocks)
+    stall = sum(b.stall_ms for b in deep.blocks)
+    assert h2d > 0
+    assert deep.overlap_ratio > 0.5, f"prefetch=2: overlap {deep.overlap_ratio:.2f} (h2d {h2d:.1f} ms, stall {stall:.1f} ms)"
+    assert stall < 0.5 * h2d, f"prefetch=2: stalled {stall:.1f} ms of {h2d:.1f} ms of copies"
+    assert none.overlap_ratio < deep.overlap_ratio, (
+        f"prefetch=0 overlap {none.overlap_ratio:.2f} not below prefetch=2 overlap {deep.overlap_ratio:.2f}")
+    none_stall = sum(b.stall_ms for b in none.blocks)
+    assert none_stall > stall, f"prefetch=0 stalled {none_stall:.1f} ms, prefetch=2 {stall:.1f} ms"
