@@ -1,0 +1,73 @@
+"""The Backend protocol: the only surface through which the engine touches a device."""
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+
+class Backend(abc.ABC):
+    """A device the engine streams to: allocation, async host-to-device copies, events, memory info."""
+
+    name: str = "base"
+    device: torch.device
+    supports_pinned_host: bool = False
+    supports_streams: bool = False
+    supports_graph_capture: bool = False
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 device buffer; raises torch.OutOfMemoryError when the device is full."""
+
+    @abc.abstractmethod
+    def release(self, buf: torch.Tensor) -> None:
+        """Give a buffer from `alloc` back (the caller drops its views)."""
+
+    @abc.abstractmethod
+    def alloc_host(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        """A flat uint8 host buffer, pinned when asked and possible; returns (buffer, pinned)."""
+
+    @abc.abstractmethod
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
+        """Queue dst.copy_(src) on the transfer stream after event `after`; returns its completion event."""
+
+    @abc.abstractmethod
+    def wait(self, event: Any) -> float:
+        """Make the compute stream wait for `event`; returns seconds the host was blocked (0 when GPU-side)."""
+
+    @abc.abstractmethod
+    def record(self) -> Any:
+        """An event recorded on the compute stream now (used as 'slot free' and for timing)."""
+
+    @abc.abstractmethod
+    def is_done(self, event: Any) -> bool:
+        """Whether an event has completed, without blocking."""
+
+    @abc.abstractmethod
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two completed events (may be negative if `end` came first)."""
+
+    @abc.abstractmethod
+    def copy_span_ms(self, event: Any) -> float:
+        """Milliseconds the copy behind a `copy_h2d` event took on the transfer stream."""
+
+    @abc.abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) device bytes."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for every queued copy and compute."""
+
+    @abc.abstractmethod
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor lives in this device's memory."""
+
+    def event_synchronize(self, event: Any) -> None:
+        """Block the host until `event` completes."""
+        while not self.is_done(event):
+            self.synchronize()
+
+    def describe(self) -> str:
+        return self.name

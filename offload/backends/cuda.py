@@ -1,0 +1,113 @@
+"""CUDA (and ROCm through torch's HIP build): a copy stream, timing events, pinned host memory."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .base import Backend
+
+log = logging.getLogger(__name__)
+
+
+class CudaCopyEvent:
+    """The two events bracketing one copy on the transfer stream."""
+
+    __slots__ = ("start", "end")
+
+    def __init__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+
+class CudaBackend(Backend):
+    """Streams on a dedicated copy stream; the compute stream waits GPU-side, never the host."""
+
+    name = "cuda"
+    supports_pinned_host = True
+    supports_streams = True
+    supports_graph_capture = True
+
+    def __init__(self, device: str = "cuda") -> None:
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but this torch has no usable CUDA/ROCm device; "
+                             "use device='sim' (simulated) or install a CUDA build of torch")
+        dev = torch.device(device)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"device {device!r} does not exist; valid: " +
+                             ", ".join(f"cuda:{i}" for i in range(count)))
+        self.device = torch.device("cuda", index)
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self.used_bytes = 0
+        self.peak_bytes = 0
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+        self.used_bytes += int(nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.used_bytes -= buf.numel()
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.used_bytes
+
+    def alloc_host(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        if pin:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+            except RuntimeError as exc:  # pin limit, locked-memory ulimit, WSL
+                log.debug("pinning %d bytes refused: %s", nbytes, exc)
+        return torch.empty(nbytes, dtype=torch.uint8), False
+
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CudaCopyEvent:
+        event = CudaCopyEvent()
+        with torch.cuda.stream(self.copy_stream):
+            if after is not None:
+                self.copy_stream.wait_event(after)
+            event.start.record(self.copy_stream)
+            dst.copy_(src, non_blocking=True)
+            event.end.record(self.copy_stream)
+        return event
+
+    def wait(self, event: Any) -> float:
+        end = event.end if isinstance(event, CudaCopyEvent) else event
+        torch.cuda.current_stream(self.device).wait_event(end)
+        return 0.0
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def is_done(self, event: Any) -> bool:
+        end = event.end if isinstance(event, CudaCopyEvent) else event
+        return end.query()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        s = start.end if isinstance(start, CudaCopyEvent) else start
+        e = end.end if isinstance(end, CudaCopyEvent) else end
+        return s.elapsed_time(e)
+
+    def copy_span_ms(self, event: CudaCopyEvent) -> float:
+        return event.start.elapsed_time(event.end)
+
+    def event_synchronize(self, event: Any) -> None:
+        (event.end if isinstance(event, CudaCopyEvent) else event).synchronize()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return tensor.device == self.device
+
+    def describe(self) -> str:
+        return f"{self.device} ({torch.cuda.get_device_name(self.device)})"

@@ -1,0 +1,177 @@
+"""A simulated device on the CPU: own memory accounting and capacity, a transfer thread, bandwidth limits.
+
+It lets every scheduling, budget and overlap test run on a machine without a GPU: device tensors are CPU
+tensors, but allocations count against `capacity_bytes`, copies run in order on a worker thread (the copy
+engine), and a copy of n bytes takes at least latency + n / bandwidth.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .base import Backend
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIM_CAPACITY = 8 << 30
+
+
+class SimEvent:
+    """A completion flag with the time it completed (and started, for copies)."""
+
+    __slots__ = ("_flag", "time", "start")
+
+    def __init__(self, done_at: float | None = None) -> None:
+        self._flag = threading.Event()
+        self.time = 0.0
+        self.start = 0.0
+        if done_at is not None:
+            self.time = self.start = done_at
+            self._flag.set()
+
+    def set(self, start: float, end: float) -> None:
+        self.start, self.time = start, end
+        self._flag.set()
+
+    def wait(self) -> None:
+        self._flag.wait()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+
+class SimBackend(Backend):
+    """CPU stand-in for a GPU: separate memory accounting, an ordered transfer thread, optional bandwidth."""
+
+    name = "sim"
+    supports_pinned_host = False
+    supports_streams = True
+    supports_graph_capture = False
+
+    def __init__(self, capacity_bytes: int | None = None, bandwidth_gbps: float | None = None,
+                 latency_us: float = 0.0) -> None:
+        self.device = torch.device("cpu")
+        self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else DEFAULT_SIM_CAPACITY)
+        self.bandwidth_gbps = bandwidth_gbps
+        self.latency_us = float(latency_us)
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self._lock = threading.Lock()
+        self._starts: list[int] = []  # sorted data_ptr of live allocations
+        self._sizes: dict[int, int] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
+        self._worker.start()
+
+    # memory -----------------------------------------------------------------
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        nbytes = int(nbytes)
+        with self._lock:
+            if self.used_bytes + nbytes > self.capacity_bytes:
+                raise torch.OutOfMemoryError(
+                    f"simulated device out of memory: tried to allocate {nbytes} bytes with "
+                    f"{self.capacity_bytes - self.used_bytes} of {self.capacity_bytes} bytes free")
+            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+            ptr = buf.untyped_storage().data_ptr()
+            self.used_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+            bisect.insort(self._starts, ptr)
+            self._sizes[ptr] = nbytes
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        ptr = buf.untyped_storage().data_ptr()
+        with self._lock:
+            size = self._sizes.pop(ptr, None)
+            if size is None:
+                return
+            self._starts.remove(ptr)
+            self.used_bytes -= size
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type != "cpu" or tensor.numel() == 0:
+            return False
+        ptr = tensor.data_ptr()
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            return i >= 0 and ptr < self._starts[i] + max(1, self._sizes[self._starts[i]])
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.used_bytes
+
+    def alloc_host(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        if pin:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+            except RuntimeError:
+                pass
+        return torch.empty(nbytes, dtype=torch.uint8), False
+
+    def mem_get_info(self) -> tuple[int, int]:
+        with self._lock:
+            return self.capacity_bytes - self.used_bytes, self.capacity_bytes
+
+    # copies and events --------------------------------------------------------
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> SimEvent:
+        event = SimEvent()
+        self._queue.put((dst, src, after, event))
+        return event
+
+    def _run(self) -> None:
+        while True:
+            dst, src, after, event = self._queue.get()
+            try:
+                if after is not None:
+                    after.wait()
+                start = time.perf_counter()
+                dst.copy_(src)
+                if self.bandwidth_gbps or self.latency_us:
+                    target = self.latency_us * 1e-6
+                    if self.bandwidth_gbps:
+                        target += src.numel() * src.element_size() / (self.bandwidth_gbps * 1e9)
+                    remaining = start + target - time.perf_counter()
+                    if remaining > 0:
+                        time.sleep(remaining)
+                event.set(start, time.perf_counter())
+            except BaseException:  # never leave a waiter hanging
+                log.exception("simulated copy failed")
+                now = time.perf_counter()
+                event.set(now, now)
+            finally:
+                self._queue.task_done()
+
+    def wait(self, event: SimEvent) -> float:
+        if event.is_set():
+            return 0.0
+        start = time.perf_counter()
+        event.wait()
+        return time.perf_counter() - start
+
+    def record(self) -> SimEvent:
+        return SimEvent(time.perf_counter())
+
+    def is_done(self, event: SimEvent) -> bool:
+        return event.is_set()
+
+    def elapsed_ms(self, start: SimEvent, end: SimEvent) -> float:
+        return (end.time - start.time) * 1e3
+
+    def copy_span_ms(self, event: SimEvent) -> float:
+        return (event.time - event.start) * 1e3
+
+    def synchronize(self) -> None:
+        self._queue.join()
+
+    def event_synchronize(self, event: SimEvent) -> None:
+        event.wait()
+
+    def describe(self) -> str:
+        bw = f", {self.bandwidth_gbps} GB/s" if self.bandwidth_gbps else ""
+        return f"sim ({self.capacity_bytes / (1 << 30):.2f} GiB{bw})"

@@ -1,0 +1,207 @@
+"""VramBudget: one device-memory budget shared by every offloaded model, split by priority.
+
+Every model registers with a budget. Each model first gets its floor (non-block weights plus a one-slot
+ring), then the bytes left go to the models in priority order, each up to what it wants. A model that lost
+resident units to a higher-priority one keeps streaming them (a watermark) instead of winning them back
+every forward; `prioritize()` or a model leaving resets that. Bytes move only at safe points: a model grows
+at the start of its own forward; an idle model is shrunk at once when another needs its bytes.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class BudgetMember(Protocol):
+    """What the budget needs to know about a registered model."""
+
+    name: str
+    priority: int
+
+    def floor_bytes(self) -> int: ...
+
+    def want_bytes(self) -> int: ...
+
+    def device_bytes(self) -> int: ...
+
+    def is_busy(self) -> bool: ...
+
+    def shrink_to(self, nbytes: int) -> int: ...
+
+    def device_total(self) -> int | None: ...
+
+
+def _validate_total(total: object) -> None:
+    if total is None:
+        return
+    if isinstance(total, bool) or not isinstance(total, (int, float)):
+        raise ValueError(f"VRAM budget must be a number of bytes, got {total!r}")
+    if isinstance(total, float) and (math.isnan(total) or math.isinf(total)):
+        raise ValueError(f"VRAM budget must be a finite number of bytes, got {total!r}")
+    if total < 0:
+        raise ValueError(f"VRAM budget must be >= 0 bytes, got {total!r}")
+
+
+class VramBudget:
+    """A device-memory budget in bytes shared by several models; `total_bytes=None` sizes itself on first use."""
+
+    def __init__(self, total_bytes: int | None = None) -> None:
+        _validate_total(total_bytes)
+        self._total = None if total_bytes is None else int(total_bytes)
+        self._lock = threading.RLock()
+        self._members: list[BudgetMember] = []
+        self._seq = itertools.count()
+        self._order: dict[int, int] = {}
+        self._caps: dict[int, int] = {}  # watermarks: id(member) -> max bytes until prioritize()
+        self._last_targets: dict[int, int] = {}
+
+    # totals -------------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int | None:
+        return self._total
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(m.device_bytes() for m in self._members)
+
+    @property
+    def members(self) -> list[BudgetMember]:
+        with self._lock:
+            return list(self._members)
+
+    def set_total(self, total_bytes: int, device_total: int | None = None) -> None:
+        """Change the total; members over their new share are shrunk now if idle, else at their next forward."""
+        _validate_total(total_bytes)
+        if total_bytes is None:
+            raise ValueError("set_total needs a number of bytes")
+        with self._lock:
+            self._check_device(int(total_bytes), device_total)
+            self._total = int(total_bytes)
+            self._caps.clear()
+            self.rebalance()
+
+    def resolve_total(self, default: int) -> None:
+        """Size a budget created without a total (the process-wide default) from the first device seen."""
+        with self._lock:
+            if self._total is None:
+                self._total = int(default)
+                log.info("VRAM budget set to %.2f GiB from free device memory", default / (1 << 30))
+
+    def _check_device(self, total: int, device_total: int | None) -> None:
+        if device_total is not None and total > device_total:
+            raise ValueError(f"VRAM budget {total / (1 << 30):.2f} GiB ({total} bytes) is larger than the device "
+                             f"({device_total / (1 << 30):.2f} GiB, {device_total} bytes); the limit is "
+                             f"{device_total} bytes")
+
+    # membership -----------------------------------------------------------------
+    def register(self, member: BudgetMember) -> None:
+        with self._lock:
+            if self._total is not None:
+                self._check_device(self._total, member.device_total())
+            self._members.append(member)
+            self._order[id(member)] = next(self._seq)
+            self.rebalance()
+
+    def unregister(self, member: BudgetMember) -> None:
+        with self._lock:
+            if member in self._members:
+                self._members.remove(member)
+                self._order.pop(id(member), None)
+                self._last_targets.pop(id(member), None)
+                self._caps.clear()  # bytes came free: everyone may grow back into them
+                self.rebalance()
+
+    def prioritize(self, member: BudgetMember) -> None:
+        """Give `member` the highest priority and clear its watermark."""
+        with self._lock:
+            top = max((m.priority for m in self._members), default=0)
+            if member.priority <= top and any(m is not member and m.priority >= member.priority
+                                              for m in self._members):
+                member.priority = top + 1
+            self._caps.pop(id(member), None)
+            self.rebalance()
+
+    def priority_changed(self, member: BudgetMember) -> None:
+        with self._lock:
+            self._caps.pop(id(member), None)
+            self.rebalance()
+
+    # policy ---------------------------------------------------------------------
+    def _ranked(self) -> list[BudgetMember]:
+        return sorted(self._members, key=lambda m: (-m.priority, self._order.get(id(m), 0)))
+
+    def targets(self) -> dict[int, int]:
+        """Bytes each member may hold (by id): floors first, then the rest by priority up to each one's want."""
+        with self._lock:
+            total = self._total if self._total is not None else sum(m.want_bytes() for m in self._members)
+            remaining = total
+            t: dict[int, int] = {}
+            ranked = self._ranked()
+            for m in ranked:
+                give = min(m.floor_bytes(), m.want_bytes(), remaining)
+                t[id(m)] = give
+                remaining -= give
+            for m in ranked:
+                want = m.want_bytes()
+                cap = self._caps.get(id(m))
+                if cap is not None:
+                    want = min(want, max(cap, t[id(m)]))
+                extra = min(max(0, want - t[id(m)]), remaining)
+                t[id(m)] += extra
+                remaining -= extra
+            return t
+
+    def rebalance(self) -> dict[int, int]:
+        """Recompute shares, set watermarks for members that lost bytes, shrink idle members over their share."""
+        with self._lock:
+            t = self.targets()
+            for m in self._members:
+                old = self._last_targets.get(id(m))
+                if old is not None and t[id(m)] < old:
+                    self._caps[id(m)] = t[id(m)]
+                self._last_targets[id(m)] = t[id(m)]
+                if not m.is_busy() and m.device_bytes() > t[id(m)]:
+                    m.shrink_to(t[id(m)])
+            return t
+
+    def allowance(self, member: BudgetMember) -> int:
+        """Bytes `member` may hold for its next forward; idle others give back what it is owed."""
+        with self._lock:
+            t = self.targets()
+            mine = max(t.get(id(member), 0), min(member.floor_bytes(), member.want_bytes()))
+            total = self._total if self._total is not None else math.inf
+            others = [m for m in self._members if m is not member]
+            used = sum(m.device_bytes() for m in others)
+            if used + mine > total:
+                for m in others:  # first: idle members holding more than their share
+                    if not m.is_busy() and m.device_bytes() > t.get(id(m), 0):
+                        m.shrink_to(t.get(id(m), 0))
+                used = sum(m.device_bytes() for m in others)
+            if used + mine > total:  # then: idle members, lowest priority first, down to nothing
+                for m in reversed(self._ranked()):
+                    if m is member or m.is_busy():
+                        continue
+                    m.shrink_to(0)
+                    used = sum(o.device_bytes() for o in others)
+                    if used + mine <= total:
+                        break
+            return int(max(0, min(mine, total - used)))
+
+
+_default_lock = threading.Lock()
+_default: VramBudget | None = None
+
+
+def default_budget() -> VramBudget:
+    """The process-wide budget every model joins unless given another; sized from free VRAM on first use."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = VramBudget(None)
+        return _default

@@ -1,0 +1,118 @@
+"""OffloadConfig and the presets: every knob a user can turn, validated up front with clear errors."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+GIB = 1 << 30
+
+_DEVICE_RE = re.compile(r"^(auto|sim|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class PresetPolicy:
+    """What a preset means: how much of the free VRAM a model may keep, its lookahead, whether disk is allowed."""
+
+    description: str
+    vram_fraction: float  # share of (free VRAM - activation reserve) the model may hold; 0 = ring only
+    prefetch: int  # lookahead in streamed units
+    allow_disk: bool  # may units whose bytes do not fit the RAM budget stay on disk
+    suits: str  # the cards it is meant for (README table)
+
+
+PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
+    "auto": PresetPolicy("measure free VRAM and RAM; keep as much resident as fits after the activation reserve",
+                         vram_fraction=1.0, prefetch=2, allow_disk=True, suits="any card (default)"),
+    "high_end": PresetPolicy("keep nearly everything resident; stream only what does not fit",
+                             vram_fraction=0.9, prefetch=1, allow_disk=False, suits="24 GB and larger"),
+    "mid_range": PresetPolicy("keep about two thirds resident, stream the rest with a 2-unit lookahead",
+                              vram_fraction=0.65, prefetch=2, allow_disk=False, suits="12-16 GB"),
+    "consumer": PresetPolicy("keep about a third resident, stream the rest with a 3-unit lookahead",
+                             vram_fraction=0.35, prefetch=3, allow_disk=True, suits="8-12 GB"),
+    "budget": PresetPolicy("stream every block through a small slot ring; the least VRAM, the most headroom",
+                           vram_fraction=0.0, prefetch=2, allow_disk=True, suits="4-8 GB, or huge models"),
+})
+
+
+def _check_bytes(name: str, value: Any, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of bytes, got {value!r}")
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        raise ValueError(f"{name} must be a finite number of bytes, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How one model is offloaded; `from_preset` fills it from a named policy."""
+
+    device: str = "auto"  # "cuda", "cuda:N", "sim" (simulated device on CPU) or "auto"
+    vram_budget_bytes: int | None = None  # device bytes this model may hold (resident units + slot ring)
+    prefetch: int = 2  # lookahead in streamed units
+    pin_memory: bool = True
+    disk_path: str | None = None  # safetensors file with the model's weights, for the disk tier
+    profile: bool = False
+    ram_budget_bytes: int | None = None  # host bytes for staging; None: planner reads MemAvailable / cgroup
+    reserve_bytes: int | None = None  # device bytes kept free for activations; None: planner estimates
+    preset: str | None = None
+    allow_disk: bool = True
+    vram_fraction: float = 1.0
+    sim_capacity_bytes: int | None = None
+    sim_bandwidth_gbps: float | None = None
+    sim_latency_us: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+            raise ValueError(f"device must be one of 'auto', 'cuda', 'cuda:N' or 'sim', got {self.device!r}")
+        _check_bytes("vram_budget_bytes", self.vram_budget_bytes)
+        _check_bytes("ram_budget_bytes", self.ram_budget_bytes)
+        _check_bytes("reserve_bytes", self.reserve_bytes)
+        _check_bytes("sim_capacity_bytes", self.sim_capacity_bytes)
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch is the lookahead in streamed units and must be an int >= 0, got {self.prefetch!r}")
+        if self.prefetch > 64:
+            raise ValueError(f"prefetch={self.prefetch} is absurd; use 0..64 (each step costs one slot of VRAM)")
+        if self.sim_bandwidth_gbps is not None:
+            _check_bytes("sim_bandwidth_gbps", self.sim_bandwidth_gbps)
+            if self.sim_bandwidth_gbps == 0:
+                raise ValueError("sim_bandwidth_gbps must be > 0 (or None for no limit)")
+        _check_bytes("sim_latency_us", self.sim_latency_us, allow_none=False)
+        if not 0.0 <= float(self.vram_fraction) <= 1.0:
+            raise ValueError(f"vram_fraction must be within 0..1, got {self.vram_fraction!r}")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(_unknown_preset(self.preset))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "OffloadConfig":
+        """Build a config from a preset name; overrides win over the preset's values."""
+        if name not in PRESETS:
+            raise ValueError(_unknown_preset(name))
+        policy = PRESETS[name]
+        values: dict[str, Any] = dict(preset=name, prefetch=policy.prefetch, allow_disk=policy.allow_disk,
+                                      vram_fraction=policy.vram_fraction)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown OffloadConfig field(s) {unknown}; valid fields: {sorted(known)}")
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "OffloadConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def policy(self) -> PresetPolicy | None:
+        return PRESETS.get(self.preset) if self.preset else None
+
+
+def _unknown_preset(name: Any) -> str:
+    return f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}"

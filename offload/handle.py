@@ -1,0 +1,222 @@
+"""`offload_module` and the handle it returns: one offloaded model, a member of a VramBudget."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .backends import get_backend, resolve_device
+from .blocks import find_units
+from .budget import VramBudget, default_budget
+from .config import OffloadConfig
+from .metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
+from .planner import PlanError, UnitPlan, default_reserve, plan_units
+from .streamer import DeviceMemoryError, ModelStreamer
+
+log = logging.getLogger(__name__)
+
+
+class OffloadHandle:
+    """Controls one offloaded model: its report, its priority in the budget, and detaching it."""
+
+    def __init__(self, model: nn.Module, config: OffloadConfig, name: str, priority: int,
+                 budget: VramBudget | None, units: list[str] | None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"offload_module needs an nn.Module, got {type(model).__name__}")
+        if getattr(model, "_layer_offload_handle", None) is not None:
+            raise ValueError(f"{name!r} is already offloaded; detach() its handle first")
+        self.config = config
+        self.name = name
+        self.priority = int(priority)
+        self.model = model
+        self.backend = get_backend(config)
+        self.device = resolve_device(config.device)
+        free, total = self.backend.mem_get_info()
+        if config.vram_budget_bytes is not None and config.vram_budget_bytes > total:
+            raise ValueError(f"vram_budget_bytes={config.vram_budget_bytes} is larger than the device "
+                             f"{self.backend.describe()} ({total} bytes); the limit is {total} bytes")
+        found = find_units(model, units)
+        self.budget = budget if budget is not None else default_budget()
+        reserve = config.reserve_bytes if config.reserve_bytes is not None else default_reserve(total, self.backend.name)
+        self.budget.resolve_total(max(0, min(free, total) - reserve))
+        self.streamer = ModelStreamer(model, found, self.backend, config.pin_memory, config.profile,
+                                      on_forward_start=self._on_forward_start, progress=progress)
+        self._sizes = [u.nbytes for u in self.streamer.units]
+        self._names = [u.name for u in self.streamer.units]
+        self._plan: UnitPlan | None = None
+        self._allowance: int | None = None
+        self._oom_said = False
+        model._layer_offload_handle = self
+        try:
+            self.budget.register(self)
+            self._replan(self.budget.allowance(self))
+        except Exception:
+            self._undo()
+            raise
+        log.info("offloaded %s: %d units (%s), %s", name, len(found), self.backend.describe(), self.plan_summary())
+
+    def _undo(self) -> None:
+        self.budget.unregister(self)
+        self.streamer.detach()
+        self.model.__dict__.pop("_layer_offload_handle", None)
+
+    # budget member --------------------------------------------------------------
+    def floor_bytes(self) -> int:
+        return self.streamer.rest_bytes + max(self._sizes)
+
+    def want_bytes(self) -> int:
+        cfg = self.config
+        everything = self.streamer.rest_bytes + sum(self._sizes)
+        ring = self.streamer.rest_bytes + min(cfg.prefetch + 1, len(self._sizes)) * max(self._sizes)
+        if cfg.vram_fraction <= 0:
+            want = ring
+        elif cfg.vram_fraction < 1 and self.budget.total_bytes is not None:
+            want = max(ring, min(everything, int(cfg.vram_fraction * self.budget.total_bytes)))
+        else:
+            want = everything
+        if cfg.vram_budget_bytes is not None:
+            want = min(want, int(cfg.vram_budget_bytes))
+        return want
+
+    def device_bytes(self) -> int:
+        return self.streamer.device_bytes()
+
+    def is_busy(self) -> bool:
+        return self.streamer.depth > 0
+
+    def device_total(self) -> int | None:
+        return self.backend.mem_get_info()[1]
+
+    def shrink_to(self, nbytes: int) -> int:
+        """Called by the budget while this model is idle: hold at most `nbytes` from now on."""
+        before = self.device_bytes()
+        if before <= nbytes:
+            return 0
+        if nbytes < self.floor_bytes():
+            self.streamer.unload()
+            self._allowance = None  # replan at the next forward
+        else:
+            self._replan(nbytes)
+        return before - self.device_bytes()
+
+    # planning -------------------------------------------------------------------
+    def _on_forward_start(self) -> None:
+        allowance = self.budget.allowance(self)
+        if allowance != self._allowance or not self.streamer.loaded:
+            self._replan(allowance)
+        if torch.is_grad_enabled() and not getattr(self, "_grad_said", False):
+            if any(p.requires_grad for p in self.model.parameters()):
+                self._grad_said = True
+                log.warning("%s: running with gradients enabled; streamed weights are swapped after each "
+                            "block, so backward through them is not supported (use torch.no_grad())", self.name)
+
+    def _replan(self, allowance: int) -> None:
+        cfg = self.config
+        try:
+            plan = plan_units(self._sizes, self._names, self.streamer.rest_bytes, allowance, cfg.prefetch,
+                              stream_all=cfg.vram_fraction <= 0)
+        except PlanError as exc:
+            raise DeviceMemoryError(f"{self.name}: {exc}") from None
+        for note in plan.notes:
+            if plan.shrunk_lookahead and (self._plan is None or not self._plan.shrunk_lookahead):
+                log.warning("%s: %s", self.name, note)
+        self._allowance = allowance
+        self._plan = plan
+        while True:
+            try:
+                self.streamer.set_plan(plan.resident, plan.n_slots)
+                return
+            except torch.OutOfMemoryError as exc:
+                self.streamer.unload()
+                free, _ = self.backend.mem_get_info()
+                smaller = min(plan.device_bytes - max(self._sizes), free)
+                if not self._oom_said:
+                    self._oom_said = True
+                    log.warning("%s: device out of memory while placing blocks (%s); shrinking the resident set",
+                                self.name, str(exc).splitlines()[0])
+                try:
+                    plan = plan_units(self._sizes, self._names, self.streamer.rest_bytes, smaller, cfg.prefetch,
+                                      stream_all=cfg.vram_fraction <= 0)
+                except PlanError as err:
+                    raise DeviceMemoryError(f"{self.name}: out of device memory: {err}") from None
+                self._plan = plan
+                if not self.streamer.loaded:
+                    self.streamer.set_plan(plan.resident, plan.n_slots)
+                    self.streamer.ensure_loaded()
+                    return
+
+    def plan_summary(self) -> str:
+        p = self._plan
+        if p is None:
+            return "no plan"
+        return (f"{len(p.resident)} resident, {len(self._sizes) - len(p.resident)} streamed, "
+                f"{p.n_slots} slot(s) of {p.slot_bytes / 1e6:.1f} MB, plan {p.device_bytes / 1e6:.1f} MB")
+
+    # public API -----------------------------------------------------------------
+    def load(self) -> None:
+        """Place the resident set and the slot ring now instead of at the next forward."""
+        self._on_forward_start()
+        self.streamer.ensure_loaded()
+
+    def unload(self, nbytes: int | None = None) -> int:
+        """Free at least `nbytes` device bytes (None: all); returns the bytes freed."""
+        freed = self.streamer.unload(nbytes)
+        self._allowance = None
+        return freed
+
+    def set_priority(self, priority: int) -> None:
+        self.priority = int(priority)
+        self.budget.priority_changed(self)
+
+    def prioritize(self) -> None:
+        self.budget.prioritize(self)
+
+    def reset_stats(self) -> None:
+        self.streamer.metrics.harvest(block=True)
+        self.streamer.metrics.reset()
+        self.streamer.peak_device_bytes = self.device_bytes()
+        if hasattr(self.backend, "reset_peak"):
+            self.backend.reset_peak()
+
+    def streamed_unit_modules(self) -> list[nn.Module]:
+        return [u.module for u in self.streamer.units if u.resident_buf is None and
+                u.index not in self.streamer.resident_set]
+
+    def resident_unit_modules(self) -> list[nn.Module]:
+        return [u.module for u in self.streamer.units if u.index in self.streamer.resident_set]
+
+    def report(self) -> OffloadReport:
+        s = self.streamer
+        m = s.metrics
+        m.harvest(block=True)
+        blocks = [BlockReport(u.name, "vram" if u.index in s.resident_set else u.host_tier, u.nbytes,
+                              m.h2d_ms[u.index], m.compute_ms[u.index], m.stall_ms[u.index], m.calls[u.index],
+                              m.bytes_streamed[u.index]) for u in s.units]
+        h2d, compute, stall, nbytes = m.totals()
+        return OffloadReport(
+            name=self.name, device=self.backend.describe(), preset=self.config.preset, priority=self.priority,
+            blocks=blocks, total_bytes_streamed=nbytes, overlap_ratio=overlap_ratio(h2d, stall),
+            effective_gbps=effective_gbps(nbytes, h2d),
+            resident_bytes=s.rest_bytes + sum(u.nbytes for u in s.units if u.index in s.resident_set),
+            peak_device_bytes=max(s.peak_device_bytes, s.device_bytes()), device_bytes=s.device_bytes(),
+            slot_bytes=s.slot_bytes, slots=len(s.slots), forwards=m.forwards, stall_ms=stall, h2d_ms=h2d,
+            compute_ms=compute, timeline=list(m.timeline))
+
+    def detach(self) -> None:
+        """Remove every hook; every weight becomes an ordinary tensor with its original values."""
+        if getattr(self.model, "_layer_offload_handle", None) is not self:
+            return
+        self.budget.unregister(self)
+        self.streamer.detach()
+        self.model.__dict__.pop("_layer_offload_handle", None)
+
+
+def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: str | None = None,
+                   priority: int = 0, budget: VramBudget | None = None, units: list[str] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> OffloadHandle:
+    """Stream `model`'s blocks from host memory to the device from now on; returns the handle."""
+    config = config if config is not None else OffloadConfig.from_preset("auto")
+    return OffloadHandle(model, config, name or type(model).__name__, priority, budget, units, progress)

@@ -1,0 +1,90 @@
+"""The prefetch pipeline: keeps the next streamed units copying into free slots of the ring.
+
+Lookahead is counted in streamed units: whenever a slot is freed (its unit finished), the next streamed unit
+in the predicted order is queued into it, wrapping into the next forward. A unit that arrives out of order
+(an interrupted forward, a different call order) resyncs the pipeline instead of computing on stale bytes.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+IssueFn = Callable[[int, int, Any], Any]  # (unit, slot, after_event) -> copy event
+
+
+class PrefetchWorker:
+    """Orders copies into the slot ring; the copies themselves run on the backend's transfer stream."""
+
+    def __init__(self, issue: IssueFn) -> None:
+        self._issue = issue
+        self.order: list[int] = []
+        self.inflight: deque[tuple[int, int, Any]] = deque()  # (unit, slot, copy event), oldest first
+        self.free: deque[tuple[int, Any]] = deque()  # (slot, event after which it may be overwritten)
+        self.next_pos = 0
+        self.resyncs = 0
+
+    def configure(self, order: list[int], n_slots: int) -> None:
+        """New plan: predicted order of streamed units and the number of slots (nothing may be in flight)."""
+        self.order = list(order)
+        self.inflight.clear()
+        self.free = deque((s, None) for s in range(n_slots))
+        self.next_pos = 0
+
+    def set_order(self, order: list[int]) -> None:
+        """Adopt an observed execution order; takes effect from the next resync or fill."""
+        if order and order != self.order:
+            self.order = list(order)
+            self.next_pos = 0
+            self._cancel_inflight()
+
+    def fill(self) -> None:
+        """Queue copies into every free slot, following the predicted order."""
+        if not self.order:
+            return
+        while self.free:
+            slot, after = self.free.popleft()
+            unit = self.order[self.next_pos % len(self.order)]
+            self.next_pos = (self.next_pos + 1) % len(self.order)
+            self.inflight.append((unit, slot, self._issue(unit, slot, after)))
+
+    def take(self, unit: int) -> tuple[int, Any]:
+        """The slot holding `unit`'s bytes and the event its copy completes on."""
+        if not (self.inflight and self.inflight[0][0] == unit):
+            self._resync(unit)
+        _, slot, event = self.inflight.popleft()
+        return slot, event
+
+    def release(self, slot: int, after: Any) -> None:
+        """A unit finished with `slot` (event `after`); reuse it for the next unit in line."""
+        self.free.append((slot, after))
+        self.fill()
+
+    def _cancel_inflight(self) -> None:
+        # Copies already queued into these slots stay ahead of any new copy on the same transfer stream,
+        # so the slots can be handed out again at once.
+        while self.inflight:
+            _, slot, _ = self.inflight.pop()
+            self.free.appendleft((slot, None))
+
+    def _resync(self, unit: int) -> None:
+        self.resyncs += 1
+        self._cancel_inflight()
+        if unit in self.order:
+            n = len(self.order)
+            start = self.next_pos
+            for k in range(n):
+                if self.order[(start + k) % n] == unit:
+                    self.next_pos = (start + k) % n
+                    break
+            self.fill()
+        if not (self.inflight and self.inflight[0][0] == unit):  # not predicted at all: fetch it directly
+            self._cancel_inflight()
+            slot, after = self.free.popleft()
+            self.inflight.appendleft((unit, slot, self._issue(unit, slot, after)))
+        log.debug("prefetch resync at unit %d (%d so far)", unit, self.resyncs)
+
+    def idle(self) -> bool:
+        return not self.inflight

@@ -1,0 +1,226 @@
+"""Host staging: one flat buffer per unit, every tensor of the unit a view into it.
+
+The unit's parameters and buffers (and the inner tensors of tensor subclasses, through
+`__tensor_flatten__`) are laid out at 512-byte aligned offsets, so one copy moves the whole unit and the
+same layout, applied to a device slot, gives the device-side views. Bytes move as stored: float8 weights and
+their scale tensors are never upcast.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+ALIGN = 512
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def is_subclass_tensor(t: torch.Tensor) -> bool:
+    """A tensor subclass that describes its inner tensors (quantized weights and the like)."""
+    return type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__") and \
+        type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+@dataclass
+class Leaf:
+    """One plain tensor's place in the flat buffer."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    transposed: bool  # stored as the contiguous transpose of a 2-D tensor (keeps original strides)
+
+
+@dataclass
+class Entry:
+    """One distinct tensor of the unit and every (module, name) that refers to it."""
+
+    locations: list[tuple[nn.Module, str, str]]  # (module, attribute, "param" | "buffer")
+    recipe: Any  # int (leaf index) or (cls, ctx, {name: recipe}, outer_size, outer_stride)
+    plain_param: bool  # a plain nn.Parameter: swapped with `.data =` so its identity never changes
+    requires_grad: bool
+    device: torch.device
+
+
+@dataclass
+class TensorLayout:
+    """How a unit's tensors map onto a flat buffer, and how to rebuild them from any such buffer."""
+
+    leaves: list[Leaf]
+    entries: list[Entry]
+    nbytes: int
+    dtypes: set = field(default_factory=set)
+
+    def leaf_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        views = []
+        for leaf in self.leaves:
+            raw = buf[leaf.offset:leaf.offset + leaf.nbytes].view(leaf.dtype)
+            if leaf.transposed:
+                views.append(raw.view(leaf.shape[1], leaf.shape[0]).t())
+            else:
+                views.append(raw.view(leaf.shape))
+        return views
+
+    def build(self, buf: torch.Tensor) -> "Binding":
+        """Tensors viewing `buf`, ready to be swapped into the unit's modules."""
+        views = self.leaf_views(buf)
+
+        def make(recipe: Any) -> torch.Tensor:
+            if isinstance(recipe, int):
+                return views[recipe]
+            cls, ctx, inner, outer_size, outer_stride = recipe
+            return cls.__tensor_unflatten__({k: make(r) for k, r in inner.items()}, ctx, outer_size, outer_stride)
+
+        data_swaps: list[tuple[nn.Parameter, torch.Tensor]] = []
+        dict_sets: list[tuple[dict, str, torch.Tensor]] = []
+        for entry in self.entries:
+            value = make(entry.recipe)
+            if entry.plain_param:
+                data_swaps.append((entry.locations[0][0]._parameters[entry.locations[0][1]], value))
+                continue
+            value_p = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
+                kind == "param" for _, _, kind in entry.locations) else None
+            for module, attr, kind in entry.locations:
+                if kind == "param":
+                    dict_sets.append((module._parameters, attr, value_p))
+                else:
+                    dict_sets.append((module._buffers, attr, value))
+        return Binding(buf, data_swaps, dict_sets)
+
+
+@dataclass
+class Binding:
+    """A unit's tensors bound to one buffer (host master or a device slot); `apply` swaps them in."""
+
+    buf: torch.Tensor
+    data_swaps: list[tuple[nn.Parameter, torch.Tensor]]
+    dict_sets: list[tuple[dict, str, torch.Tensor]]
+
+    def apply(self) -> None:
+        for param, value in self.data_swaps:
+            param.data = value
+        for d, key, value in self.dict_sets:
+            d[key] = value
+
+
+def _flatten(t: torch.Tensor, leaves: list[Leaf], sources: list[torch.Tensor], offset: list[int]) -> Any:
+    if is_subclass_tensor(t):
+        names, ctx = t.__tensor_flatten__()
+        inner = {name: _flatten(getattr(t, name), leaves, sources, offset) for name in names}
+        return (type(t), ctx, inner, tuple(t.size()), tuple(t.stride()))
+    plain = t.detach()
+    if type(plain) is not torch.Tensor:
+        plain = plain.as_subclass(torch.Tensor)
+    transposed = plain.dim() == 2 and not plain.is_contiguous() and plain.t().is_contiguous()
+    nbytes = plain.numel() * plain.element_size()
+    leaves.append(Leaf(offset[0], nbytes, plain.dtype, tuple(plain.shape), transposed))
+    sources.append(plain)
+    offset[0] = _align(offset[0] + nbytes)
+    return len(leaves) - 1
+
+
+def unit_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+    """Every (owner module, name, kind, tensor) under `module`, parameters first."""
+    found = []
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None:
+                found.append((sub, name, "param", p))
+        for name, b in sub._buffers.items():
+            if b is not None:
+                found.append((sub, name, "buffer", b))
+    return found
+
+
+def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> tuple[TensorLayout, list[torch.Tensor]]:
+    """Lay out distinct tensors (a tensor met twice is laid out once); returns the source tensors too."""
+    by_id: dict[int, Entry] = {}
+    leaves: list[Leaf] = []
+    sources: list[torch.Tensor] = []
+    offset = [0]
+    entries: list[Entry] = []
+    for sub, name, kind, t in tensors:
+        entry = by_id.get(id(t))
+        if entry is None:
+            recipe = _flatten(t, leaves, sources, offset)
+            plain_param = kind == "param" and not is_subclass_tensor(t)
+            entry = Entry([], recipe, plain_param, bool(t.requires_grad), t.device)
+            by_id[id(t)] = entry
+            entries.append(entry)
+        entry.locations.append((sub, name, kind))
+    layout = TensorLayout(leaves, entries, max(offset[0], ALIGN), {leaf.dtype for leaf in leaves})
+    return layout, sources
+
+
+class PinFallbackNotice:
+    """Says once per process that pinning was refused and pageable memory is used instead."""
+
+    said = False
+
+    @classmethod
+    def say(cls, reason: str) -> None:
+        if not cls.said:
+            cls.said = True
+            log.warning("pinned host memory unavailable (%s); staging in pageable memory instead "
+                        "(copies are slower and cannot fully overlap compute)", reason)
+
+
+@dataclass
+class StagingBuffer:
+    """A unit's host master: one flat buffer (pinned where allowed) that all its tensors view."""
+
+    layout: TensorLayout
+    host: torch.Tensor
+    pinned: bool
+    host_binding: Binding
+
+    @classmethod
+    def create(cls, tensors: list[tuple[nn.Module, str, str, torch.Tensor]],
+               alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool) -> "StagingBuffer":
+        """Copy the tensors into one host buffer and point their modules at views of it."""
+        layout, sources = plan_layout(tensors)
+        host, pinned = alloc_host(layout.nbytes, pin)
+        if pin and not pinned:
+            PinFallbackNotice.say("the allocator refused or this torch has no accelerator")
+        views = layout.leaf_views(host)
+        with torch.no_grad():
+            for view, src in zip(views, sources):
+                view.copy_(src)
+        binding = layout.build(host)
+        binding.apply()  # the originals are now unreferenced by the module: their storage is released
+        return cls(layout, host, pinned, binding)
+
+    def restore_ordinary(self) -> None:
+        """Give every tensor back as an ordinary, independent tensor on its original device."""
+        layout = self.layout
+        views = layout.leaf_views(self.host)
+
+        def make(recipe: Any, device: torch.device) -> torch.Tensor:
+            if isinstance(recipe, int):
+                return views[recipe].to(device=device, copy=True)
+            cls_, ctx, inner, outer_size, outer_stride = recipe
+            return cls_.__tensor_unflatten__({k: make(r, device) for k, r in inner.items()}, ctx, outer_size,
+                                             outer_stride)
+
+        for entry in layout.entries:
+            value = make(entry.recipe, entry.device)
+            if entry.plain_param:
+                module, attr, _ = entry.locations[0]
+                module._parameters[attr].data = value
+                continue
+            param = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
+                k == "param" for _, _, k in entry.locations) else None
+            for module, attr, kind in entry.locations:
+                if kind == "param":
+                    module._parameters[attr] = param
+                else:
+                    module._buffers[attr] = value

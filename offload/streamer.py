@@ -1,0 +1,342 @@
+"""Per-unit forward hooks and the device slot ring: the hot path of the engine.
+
+Before a streamed unit runs, the compute stream waits (GPU-side) for its copy and its parameters are swapped
+to views of the slot; after it runs, they are swapped back to the host master and the slot is handed to the
+prefetch worker for the next streamed unit. Resident units live in their own device buffer. Nothing is ever
+copied device-to-host: the host buffer is the truth and a slot is just reused.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .backends.base import Backend
+from .blocks import Unit
+from .metrics import MetricsCollector
+from .prefetch import PrefetchWorker
+from .staging import Binding, StagingBuffer, unit_tensors
+
+log = logging.getLogger(__name__)
+
+
+class DeviceMemoryError(ValueError):
+    """Even the smallest plan (one slot) does not fit: names the unit and its size."""
+
+
+@dataclass
+class UnitState:
+    """One unit's host master, its current tier and its device-side bindings."""
+
+    index: int
+    name: str
+    module: nn.Module
+    staging: StagingBuffer
+    nbytes: int
+    resident_buf: torch.Tensor | None = None
+    slot_bindings: dict[int, Binding] = field(default_factory=dict)
+    source: Any = None  # where the prefetch copy reads from (host buffer, or a disk reader)
+
+    @property
+    def host_tier(self) -> str:
+        if self.source is not None and getattr(self.source, "tier", None) == "disk":
+            return "disk"
+        return "pinned" if self.staging.pinned else "pageable"
+
+    @property
+    def tier(self) -> str:
+        return "vram" if self.resident_buf is not None else self.host_tier
+
+
+class ModelStreamer:
+    """Stages a model's units on the host, installs the hooks and runs the slot ring."""
+
+    def __init__(self, model: nn.Module, units: list[Unit], backend: Backend, pin_memory: bool,
+                 profile: bool = False, on_forward_start: Callable[[], None] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.model = model
+        self.backend = backend
+        self.on_forward_start = on_forward_start
+        self._lock = threading.RLock()
+        self.units: list[UnitState] = []
+        self._hooks: list[Any] = []
+        self.active: tuple[int, int, Any, Any, Any] | None = None  # (unit, slot, copy, ready, start)
+        self._resident_start: dict[int, Any] = {}
+        self.slots: list[torch.Tensor] = []
+        self.slot_bytes = 0
+        self.depth = 0
+        self._seen: list[int] = []
+        self.order_learned = False
+        self.loaded = False
+        self.worker = PrefetchWorker(self._issue)
+        self.metrics = MetricsCollector(backend, len(units), profile)
+        self.peak_device_bytes = 0
+        self.resident_set: set[int] = set()
+
+        shared = self._shared_tensor_ids(model, units)
+        total = len(units) + 1
+        for i, unit in enumerate(units):
+            tensors = [t for t in unit_tensors(unit.module) if id(t[3]) not in shared]
+            staging = StagingBuffer.create(tensors, backend.alloc_host, pin_memory)
+            self.units.append(UnitState(i, unit.name, unit.module, staging, staging.layout.nbytes))
+            self.units[-1].source = staging.host
+            if progress:
+                progress(i + 1, total)
+        in_units = set()
+        for u in self.units:
+            for sub, name, kind, t in unit_tensors(u.module):
+                if id(t) not in shared:
+                    in_units.add((id(sub), name, kind))
+        rest = [(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
+                if (id(sub), name, kind) not in in_units]
+        # Non-block tensors: always resident; the host copy stays as the master for detach.
+        self.rest = StagingBuffer.create(rest, backend.alloc_host, False)
+        self.rest_buf: torch.Tensor | None = None
+        self.rest_bytes = self.rest.layout.nbytes if rest else 0
+        if progress:
+            progress(total, total)
+        self._install_hooks()
+
+    @staticmethod
+    def _shared_tensor_ids(model: nn.Module, units: list[Unit]) -> set[int]:
+        """Tensors used by more than one unit, or by a unit and the rest: kept resident with the rest."""
+        owner: dict[int, int] = {}
+        shared: set[int] = set()
+        for i, unit in enumerate(units):
+            for _, _, _, t in unit_tensors(unit.module):
+                if owner.setdefault(id(t), i) != i:
+                    shared.add(id(t))
+        unit_mods = {id(m) for u in units for m in u.module.modules()}
+        for sub in model.modules():
+            if id(sub) in unit_mods:
+                continue
+            for t in list(sub._parameters.values()) + list(sub._buffers.values()):
+                if t is not None and id(t) in owner:
+                    shared.add(id(t))
+        if shared:
+            log.info("%d tensor(s) are shared between units or with the rest of the model; kept resident",
+                     len(shared))
+        return shared
+
+    # hooks ----------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre))
+        self._hooks.append(self.model.register_forward_hook(self._root_post, always_call=True))
+        for u in self.units:
+            self._hooks.append(u.module.register_forward_pre_hook(functools.partial(self._pre, u.index)))
+            self._hooks.append(u.module.register_forward_hook(functools.partial(self._post, u.index),
+                                                              always_call=True))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        if self.active is not None:
+            self._finish_active()
+        self.metrics.harvest()
+        if self.on_forward_start is not None:
+            self.on_forward_start()
+        self.ensure_loaded()
+        if self._seen and not self.order_learned:
+            self.order_learned = True
+            self.worker.set_order(self._seen)
+        self._seen = []
+        self.metrics.forward_started()
+        self.worker.fill()
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0 and self.active is not None:  # a unit raised: give its slot back
+            self._finish_active()
+
+    def _pre(self, index: int, module: nn.Module, args: Any) -> None:
+        if self.active is not None:
+            self._finish_active()
+        if not self.loaded:
+            self.ensure_loaded()
+        u = self.units[index]
+        if u.resident_buf is not None:
+            self._resident_start[index] = self.backend.record()
+            return
+        self._seen.append(index)
+        slot, copy = self.worker.take(index)
+        ready = self.backend.record()
+        self.backend.wait(copy)
+        start = self.backend.record()
+        self._binding(u, slot).apply()
+        self.active = (index, slot, copy, ready, start)
+
+    def _post(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        u = self.units[index]
+        if u.resident_buf is not None:
+            start = self._resident_start.pop(index, None)
+            if start is not None:
+                self.metrics.add(index, None, None, start, self.backend.record(), 0)
+            return
+        if self.active is not None and self.active[0] == index:
+            self._finish_active()
+
+    def _finish_active(self) -> None:
+        index, slot, copy, ready, start = self.active
+        self.active = None
+        u = self.units[index]
+        u.staging.host_binding.apply()
+        free = self.backend.record()
+        self.metrics.add(index, copy, ready, start, free, u.nbytes)
+        self.worker.release(slot, free)
+
+    def _binding(self, u: UnitState, slot: int) -> Binding:
+        binding = u.slot_bindings.get(slot)
+        if binding is None:
+            binding = u.staging.layout.build(self.slots[slot])
+            u.slot_bindings[slot] = binding
+        return binding
+
+    def _issue(self, unit: int, slot: int, after: Any) -> Any:
+        u = self.units[unit]
+        src = u.source
+        if hasattr(src, "issue"):
+            return src.issue(self.backend, self.slots[slot], after)
+        return self.backend.copy_h2d(self.slots[slot][:u.nbytes], src, after)
+
+    # plan ----------------------------------------------------------------------
+    def streamed(self) -> list[int]:
+        return [u.index for u in self.units if u.index not in self.resident_set]
+
+    def device_bytes(self) -> int:
+        """Device bytes this model holds now."""
+        return ((self.rest_bytes if self.rest_buf is not None else 0)
+                + sum(u.nbytes for u in self.units if u.resident_buf is not None)
+                + len(self.slots) * self.slot_bytes)
+
+    def planned_bytes(self, resident: set[int], n_slots: int) -> int:
+        streamed = [u.nbytes for u in self.units if u.index not in resident]
+        slot = max(streamed) if streamed else 0
+        return self.rest_bytes + sum(self.units[i].nbytes for i in resident) + n_slots * slot
+
+    def set_plan(self, resident: set[int], n_slots: int) -> None:
+        """Adopt a resident set and slot count (at a safe point); takes effect now if loaded, else on load."""
+        with self._lock:
+            n_streamed = len(self.units) - len(resident)
+            n_slots = min(n_slots, n_streamed) if n_streamed else 0
+            if n_streamed and n_slots < 1:
+                n_slots = 1
+            changed = resident != self.resident_set or n_slots != self._planned_slots()
+            self.resident_set = set(resident)
+            self._n_slots = n_slots
+            if changed and self.loaded:
+                self._apply()
+
+    def _planned_slots(self) -> int:
+        return getattr(self, "_n_slots", len(self.slots))
+
+    def ensure_loaded(self) -> None:
+        with self._lock:
+            if not self.loaded:
+                self._apply()
+
+    def _apply(self) -> None:
+        """Make device memory match the plan: rest, resident units, slot ring."""
+        if self.active is not None:
+            self._finish_active()
+        self.backend.synchronize()  # nothing in flight may touch memory we are about to free
+        streamed = self.streamed()
+        slot_bytes = max((self.units[i].nbytes for i in streamed), default=0)
+        n_slots = self._planned_slots() if streamed else 0
+        # release first, so what we allocate next fits
+        for u in self.units:
+            if u.resident_buf is not None and u.index not in self.resident_set:
+                u.staging.host_binding.apply()
+                self.backend.release(u.resident_buf)
+                u.resident_buf = None
+        if len(self.slots) != n_slots or self.slot_bytes != slot_bytes:
+            self._free_slots()
+        try:
+            if self.rest_buf is None and self.rest_bytes:
+                self.rest_buf = self._to_device(self.rest)
+            for i in sorted(self.resident_set):
+                u = self.units[i]
+                if u.resident_buf is None:
+                    u.resident_buf = self._to_device(u.staging, u)
+            if not self.slots and n_slots:
+                self.slot_bytes = slot_bytes
+                for _ in range(n_slots):
+                    self.slots.append(self.backend.alloc(slot_bytes))
+        except torch.OutOfMemoryError:
+            self._free_slots()
+            raise
+        self.worker.configure(streamed, len(self.slots))
+        self.order_learned = False  # the streamed set may have changed: learn the call order again
+        self._seen = []
+        self.loaded = True
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
+
+    def _to_device(self, staging: StagingBuffer, unit: UnitState | None = None) -> torch.Tensor:
+        nbytes = staging.layout.nbytes
+        buf = self.backend.alloc(nbytes)
+        src = unit.source if unit is not None else staging.host
+        if hasattr(src, "issue"):
+            event = src.issue(self.backend, buf, None)
+        else:
+            event = self.backend.copy_h2d(buf, src, None)
+        self.backend.wait(event)
+        staging.layout.build(buf).apply()
+        return buf
+
+    def _free_slots(self) -> None:
+        for u in self.units:
+            u.slot_bindings.clear()
+        for s in self.slots:
+            self.backend.release(s)
+        self.slots = []
+        self.slot_bytes = 0
+        self.worker.configure([], 0)
+
+    def unload(self, nbytes: int | None = None) -> int:
+        """Free at least `nbytes` device bytes (None: everything); the next forward re-acquires what it may."""
+        with self._lock:
+            if self.depth > 0:
+                log.warning("unload requested during a forward; deferring is not possible, freeing after sync")
+            before = self.device_bytes()
+            if self.active is not None:
+                self._finish_active()
+            self.backend.synchronize()
+            target = 0 if nbytes is None else max(0, before - int(nbytes))
+            # demote resident units (last first), then the ring, then the rest
+            for u in sorted((u for u in self.units if u.resident_buf is not None), key=lambda u: -u.index):
+                if self.device_bytes() <= target:
+                    break
+                u.staging.host_binding.apply()
+                self.backend.release(u.resident_buf)
+                u.resident_buf = None
+            if self.device_bytes() > target:
+                self._free_slots()
+            if self.device_bytes() > target and self.rest_buf is not None:
+                self.rest.host_binding.apply()
+                self.backend.release(self.rest_buf)
+                self.rest_buf = None
+            self.loaded = False
+            self.resident_set = {u.index for u in self.units if u.resident_buf is not None}
+            return before - self.device_bytes()
+
+    def detach(self) -> None:
+        """Remove the hooks and give every tensor back as an ordinary host tensor."""
+        with self._lock:
+            self.remove_hooks()
+            self.unload()
+            self.metrics.harvest(block=True)
+            for u in self.units:
+                u.staging.restore_ordinary()
+                u.slot_bindings.clear()
+            self.rest.restore_ordinary()
+            self.units = []
