@@ -1,0 +1,259 @@
+"""Offload Model / Offload CLIP / Offload Any: put models another node loaded under the engine."""
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import comfy.model_management
+import comfy.utils
+from comfy.model_patcher import ModelPatcher
+
+from ..offload import offload_module
+from .comfy_patcher import OffloadPatcherMixin, non_dynamic, patcher_class_for
+from .common import (ANY, CATEGORY, Managed, engine_device, log_once, make_config, optional_inputs,
+                     preset_input, register, resolve_budget, state_of, unregister)
+
+log = logging.getLogger("layer_offload")
+
+
+def _progress_bar(total: int) -> Callable[[int, int], None]:
+    """A ComfyUI progress bar for model setup (staging every unit on the host takes a moment)."""
+    try:
+        pbar = comfy.utils.ProgressBar(total)
+    except Exception:  # noqa: BLE001 - no progress hook outside a prompt; setup must not fail for a UI nicety
+        return lambda i, n: None
+
+    def update(i: int, n: int) -> None:
+        pbar.update_absolute(i, n)
+
+    return update
+
+
+def _evict_from_comfy(patcher: Any) -> None:
+    """Unload any ComfyUI-loaded copy sharing these weights, so the engine stages host-resident tensors."""
+    mm = comfy.model_management
+    for lm in list(getattr(mm, "current_loaded_models", [])):
+        other = getattr(lm, "model", None)
+        if other is None or not other.is_clone(patcher):
+            continue
+        try:
+            lm.model_unload()
+        finally:
+            if lm in mm.current_loaded_models:
+                mm.current_loaded_models.remove(lm)
+
+
+def _move_to_host(root: torch.nn.Module) -> None:
+    for t in list(root.parameters()) + list(root.buffers()):
+        if t.device.type != "cpu":
+            root.to("cpu")
+            return
+
+
+def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int, name: str,
+                  kind: str) -> Optional[Managed]:
+    """Offload `root` with the engine (or reuse/refresh an existing handle); None when the device is unsupported."""
+    device = engine_device()
+    if device is None:
+        return None
+    cfg = make_config(preset, device)
+    vbudget = resolve_budget(budget)
+    existing = state_of(root)
+    if existing is not None:
+        if existing.config == cfg and existing.handle_budget is vbudget:
+            if existing.priority != priority:
+                existing.handle.set_priority(priority)
+                existing.priority = priority
+            existing.budget = budget
+            return existing
+        existing.handle.detach()
+        unregister(root)
+    _move_to_host(root)
+    kwargs: Dict[str, Any] = dict(name=name, priority=priority, budget=vbudget)
+    n_units = max(1, sum(1 for _ in root.children()))
+    progress = _progress_bar(n_units)
+    if "progress" in inspect.signature(offload_module).parameters:
+        kwargs["progress"] = progress
+    t0 = time.perf_counter()
+    handle = offload_module(root, cfg, **kwargs)
+    progress(n_units, n_units)
+    managed = Managed(name=name, handle=handle, preset=preset, priority=priority, device=device, kind=kind,
+                      config=cfg, budget=budget)
+    managed.handle_budget = vbudget
+    for m in root.modules():
+        if hasattr(m, "comfy_cast_weights"):
+            m.comfy_cast_weights = True
+    register(root, managed)
+    log.info("Layer Offload: %s (%s) set up on %s with preset %s in %.2fs", name, kind, device, preset,
+             time.perf_counter() - t0)
+    return managed
+
+
+def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, priority: int = 0,
+                    name: Optional[str] = None, kind: str = "model") -> ModelPatcher:
+    """A clone of `patcher` as an offload ModelPatcher whose root module the engine streams."""
+    if engine_device() is None:
+        return patcher
+    patcher = non_dynamic(patcher)
+    if isinstance(patcher, OffloadPatcherMixin):
+        n = patcher.clone()
+    else:
+        _evict_from_comfy(patcher)
+        n = patcher_class_for(patcher).clone(patcher)
+    model = n.model
+    if kind == "model" and isinstance(getattr(model, "diffusion_model", None), torch.nn.Module):
+        root = model.diffusion_model
+    else:
+        root = model
+    if name is None:
+        name = "{}:{}".format(kind, type(root).__name__)
+    attach_engine(root, preset, budget, priority, name, kind)
+    return n
+
+
+def offload_clip(clip: Any, preset: str, budget: Any = None, priority: int = 0, name: Optional[str] = None) -> Any:
+    """A clone of a CLIP object whose text encoder the engine streams."""
+    if engine_device() is None:
+        return clip
+    out = clip.clone()
+    inner = getattr(getattr(out, "cond_stage_model", None), "__class__", type(None)).__name__
+    out.patcher = offload_patcher(out.patcher, preset, budget, priority, name or "clip:{}".format(inner), kind="clip")
+    return out
+
+
+def _find_modules(obj: Any, depth: int, seen: set, found: List[Tuple[str, Any]], path: str) -> None:
+    """Collect the outermost nn.Modules and ModelPatchers reachable through attributes, items and values."""
+    if obj is None or id(obj) in seen or depth < 0:
+        return
+    if isinstance(obj, (str, bytes, int, float, bool, torch.Tensor, type)):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, ModelPatcher) or isinstance(obj, torch.nn.Module):
+        found.append((path or type(obj).__name__, obj))
+        return
+    if depth == 0:
+        return
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(enumerate(obj))
+    else:
+        d = getattr(obj, "__dict__", None)
+        if not isinstance(d, dict):
+            return
+        items = list(d.items())
+    for k, v in items:
+        if isinstance(k, str) and k.startswith("__"):
+            continue
+        _find_modules(v, depth - 1, seen, found, "{}.{}".format(path, k) if path else str(k))
+
+
+def offload_anything(anything: Any, preset: str, budget: Any = None, priority: int = 0,
+                     max_depth: int = 4) -> Any:
+    """Offload every nn.Module found inside an arbitrary object (in place); return the object."""
+    if engine_device() is None:
+        return anything
+    if isinstance(anything, ModelPatcher):
+        return offload_patcher(anything, preset, budget, priority, kind="model")
+    if hasattr(anything, "patcher") and hasattr(anything, "cond_stage_model") and hasattr(anything, "clone"):
+        return offload_clip(anything, preset, budget, priority)
+    found: List[Tuple[str, Any]] = []
+    _find_modules(anything, max_depth, set(), found, "")
+    if not found:
+        log_once("any-nothing-" + type(anything).__name__, "Layer Offload: Offload Any found no nn.Module inside "
+                 "a %s; passing it through unchanged.", type(anything).__name__)
+        return anything
+    for path, obj in found:
+        if isinstance(obj, ModelPatcher):
+            patched = offload_patcher(obj, preset, budget, priority, name="any:" + path, kind="model")
+            _replace_in_place(anything, path, obj, patched)
+            continue
+        if not any(True for _ in obj.parameters()):
+            continue
+        attach_engine(obj, preset, budget, priority, "any:" + path, kind="module")
+    return anything
+
+
+def _replace_in_place(container: Any, path: str, old: Any, new: Any) -> None:
+    """Swap a patcher found at `path` for its offload clone (best effort; a failure keeps the original)."""
+    parts = path.split(".")
+    parent = container
+    try:
+        for p in parts[:-1]:
+            parent = parent[int(p)] if isinstance(parent, (list, tuple)) else (
+                parent[p] if isinstance(parent, dict) else getattr(parent, p))
+        last = parts[-1]
+        if isinstance(parent, dict):
+            parent[last] = new
+        elif isinstance(parent, list):
+            parent[int(last)] = new
+        else:
+            setattr(parent, last, new)
+    except (AttributeError, KeyError, IndexError, ValueError, TypeError):
+        log_once("any-replace", "Layer Offload: could not put an offloaded patcher back at %s; the original is kept.",
+                 path)
+
+
+class OffloadModel:
+    """MODEL -> MODEL: stream a diffusion model loaded by any other node (GGUF loaders included)."""
+
+    @classmethod
+    def INPUT_TYPES(cls) -> Dict[str, Any]:
+        return {"required": {"model": ("MODEL", {"tooltip": "The diffusion model to stream (from any loader)."}),
+                             "preset": preset_input()},
+                "optional": optional_inputs()}
+
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The same model; its blocks now stream from pinned RAM.",)
+    FUNCTION = "apply"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Stream a MODEL block by block from pinned host RAM under the pack's VRAM budget."
+
+    def apply(self, model: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+        return (offload_patcher(model, preset, budget, priority, kind="model"),)
+
+
+class OffloadCLIP:
+    """CLIP -> CLIP: stream a text encoder loaded by any other node."""
+
+    @classmethod
+    def INPUT_TYPES(cls) -> Dict[str, Any]:
+        return {"required": {"clip": ("CLIP", {"tooltip": "The text encoder to stream (from any loader)."}),
+                             "preset": preset_input()},
+                "optional": optional_inputs()}
+
+    RETURN_TYPES = ("CLIP",)
+    OUTPUT_TOOLTIPS = ("The same CLIP; its encoder blocks now stream from pinned RAM.",)
+    FUNCTION = "apply"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Stream a CLIP text encoder block by block from pinned host RAM under the pack's VRAM budget."
+
+    def apply(self, clip: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+        return (offload_clip(clip, preset, budget, priority),)
+
+
+class OffloadAny:
+    """* -> *: stream every nn.Module inside any object (other packs' TTS or custom model types)."""
+
+    @classmethod
+    def INPUT_TYPES(cls) -> Dict[str, Any]:
+        return {"required": {"anything": (ANY, {"tooltip": "Any object: its nn.Modules (found a few attribute levels "
+                                                            "deep) are offloaded in place."}),
+                             "preset": preset_input()},
+                "optional": optional_inputs()}
+
+    RETURN_TYPES = (ANY,)
+    RETURN_NAMES = ("anything",)
+    OUTPUT_TOOLTIPS = ("The same object, its modules now streamed.",)
+    FUNCTION = "apply"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("Find every torch nn.Module inside the input (attributes walked a few levels deep) and stream it; "
+                   "use it for model objects of other packs.")
+
+    def apply(self, anything: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+        return (offload_anything(anything, preset, budget, priority),)
+

@@ -1,0 +1,99 @@
+"""Offload Loaders: load from ComfyUI's model folders and return models already set up for streaming."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+import comfy.sd
+import folder_paths
+
+from .apply import offload_clip, offload_patcher
+from .common import CATEGORY, WEIGHT_DTYPES_FALLBACK, optional_inputs, preset_input
+
+log = logging.getLogger("layer_offload")
+
+
+def weight_dtype_choices() -> List[str]:
+    """The same weight_dtype options as ComfyUI's own UNETLoader (read from it when available)."""
+    core = sys.modules.get("nodes")
+    loader = getattr(core, "UNETLoader", None) if core is not None else None
+    try:
+        if loader is not None:
+            choices = loader.INPUT_TYPES()["required"]["weight_dtype"][0]
+            if isinstance(choices, (list, tuple)) and choices:
+                return list(choices)
+    except Exception:  # noqa: BLE001 - fall back to the long-standing list
+        pass
+    return list(WEIGHT_DTYPES_FALLBACK)
+
+
+def unet_model_options(weight_dtype: str) -> Dict[str, Any]:
+    """model_options for comfy.sd.load_diffusion_model, exactly as UNETLoader builds them."""
+    opts: Dict[str, Any] = {}
+    if weight_dtype == "fp8_e4m3fn":
+        opts["dtype"] = torch.float8_e4m3fn
+    elif weight_dtype == "fp8_e4m3fn_fast":
+        opts["dtype"] = torch.float8_e4m3fn
+        opts["fp8_optimizations"] = True
+    elif weight_dtype == "fp8_e5m2":
+        opts["dtype"] = torch.float8_e5m2
+    return opts
+
+
+class OffloadDiffusionModelLoader:
+    """UNETLoader + Offload Model in one node."""
+
+    @classmethod
+    def INPUT_TYPES(cls) -> Dict[str, Any]:
+        return {"required": {
+            "unet_name": (folder_paths.get_filename_list("diffusion_models"),
+                          {"tooltip": "A diffusion model file from models/diffusion_models."}),
+            "weight_dtype": (weight_dtype_choices(), {"tooltip": "Storage dtype of the weights, as in ComfyUI's "
+                                                                 "Load Diffusion Model node."}),
+            "preset": preset_input(),
+        }, "optional": optional_inputs()}
+
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The diffusion model, streamed block by block from pinned RAM.",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Load a diffusion model and stream its blocks from pinned host RAM under the pack's VRAM budget."
+
+    def load(self, unet_name: str, weight_dtype: str, preset: str, budget: Any = None,
+             priority: int = 0) -> Tuple[Any]:
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        model = comfy.sd.load_diffusion_model(path, model_options=unet_model_options(weight_dtype))
+        return (offload_patcher(model, preset, budget, priority, name=unet_name, kind="model"),)
+
+
+class OffloadCheckpointLoader:
+    """CheckpointLoaderSimple + offloading of its MODEL and CLIP."""
+
+    @classmethod
+    def INPUT_TYPES(cls) -> Dict[str, Any]:
+        return {"required": {
+            "ckpt_name": (folder_paths.get_filename_list("checkpoints"),
+                          {"tooltip": "A checkpoint file from models/checkpoints."}),
+            "preset": preset_input(),
+        }, "optional": optional_inputs()}
+
+    RETURN_TYPES = ("MODEL", "CLIP", "VAE")
+    OUTPUT_TOOLTIPS = ("The diffusion model, streamed.", "The text encoder, streamed.",
+                       "The VAE, loaded as ComfyUI does.")
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Load a checkpoint; its diffusion model and text encoder stream from pinned host RAM."
+
+    def load(self, ckpt_name: str, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any, Any, Any]:
+        path = folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)
+        out = comfy.sd.load_checkpoint_guess_config(path, output_vae=True, output_clip=True,
+                                                    embedding_directory=folder_paths.get_folder_paths("embeddings"))
+        model, clip, vae = out[:3]
+        if model is not None:
+            model = offload_patcher(model, preset, budget, priority, name=ckpt_name, kind="model")
+        if clip is not None:
+            clip = offload_clip(clip, preset, budget, priority, name=ckpt_name + ":clip")
+        return (model, clip, vae)

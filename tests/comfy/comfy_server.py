@@ -1,0 +1,155 @@
+"""Start a real ComfyUI server on 127.0.0.1 for the integration tests, queue API prompts, read history.
+
+The server runs with --cpu and --base-directory pointing at a temporary folder that holds
+custom_nodes/<hyphenated name> (a symlink to this repository), the test-only nodes and the tiny models.
+Everything is bounded in time; the process is always stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Any, Dict, List, Optional
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACK_FOLDER = "layer-offload-under-test"  # hyphenated on purpose: the pack must use relative imports only
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_base_dir(base: str) -> Dict[str, str]:
+    """Lay out a ComfyUI base directory with the pack, the test nodes and the model folders."""
+    paths = {
+        "custom_nodes": os.path.join(base, "custom_nodes"),
+        "diffusion_models": os.path.join(base, "models", "diffusion_models"),
+        "loras": os.path.join(base, "models", "loras"),
+        "output": os.path.join(base, "output"),
+        "input": os.path.join(base, "input"),
+        "temp": os.path.join(base, "temp"),
+        "user": os.path.join(base, "user"),
+    }
+    for p in paths.values():
+        os.makedirs(p, exist_ok=True)
+    link = os.path.join(paths["custom_nodes"], PACK_FOLDER)
+    if not os.path.exists(link):
+        os.symlink(REPO_ROOT, link, target_is_directory=True)
+    testnodes = os.path.join(paths["custom_nodes"], "layer_offload_testnodes")
+    if not os.path.exists(testnodes):
+        shutil.copytree(os.path.join(os.path.dirname(os.path.abspath(__file__)), "testnodes"), testnodes)
+    return paths
+
+
+class ComfyServer:
+    """One ComfyUI process; use as a context manager."""
+
+    def __init__(self, comfy_path: str, base_dir: str, python: Optional[str] = None,
+                 startup_timeout: float = 120.0) -> None:
+        self.comfy_path = comfy_path
+        self.base_dir = base_dir
+        self.python = python or sys.executable
+        self.port = free_port()
+        self.url = "http://127.0.0.1:{}".format(self.port)
+        self.startup_timeout = startup_timeout
+        self.log_path = os.path.join(base_dir, "comfyui.log")
+        self.proc: Optional[subprocess.Popen] = None
+        self.client_id = uuid.uuid4().hex
+
+    def __enter__(self) -> "ComfyServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cmd = [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+               "--base-directory", self.base_dir, "--disable-auto-launch", "--disable-metadata",
+               "--database-url", "sqlite:///" + os.path.join(self.base_dir, "user", "comfyui.db")]
+        env = dict(os.environ)
+        env.pop("COMFYUI_PATH", None)
+        env["PYTHONUNBUFFERED"] = "1"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=self.comfy_path, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("ComfyUI exited during startup (rc={}):\n{}".format(self.proc.returncode, self.log_tail()))
+            try:
+                self.get_json("/system_stats", timeout=2)
+                return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("ComfyUI did not start within {}s:\n{}".format(self.startup_timeout, self.log_tail()))
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, n: int = 6000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                data = f.read()
+            return data[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def get_json(self, path: str, timeout: float = 10) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return json.loads(r.read().decode("utf-8"))
+
+    def post_json(self, path: str, payload: Any, timeout: float = 10) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode("utf-8"),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                body = r.read().decode("utf-8")
+        except urllib.error.HTTPError as e:
+            raise RuntimeError("POST {} -> {}: {}".format(path, e.code, e.read().decode("utf-8", "replace")))
+        return json.loads(body) if body else None
+
+    def run_prompt(self, prompt: Dict[str, Any], timeout: float = 120.0) -> Dict[str, Any]:
+        """Queue an API-format prompt and wait for its history entry; raise with the log on error."""
+        resp = self.post_json("/prompt", {"prompt": prompt, "client_id": self.client_id})
+        if resp.get("node_errors"):
+            raise RuntimeError("prompt rejected: {}".format(resp["node_errors"]))
+        pid = resp["prompt_id"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            hist = self.get_json("/history/{}".format(pid))
+            entry = hist.get(pid)
+            if entry is not None:
+                status = entry.get("status", {})
+                if status.get("status_str") == "error" or not status.get("completed", True):
+                    raise RuntimeError("prompt failed: {}\n{}".format(json.dumps(status.get("messages"))[-4000:], self.log_tail()))
+                return entry
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError("ComfyUI died:\n" + self.log_tail())
+            time.sleep(0.2)
+        raise RuntimeError("prompt {} did not finish in {}s\n{}".format(pid, timeout, self.log_tail()))
+
+
+def ui_texts(entry: Dict[str, Any], node_id: str) -> List[str]:
+    """The UI 'text' list an output node returned in a history entry."""
+    return list(entry.get("outputs", {}).get(node_id, {}).get("text", []))

@@ -1,0 +1,67 @@
+"""ComfyUI tests: run only when COMFYUI_PATH points at a ComfyUI checkout; skip cleanly otherwise.
+
+In-process tests import ComfyUI in CPU mode (`args.cpu = True` before any other comfy import) and load this
+repository the way ComfyUI does: by file path, under a hyphenated package name, so only relative imports work.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+PACK_NAME = "layer-offload-inproc"
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH") or None
+
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+
+def comfy_available() -> bool:
+    return bool(COMFYUI_PATH) and os.path.isfile(os.path.join(COMFYUI_PATH, "comfy", "model_patcher.py"))
+
+
+def skip_reason() -> str:
+    if not COMFYUI_PATH:
+        return "COMFYUI_PATH is not set (point it at a ComfyUI checkout to run the ComfyUI tests)"
+    return "COMFYUI_PATH={} is not a ComfyUI checkout".format(COMFYUI_PATH)
+
+
+_pack: Any = None
+
+
+def load_comfy_and_pack() -> Any:
+    """Import ComfyUI (CPU mode) and this pack as ComfyUI would; returns the pack module."""
+    global _pack
+    if _pack is not None:
+        return _pack
+    if COMFYUI_PATH in sys.path:
+        sys.path.remove(COMFYUI_PATH)
+    sys.path.insert(0, COMFYUI_PATH)  # ComfyUI's `nodes.py` must win over this repository's `nodes/`
+    if "nodes" in sys.modules and not hasattr(sys.modules["nodes"], "UNETLoader"):
+        del sys.modules["nodes"]
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import comfy.model_management  # noqa: F401
+    import folder_paths  # noqa: F401
+    import nodes  # noqa: F401  (ComfyUI's core nodes: UNETLoader, KSampler, LoraLoaderModelOnly)
+
+    spec = importlib.util.spec_from_file_location(PACK_NAME, os.path.join(REPO_ROOT, "__init__.py"),
+                                                  submodule_search_locations=[REPO_ROOT])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[PACK_NAME] = module
+    spec.loader.exec_module(module)
+    _pack = module
+    return module
+
+
+@pytest.fixture(scope="session")
+def pack() -> Any:
+    if not comfy_available():
+        pytest.skip(skip_reason())
+    return load_comfy_and_pack()
