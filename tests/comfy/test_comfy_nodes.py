@@ -1,0 +1,327 @@
+"""In-process ComfyUI tests (CPU mode, simulated device): nodes, accounting, LoRA equality, interrupt.
+
+Skipped unless COMFYUI_PATH points at a ComfyUI checkout.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import comfy_available, skip_reason
+
+if not comfy_available():
+    pytest.skip(skip_reason(), allow_module_level=True)
+
+import torch  # noqa: E402
+
+import tiny_wan  # noqa: E402
+
+NODE_IDS = ["OffloadDiffusionModelLoader", "OffloadCheckpointLoader", "OffloadModel", "OffloadCLIP", "OffloadAny",
+            "OffloadVramBudget", "OffloadReport"]
+PRESETS = ["auto", "high_end", "mid_range", "consumer", "budget"]
+UNET = "lo_tiny_wan.safetensors"
+LORA = "lo_tiny_wan_lora.safetensors"
+
+
+@pytest.fixture(scope="module")
+def env(pack, tmp_path_factory):
+    """ComfyUI modules, the pack's node classes and a folder with the tiny Wan model and LoRA."""
+    import comfy.model_management as mm
+    import folder_paths
+    import nodes
+
+    d = str(tmp_path_factory.mktemp("models"))
+    tiny_wan.write_wan(os.path.join(d, UNET))
+    tiny_wan.write_lora(os.path.join(d, LORA))
+    folder_paths.add_model_folder_path("diffusion_models", d)
+    folder_paths.add_model_folder_path("loras", d)
+    return {"pack": pack, "mm": mm, "nodes": nodes, "M": pack.NODE_CLASS_MAPPINGS}
+
+
+def sample(env, model, steps: int = 3, seed: int = 3, callback=None) -> torch.Tensor:
+    nodes = env["nodes"]
+    g = torch.Generator().manual_seed(1)
+    cond = [[torch.randn(1, 8, 4096, generator=g) * 0.1, {}]]
+    latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}
+    with torch.inference_mode():
+        if callback is None:
+            out = nodes.common_ksampler(model, seed, steps, 1.0, "euler", "simple", cond, cond, latent)[0]
+        else:
+            import comfy.sample
+
+            noise = comfy.sample.prepare_noise(latent["samples"], seed)
+            s = comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", cond, cond, latent["samples"],
+                                    callback=callback, disable_pbar=True, seed=seed)
+            return s
+    return out["samples"]
+
+
+def plain_model(env):
+    return env["nodes"].UNETLoader().load_unet(UNET, "default")[0]
+
+
+def offload_model(env, preset: str = "budget", priority: int = 0):
+    return env["M"]["OffloadDiffusionModelLoader"]().load(UNET, "default", preset, None, priority)[0]
+
+
+def handle_of(model):
+    return model.model.diffusion_model.__dict__["_layer_offload"].handle
+
+
+# registration ---------------------------------------------------------------------------------------------------
+def test_all_node_ids_registered_with_category_and_tooltips(env):
+    pack = env["pack"]
+    assert sorted(pack.NODE_CLASS_MAPPINGS) == sorted(NODE_IDS)
+    assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(NODE_IDS)
+    assert pack.NODE_DISPLAY_NAME_MAPPINGS["OffloadDiffusionModelLoader"] == "Offload Loader (Diffusion Model)"
+    assert pack.NODE_DISPLAY_NAME_MAPPINGS["OffloadVramBudget"] == "VRAM Budget"
+    assert pack.WEB_DIRECTORY
+    for node_id, cls in pack.NODE_CLASS_MAPPINGS.items():
+        assert cls.CATEGORY == "Layer Offload", node_id
+        spec = cls.INPUT_TYPES()
+        for section in ("required", "optional"):
+            for name, entry in spec.get(section, {}).items():
+                assert len(entry) == 2 and entry[1].get("tooltip"), "{}.{} has no tooltip".format(node_id, name)
+
+
+def test_preset_dropdowns_offer_the_five_presets(env):
+    for node_id in ("OffloadDiffusionModelLoader", "OffloadCheckpointLoader", "OffloadModel", "OffloadCLIP",
+                    "OffloadAny", "OffloadVramBudget"):
+        spec = env["M"][node_id].INPUT_TYPES()["required"]["preset"]
+        assert list(spec[0]) == PRESETS, node_id
+
+
+def test_loader_inputs_match_comfy(env):
+    spec = env["M"]["OffloadDiffusionModelLoader"].INPUT_TYPES()
+    core = env["nodes"].UNETLoader.INPUT_TYPES()["required"]
+    assert list(spec["required"]["weight_dtype"][0]) == list(core["weight_dtype"][0])
+    assert UNET in spec["required"]["unet_name"][0]
+    assert spec["optional"]["budget"][0] == "OFFLOAD_BUDGET"
+    assert spec["optional"]["priority"][0] == "INT"
+    assert env["M"]["OffloadCheckpointLoader"].RETURN_TYPES == ("MODEL", "CLIP", "VAE")
+    assert env["M"]["OffloadReport"].OUTPUT_NODE is True
+    assert env["M"]["OffloadReport"].RETURN_TYPES == ("STRING",)
+
+
+def test_unknown_preset_is_a_clear_error(env):
+    with pytest.raises(ValueError, match="budget"):
+        env["M"]["OffloadModel"]().apply(plain_model(env), "turbo")
+
+
+# equality -------------------------------------------------------------------------------------------------------
+def test_offload_loader_is_bitwise_equal_to_unet_loader(env):
+    ref = sample(env, plain_model(env))
+    for preset in ("budget", "consumer", "auto"):
+        model = offload_model(env, preset)
+        from comfy.model_patcher import ModelPatcher
+
+        assert isinstance(model, ModelPatcher) and not model.is_dynamic()
+        out = sample(env, model)
+        assert torch.equal(ref, out), preset
+        assert torch.equal(ref, sample(env, model)), "repeated run differs ({})".format(preset)
+
+
+def test_offload_model_node_on_a_loaded_model(env):
+    plain = plain_model(env)
+    ref = sample(env, plain)
+    off = env["M"]["OffloadModel"]().apply(plain, "budget")[0]
+    assert off is not plain and off.model is plain.model
+    assert torch.equal(ref, sample(env, off))
+
+
+def test_lora_matches_plain_loader_with_lora(env):
+    lora_node = env["nodes"].LoraLoaderModelOnly()
+    base = sample(env, plain_model(env))
+    ref = sample(env, lora_node.load_lora_model_only(plain_model(env), LORA, 0.8)[0])
+    assert not torch.equal(ref, base), "the test LoRA must change the output"
+    off = offload_model(env, "budget")
+    patched = lora_node.load_lora_model_only(off, LORA, 0.8)[0]
+    assert type(patched) is type(off)
+    out = sample(env, patched)
+    assert torch.equal(ref, out)
+    # the host master stays unpatched: the offloaded model without the LoRA still gives the base result
+    assert torch.equal(base, sample(env, off))
+    assert torch.equal(ref, sample(env, patched))
+
+
+def test_lora_on_resident_units_matches(env):
+    lora_node = env["nodes"].LoraLoaderModelOnly()
+    ref = sample(env, lora_node.load_lora_model_only(plain_model(env), LORA, 1.0)[0])
+    off = offload_model(env, "high_end")
+    out = sample(env, lora_node.load_lora_model_only(off, LORA, 1.0)[0])
+    assert torch.equal(ref, out)
+
+
+# accounting -----------------------------------------------------------------------------------------------------
+def test_accounting_through_load_models_gpu_and_free_memory(env):
+    mm = env["mm"]
+    model = offload_model(env, "budget")
+    h = handle_of(model)
+    mm.load_models_gpu([model])
+    assert any(lm.model is model for lm in mm.current_loaded_models)
+    loaded = model.loaded_size()
+    assert loaded == h.device_bytes() > 0
+    full = mm.module_size(model.model)
+    assert loaded <= model.model_size() <= full
+    assert model.model_size() < full, "preset budget must not claim the whole model"
+    freed = model.partially_unload(model.offload_device, loaded // 2)
+    assert freed >= loaded // 2
+    assert model.loaded_size() == h.device_bytes() == loaded - freed
+    mm.load_models_gpu([model])
+    assert model.loaded_size() == h.device_bytes() > 0
+    lm = next(lm for lm in mm.current_loaded_models if lm.model is model)
+    lm.model_unload()  # ComfyUI's full unload: detach
+    mm.current_loaded_models.remove(lm)
+    assert h.device_bytes() == 0 and model.loaded_size() == 0
+    ref = sample(env, plain_model(env))
+    assert torch.equal(ref, sample(env, model)), "a model unloaded by ComfyUI must load again and match"
+
+
+def test_free_memory_unloads_offloaded_model(env):
+    mm = env["mm"]
+    model = offload_model(env, "budget")
+    mm.load_models_gpu([model])
+    assert model.loaded_size() > 0
+    dev = model.load_device
+    mm.free_memory(1 << 60, dev)  # ask for everything: ComfyUI partially unloads or detaches
+    assert model.loaded_size() == handle_of(model).device_bytes()
+    assert model.loaded_size() == 0 or not any(lm.model is model for lm in mm.current_loaded_models)
+
+
+# interrupt ------------------------------------------------------------------------------------------------------
+def test_interrupt_mid_block_leaves_nothing_broken(env):
+    mm = env["mm"]
+    model = offload_model(env, "budget")
+    ref = sample(env, plain_model(env))
+    block = model.model.diffusion_model.blocks[2].cross_attn
+    calls = {"n": 0}
+
+    def interrupt(module, args):
+        calls["n"] += 1
+        if calls["n"] == 2:  # second step, in the middle of a streamed block
+            raise mm.InterruptProcessingException()
+
+    hook = block.register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            sample(env, model)
+    finally:
+        hook.remove()
+        mm.interrupt_current_processing(False)
+    assert torch.equal(ref, sample(env, model)), "the run after an interrupt must match a fresh one"
+    fresh = offload_model(env, "budget")
+    assert torch.equal(ref, sample(env, fresh))
+
+
+def test_interrupt_flag_between_steps(env):
+    mm = env["mm"]
+    model = offload_model(env, "consumer")
+    ref = sample(env, plain_model(env))
+
+    def cb(step, x0, x, total):
+        if step == 1:
+            mm.interrupt_current_processing(True)
+            mm.throw_exception_if_processing_interrupted()
+
+    with pytest.raises(mm.InterruptProcessingException):
+        sample(env, model, callback=cb)
+    mm.interrupt_current_processing(False)
+    assert torch.equal(ref, sample(env, model))
+
+
+# budget, report, any --------------------------------------------------------------------------------------------
+def test_vram_budget_is_process_wide_and_persists(env):
+    from importlib import import_module
+
+    offload = import_module(env["pack"].__name__ + ".offload")
+    node = env["M"]["OffloadVramBudget"]()
+    spec = node.set_budget(3.0, "auto")[0]
+    assert offload.default_budget().total_bytes == 3 << 30
+    model = env["M"]["OffloadDiffusionModelLoader"]().load(UNET, "default", "budget", spec, 5)[0]
+    h = handle_of(model)
+    assert h.budget is offload.default_budget() and h.priority == 5
+    assert offload.default_budget().total_bytes == 3 << 30  # still in force after other nodes ran
+    spec2 = node.set_budget(0.0, "consumer")[0]
+    assert offload.default_budget().total_bytes == spec2.total_bytes > 0
+    with pytest.raises(ValueError):
+        node.set_budget(-1.0, "auto")
+    node.set_budget(4.0, "auto")
+
+
+def test_report_describes_streamed_blocks(env):
+    model = offload_model(env, "budget")
+    latent = sample(env, model)
+    out = env["M"]["OffloadReport"]().report({"samples": latent}, model)
+    data = json.loads(out["result"][0])
+    assert out["ui"]["text"] and "streamed" in out["ui"]["text"][0]
+    assert len(data["models"]) == 1
+    m = data["models"][0]
+    assert m["device"] == "sim" and m["preset"] == "budget" and m["priority"] == 0
+    assert m["streamed_blocks"] == 4 and m["resident_bytes"] > 0 and m["streamed_bytes"] > 0
+    assert m["total_bytes_streamed"] > 0 and m["forwards"] >= 3
+    for key in ("overlap_ratio", "effective_gbps"):
+        assert key in m
+    for b in m["blocks"]:
+        for key in ("name", "tier", "bytes", "h2d_ms", "compute_ms", "stall_ms"):
+            assert key in b
+        assert b["tier"] in ("pinned", "pageable", "disk")
+    everything = json.loads(env["M"]["OffloadReport"]().report(None)["result"][0])
+    assert len(everything["models"]) >= 1 and "budget" in everything
+
+
+def test_offload_any_finds_modules_inside_objects(env):
+    class TTSBundle:
+        def __init__(self):
+            self.config = {"sr": 24000}
+            self.model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU())
+                                               for _ in range(4)])
+            self.extras = {"vocoder": torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))}
+
+    torch.manual_seed(0)
+    obj = TTSBundle()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = obj.model(x)
+        ref_v = obj.extras["vocoder"](x)
+    out = env["M"]["OffloadAny"]().apply(obj, "budget")[0]
+    assert out is obj
+    assert "_layer_offload" in obj.model.__dict__ and "_layer_offload" in obj.extras["vocoder"].__dict__
+    with torch.no_grad():
+        assert torch.equal(ref, obj.model(x))
+        assert torch.equal(ref_v, obj.extras["vocoder"](x))
+    same = env["M"]["OffloadAny"]().apply("just a string", "budget")[0]
+    assert same == "just a string"
+
+
+def test_offload_any_routes_model_patchers(env):
+    plain = plain_model(env)
+    ref = sample(env, plain)
+    out = env["M"]["OffloadAny"]().apply(plain, "budget")[0]
+    from comfy.model_patcher import ModelPatcher
+
+    assert isinstance(out, ModelPatcher) and out is not plain
+    assert torch.equal(ref, sample(env, out))
+
+
+def test_patcher_class_is_installed_by_clone(env):
+    from importlib import import_module
+
+    cp = import_module(env["pack"].__name__ + ".nodes.comfy_patcher")
+    plain = plain_model(env)
+    n = cp.OffloadModelPatcher.clone(plain)
+    assert type(n) is cp.OffloadModelPatcher and n.model is plain.model
+    assert type(n.clone()) is cp.OffloadModelPatcher
+    assert not n.is_dynamic()
+
+    from comfy.model_patcher import ModelPatcher
+
+    class OtherPackPatcher(ModelPatcher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    src = plain.clone()
+    src.__class__ = OtherPackPatcher
+    mixed = cp.patcher_class_for(src).clone(src)
+    assert isinstance(mixed, OtherPackPatcher) and isinstance(mixed, cp.OffloadPatcherMixin)
