@@ -38,6 +38,12 @@ def _string_to_seed(key: str) -> int:
     return fn(key)
 
 
+def _lora_compute_dtype(device: Any) -> torch.dtype:
+    """The dtype a full load patches weights in: lora_compute_dtype where ComfyUI has it, else float32."""
+    fn = getattr(comfy.model_management, "lora_compute_dtype", None)
+    return fn(device) if callable(fn) else torch.float32
+
+
 class ExactPatch:
     """A weight_function that patches a weight exactly as ComfyUI's full load would bake it.
 
@@ -57,7 +63,7 @@ class ExactPatch:
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         stored = getattr(self.module, self.attr)
         device = weight.device
-        temp_dtype = comfy.model_management.lora_compute_dtype(device)
+        temp_dtype = _lora_compute_dtype(device)
         temp = comfy.model_management.cast_to_device(stored, device, temp_dtype, copy=True)
         out = comfy.lora.calculate_weight(self.patches[self.key], temp, self.key)
         out = comfy.float.stochastic_rounding(out, stored.dtype, seed=_string_to_seed(self.key))
