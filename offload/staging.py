@@ -49,6 +49,7 @@ class Entry:
     plain_param: bool  # a plain nn.Parameter: swapped with `.data =` so its identity never changes
     requires_grad: bool
     device: torch.device
+    original: torch.Tensor | None = None  # subclass tensors keep their identity: inner tensors are re-pointed
 
 
 @dataclass
@@ -70,8 +71,12 @@ class TensorLayout:
                 views.append(raw.view(leaf.shape))
         return views
 
-    def build(self, buf: torch.Tensor) -> "Binding":
-        """Tensors viewing `buf`, ready to be swapped into the unit's modules."""
+    def build(self, buf: torch.Tensor, master: bool = False) -> "Binding":
+        """Tensors viewing `buf`, ready to be swapped into the unit's modules.
+
+        With `master`, tensor subclasses are not rebuilt: the original objects get their inner tensors
+        re-pointed at `buf`, so the module keeps the very objects it had between forwards.
+        """
         views = self.leaf_views(buf)
 
         def make(recipe: Any) -> torch.Tensor:
@@ -83,6 +88,12 @@ class TensorLayout:
         data_swaps: list[tuple[nn.Parameter, torch.Tensor]] = []
         dict_sets: list[tuple[dict, str, torch.Tensor]] = []
         for entry in self.entries:
+            if master and entry.original is not None:
+                _repoint(entry.original, entry.recipe, views.__getitem__)
+                for module, attr, kind in entry.locations:
+                    dict_sets.append((module._parameters if kind == "param" else module._buffers, attr,
+                                      entry.original))
+                continue
             value = make(entry.recipe)
             if entry.plain_param:
                 data_swaps.append((entry.locations[0][0]._parameters[entry.locations[0][1]], value))
@@ -95,6 +106,16 @@ class TensorLayout:
                 else:
                     dict_sets.append((module._buffers, attr, value))
         return Binding(buf, data_swaps, dict_sets)
+
+
+def _repoint(obj: torch.Tensor, recipe: Any, leaf: Callable[[int], torch.Tensor]) -> None:
+    """Point a tensor subclass's inner tensors at `leaf(i)` (recursively), keeping the object itself."""
+    _, _, inner, _, _ = recipe
+    for name, r in inner.items():
+        if isinstance(r, int):
+            setattr(obj, name, leaf(r))
+        else:
+            _repoint(getattr(obj, name), r, leaf)
 
 
 @dataclass
@@ -153,7 +174,8 @@ def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> tupl
         if entry is None:
             recipe = _flatten(t, leaves, sources, offset)
             plain_param = kind == "param" and not is_subclass_tensor(t)
-            entry = Entry([], recipe, plain_param, bool(t.requires_grad), t.device)
+            entry = Entry([], recipe, plain_param, bool(t.requires_grad), t.device,
+                          t if not isinstance(recipe, int) else None)
             by_id[id(t)] = entry
             entries.append(entry)
         entry.locations.append((sub, name, kind))
@@ -195,7 +217,7 @@ class StagingBuffer:
         with torch.no_grad():
             for view, src in zip(views, sources):
                 view.copy_(src)
-        binding = layout.build(host)
+        binding = layout.build(host, master=True)
         binding.apply()  # the originals are now unreferenced by the module: their storage is released
         return cls(layout, host, pinned, binding)
 
@@ -212,6 +234,11 @@ class StagingBuffer:
                                              outer_stride)
 
         for entry in layout.entries:
+            if entry.original is not None:
+                _repoint(entry.original, entry.recipe, lambda i: views[i].to(device=entry.device, copy=True))
+                for module, attr, kind in entry.locations:
+                    (module._parameters if kind == "param" else module._buffers)[attr] = entry.original
+                continue
             value = make(entry.recipe, entry.device)
             if entry.plain_param:
                 module, attr, _ = entry.locations[0]

@@ -198,7 +198,8 @@ class ModelStreamer:
     def _binding(self, u: UnitState, slot: int) -> Binding:
         binding = u.slot_bindings.get(slot)
         if binding is None:
-            binding = u.staging.layout.build(self.slots[slot])
+            with torch.inference_mode(False):  # views made under inference_mode could not serve autograd later
+                binding = u.staging.layout.build(self.slots[slot])
             u.slot_bindings[slot] = binding
         return binding
 
@@ -247,6 +248,10 @@ class ModelStreamer:
 
     def _apply(self) -> None:
         """Make device memory match the plan: rest, resident units, slot ring."""
+        with torch.inference_mode(False), torch.no_grad():
+            self._apply_plan()
+
+    def _apply_plan(self) -> None:
         if self.active is not None:
             self._finish_active()
         self.backend.synchronize()  # nothing in flight may touch memory we are about to free

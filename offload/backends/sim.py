@@ -77,6 +77,8 @@ class SimBackend(Backend):
                 raise torch.OutOfMemoryError(
                     f"simulated device out of memory: tried to allocate {nbytes} bytes with "
                     f"{self.capacity_bytes - self.used_bytes} of {self.capacity_bytes} bytes free")
+            if self.used_bytes == 0:  # the device was empty: a new epoch for the peak
+                self.peak_bytes = 0
             buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes]
             ptr = buf.untyped_storage().data_ptr()
             self.used_bytes += nbytes
