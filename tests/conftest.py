@@ -16,7 +16,6 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-BIG_BUDGET = 1 << 40  # 1 TiB: a VramBudget that never constrains a test
 
 
 def pytest_configure(config):
@@ -40,10 +39,12 @@ def _deterministic():
 
 @pytest.fixture
 def sim_budget():
-    """A fresh, effectively unlimited VramBudget (isolates the test from default_budget())."""
+    """A fresh VramBudget of its own (isolates the test from default_budget()). Its total is left to the
+    engine, which sizes it from the device on first use: a fixed "big" total would be rejected as larger
+    than the device (DESIGN §6), and the per-model `vram_budget_bytes` is what the tests constrain."""
     from offload import VramBudget
 
-    return VramBudget(BIG_BUDGET)
+    return VramBudget(None)
 
 
 @pytest.fixture
@@ -60,7 +61,8 @@ def sim_cfg():
 
 @pytest.fixture
 def offload():
-    """Factory: ``offload(model, cfg, **kw)`` -> handle, with a private VramBudget unless one is given.
+    """Factory: ``offload(model, cfg, **kw)`` -> handle, with a private VramBudget (sized from the device)
+    unless one is given.
 
     Handles still attached at teardown are detached so a failing test cannot leak hooks into another.
     """
@@ -70,7 +72,7 @@ def offload():
 
     def attach(model, cfg, **kw):
         if kw.get("budget") is None:
-            kw["budget"] = VramBudget(BIG_BUDGET)
+            kw["budget"] = VramBudget(None)
         h = offload_module(model, cfg, **kw)
         handles.append(h)
         return h

@@ -395,6 +395,88 @@ class HeavyStack(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Call-order and layout edge cases
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ReorderStack(nn.Module):
+    """Runs its blocks in an order chosen per call (`self.order`), like skip-layer / block-swap patches that
+    change which blocks run between forwards: prefetch predictions go wrong and outputs must not care."""
+
+    def __init__(self, dim: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
+        self.order: list[int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = self.order if self.order is not None else range(len(self.blocks))
+        for i in order:
+            x = self.blocks[i](x)
+        return x
+
+
+class ReusedBlockStack(nn.Module):
+    """One block object listed at several depths (ALBERT-style sharing): a unit runs several times per forward."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        a, b, c = MLPBlock(dim), MLPBlock(dim), MLPBlock(dim)
+        self.blocks = nn.ModuleList([a, b, a, c, a, b])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for blk in self.blocks:
+            x = blk(x)
+        return x
+
+
+class TransposedLinear(nn.Module):
+    """Weight stored as the transpose of a contiguous tensor (a non-contiguous parameter, e.g. a tied or
+    converted checkpoint weight): matmul kernels depend on strides, so bitwise equality needs them kept."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter((torch.randn(dim, dim) * 0.1).t())  # stride (1, dim)
+        self.bias = nn.Parameter(torch.randn(dim) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class StridedLinear(nn.Module):
+    """Gapped layouts: a column-sliced weight (stride (2*dim, 2)) and an every-other-element buffer
+    (stride (2,)), as weight surgery on fused tensors produces."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, 2 * dim)[:, ::2])
+        self.register_buffer("bias", torch.randn(2 * dim)[::2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * 0.1, self.bias)
+
+
+class TransposedBlock(nn.Module):
+    def __init__(self, dim: int, strided: bool = False) -> None:
+        super().__init__()
+        self.a = StridedLinear(dim) if strided else TransposedLinear(dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class TransposedStack(nn.Module):
+    def __init__(self, dim: int = 64, depth: int = 4, strided: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TransposedBlock(dim, strided) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Helpers shared by the test files
 # ----------------------------------------------------------------------------------------------------------
 
@@ -481,6 +563,11 @@ CASES = {
                      lambda: (torch.randn(2, 5, 64),), ["blocks"]),
     "fp8_e5m2": Case("fp8_e5m2", lambda: seeded(Fp8Stack, dim=64, depth=4, dtype=torch.float8_e5m2),
                      lambda: (torch.randn(2, 5, 64),), ["blocks"]),
+    "decoder_bf16": Case("decoder_bf16", lambda: seeded(DecoderStack, dim=64, depth=4, heads=4, kv_heads=2,
+                                                         intermediate=128, vocab=128).to(torch.bfloat16),
+                         lambda: (torch.randint(0, 128, (2, 7)),), ["layers"]),
+    "transposed": Case("transposed", lambda: seeded(TransposedStack, dim=64, depth=4),
+                       lambda: (torch.randn(2, 5, 64),), ["blocks"]),
     "int8_subclass": Case("int8_subclass", lambda: seeded(QuantStack, dim=64, depth=4),
                           lambda: (torch.randn(2, 5, 64),), ["blocks"]),
 }

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import CASES, TransformerStack, run, seeded, streaming_budget
+from tests.models import (CASES, ReorderStack, ReusedBlockStack, TransformerStack, TransposedStack, run, seeded,
+                          streaming_budget)
 
 CASE_NAMES = list(CASES)
 PRESET_NAMES = ["auto", "high_end", "mid_range", "consumer", "budget"]
@@ -143,3 +144,96 @@ def test_two_models_share_one_budget(sim_cfg):
     assert shared.used_bytes == 0, "detached models must give their share of the budget back"
     assert torch.equal(run(a, x), ref_a)
     assert torch.equal(run(b, x), ref_b)
+
+
+def test_block_order_changing_between_forwards(sim_cfg, offload):
+    """Forwards that skip, repeat or reorder blocks (skip-layer patches, early exit): the prefetcher's guess
+    of the next unit is wrong, and the outputs must still be exact."""
+    model = seeded(ReorderStack, dim=64, depth=6)
+    x = (torch.randn(2, 5, 64),)
+    orders = [None, [5, 4, 3, 2, 1, 0], [0, 2, 4], None, [1, 1, 3, 3, 5], [0], None]
+    refs = []
+    for o in orders:
+        model.order = o
+        refs.append(run(model, x))
+    blocks = list(model.blocks)
+    offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, blocks, 3), prefetch=2))
+    for _ in range(2):
+        for o, ref in zip(orders, refs):
+            model.order = o
+            assert torch.equal(run(model, x), ref), f"order {o}"
+
+
+def test_block_object_reused_at_several_depths(sim_cfg, offload):
+    model = seeded(ReusedBlockStack, dim=64)
+    x = (torch.randn(2, 5, 64),)
+    ref = run(model, x)
+    distinct = list({id(b): b for b in model.blocks}.values())
+    offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, distinct, 2), prefetch=1))
+    for _ in range(3):
+        assert torch.equal(run(model, x), ref)
+
+
+def test_unit_called_on_its_own(sim_cfg, offload):
+    """A streamed block called directly, outside the model's forward (feature extraction, a node running one
+    block): its weights must still be on the device for that call."""
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()[0]
+    with torch.no_grad():
+        h = model.embed(x)
+        block_refs = [blk(h) for blk in model.blocks]
+        ref = model(x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
+    streamed = handle.streamed_unit_modules()
+    assert streamed
+    with torch.no_grad():
+        for i in (4, 1, 4):
+            assert torch.equal(model.blocks[i](h), block_refs[i]), f"blocks.{i} called alone"
+        assert torch.equal(model(x), ref)
+        assert torch.equal(model.blocks[2](h), block_refs[2])
+        assert torch.equal(model(x), ref)
+
+
+def test_weights_changed_in_place_are_what_streams(sim_cfg, offload):
+    """Host memory is the truth (DESIGN §4.5): weights loaded in place after offloading (load_state_dict,
+    a merged LoRA) must be what the next forward computes with, including units whose copy for that forward
+    was already started by the previous forward's lookahead."""
+    case = CASES["transformer"]
+    model = case.build()
+    other = seeded(TransformerStack, dim=64, depth=6, heads=4, seed=7)
+    x = case.inputs()
+    ref_model, ref_other = run(model, x), run(other, x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
+    assert handle.streamed_unit_modules()
+    assert torch.equal(run(model, x), ref_model)  # lookahead for the next forward is now in flight
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(run(model, x), ref_other), "stale weights used after load_state_dict"
+    assert torch.equal(run(model, x), ref_other)
+
+
+def test_in_place_update_of_resident_units_survives_replanning(sim_cfg, offload):
+    """Weights written in place while a unit is resident (its params point at device memory) must reach the
+    host master too: after unload() the unit streams from the host again, and must stream the new bytes."""
+    case = CASES["transformer"]
+    model = case.build()
+    other = seeded(TransformerStack, dim=64, depth=6, heads=4, seed=7)
+    x = case.inputs()
+    ref_other = run(other, x)
+    handle = offload(model, sim_cfg(prefetch=2))  # roomy: the planner keeps units resident
+    run(model, x)
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(run(model, x), ref_other)
+    handle.unload()  # everything back to host masters; the next forward re-plans
+    assert torch.equal(run(model, x), ref_other), "host masters lost the in-place update made while resident"
+
+
+def test_gapped_strided_tensors_stay_exact(sim_cfg, offload):
+    """A column-sliced weight and a strided buffer (non-dense layouts): offloading moves bytes, it must not
+    change which kernel runs, so results stay bitwise equal (DESIGN §3)."""
+    model = seeded(TransposedStack, dim=64, depth=4, strided=True)
+    x = (torch.randn(2, 5, 64),)
+    ref = run(model, x)
+    offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, list(model.blocks), 3), prefetch=2))
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from tests.models import (ALIGN, CASES, Boom, RaisingStack, aligned_bytes, module_path, param_inner_tensors,
+from tests.models import (ALIGN, CASES, Boom, RaisingStack, TransformerStack, aligned_bytes, module_path, param_inner_tensors,
                           raw_bytes, run, seeded, snapshot, same_tensor, streaming_budget, unit_tensors)
 
 
@@ -293,3 +293,42 @@ def test_unload_all_then_forward(sim_cfg, offload):
             assert not handle.backend.owns(t)
     assert torch.equal(run(model, x), ref)
     assert torch.equal(run(model, x), ref)
+
+
+def test_contended_budget_follows_priority(sim_cfg):
+    """Two equal models, one budget that cannot hold both fully (DESIGN §2 budget.py): each gets its floor,
+    the rest goes by priority; both stay exact and together never exceed the budget."""
+    from offload import VramBudget, offload_module
+
+    case = CASES["transformer"]
+    a = case.build()
+    b = seeded(TransformerStack, dim=64, depth=6, heads=4, seed=3)
+    x = case.inputs()
+    ref_a, ref_b = run(a, x), run(b, x)
+    full = aligned_bytes(a)
+    shared = VramBudget(int(full * 1.3))  # one model resident, the other mostly streaming
+    ha = offload_module(a, sim_cfg(prefetch=1), name="a", priority=0, budget=shared)
+    hb = offload_module(b, sim_cfg(prefetch=1), name="b", priority=0, budget=shared)
+    try:
+        def step():
+            assert torch.equal(run(a, x), ref_a)
+            assert ha.device_bytes() + hb.device_bytes() <= shared.total_bytes
+            assert torch.equal(run(b, x), ref_b)
+            assert ha.device_bytes() + hb.device_bytes() <= shared.total_bytes
+            assert shared.used_bytes <= shared.total_bytes
+
+        step()
+        hb.prioritize()
+        step()
+        step()
+        assert hb.device_bytes() >= ha.device_bytes(), (
+            f"prioritized model holds {hb.device_bytes()} B, the other {ha.device_bytes()} B")
+        ha.set_priority(10)
+        ha.prioritize()
+        step()
+        step()
+        assert ha.device_bytes() >= hb.device_bytes(), (
+            f"prioritized model holds {ha.device_bytes()} B, the other {hb.device_bytes()} B")
+    finally:
+        ha.detach()
+        hb.detach()

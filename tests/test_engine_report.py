@@ -179,3 +179,14 @@ def test_copies_hide_behind_compute(sim_cfg, offload, one_compute_thread):
         f"prefetch=0 overlap {none.overlap_ratio:.2f} not below prefetch=2 overlap {deep.overlap_ratio:.2f}")
     none_stall = sum(b.stall_ms for b in none.blocks)
     assert none_stall > stall, f"prefetch=0 stalled {none_stall:.1f} ms, prefetch=2 {stall:.1f} ms"
+
+
+def test_report_before_any_forward(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
+    rep = handle.report()
+    assert rep.total_bytes_streamed == 0
+    assert 0.0 <= rep.overlap_ratio <= 1.0 and math.isfinite(rep.effective_gbps)
+    d = rep.to_dict()
+    assert json.loads(json.dumps(d)) == d
