@@ -62,6 +62,12 @@ class PrefetchWorker:
         self.free.append((slot, after))
         self.fill()
 
+    def restart(self) -> None:
+        """Drop queued copies (their bytes are stale) and start again from the next predicted unit."""
+        if self.inflight:
+            self.next_pos = self.order.index(self.inflight[0][0]) if self.inflight[0][0] in self.order else 0
+        self._cancel_inflight()
+
     def _cancel_inflight(self) -> None:
         # Copies already queued into these slots stay ahead of any new copy on the same transfer stream,
         # so the slots can be handed out again at once.

@@ -37,7 +37,7 @@ class Leaf:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-    transposed: bool  # stored as the contiguous transpose of a 2-D tensor (keeps original strides)
+    stride: tuple[int, ...] | None  # None: contiguous; else the original strides over a span of memory
 
 
 @dataclass
@@ -61,12 +61,22 @@ class TensorLayout:
     nbytes: int
     dtypes: set = field(default_factory=set)
 
+    def version(self) -> int:
+        """Sum of the version counters of the tensors bound now: changes whenever one is written in place."""
+        total = 0
+        for entry in self.entries:
+            module, attr, kind = entry.locations[0]
+            t = (module._parameters if kind == "param" else module._buffers).get(attr)
+            if t is not None:
+                total += t._version
+        return total
+
     def leaf_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         views = []
         for leaf in self.leaves:
             raw = buf[leaf.offset:leaf.offset + leaf.nbytes].view(leaf.dtype)
-            if leaf.transposed:
-                views.append(raw.view(leaf.shape[1], leaf.shape[0]).t())
+            if leaf.stride is not None:
+                views.append(raw.as_strided(leaf.shape, leaf.stride))
             else:
                 views.append(raw.view(leaf.shape))
         return views
@@ -77,7 +87,10 @@ class TensorLayout:
         With `master`, tensor subclasses are not rebuilt: the original objects get their inner tensors
         re-pointed at `buf`, so the module keeps the very objects it had between forwards.
         """
-        views = self.leaf_views(buf)
+        return self.bind(self.leaf_views(buf), buf, master)
+
+    def bind(self, views: list[torch.Tensor], buf: torch.Tensor | None, master: bool = False) -> "Binding":
+        """Like `build`, from per-leaf tensors (a file's mmap views for the disk tier)."""
 
         def make(recipe: Any) -> torch.Tensor:
             if isinstance(recipe, int):
@@ -122,7 +135,7 @@ def _repoint(obj: torch.Tensor, recipe: Any, leaf: Callable[[int], torch.Tensor]
 class Binding:
     """A unit's tensors bound to one buffer (host master or a device slot); `apply` swaps them in."""
 
-    buf: torch.Tensor
+    buf: torch.Tensor | None
     data_swaps: list[tuple[nn.Parameter, torch.Tensor]]
     dict_sets: list[tuple[dict, str, torch.Tensor]]
 
@@ -141,9 +154,14 @@ def _flatten(t: torch.Tensor, leaves: list[Leaf], sources: list[torch.Tensor], o
     plain = t.detach()
     if type(plain) is not torch.Tensor:
         plain = plain.as_subclass(torch.Tensor)
-    transposed = plain.dim() == 2 and not plain.is_contiguous() and plain.t().is_contiguous()
-    nbytes = plain.numel() * plain.element_size()
-    leaves.append(Leaf(offset[0], nbytes, plain.dtype, tuple(plain.shape), transposed))
+    stride = None
+    span = plain.numel()
+    if not plain.is_contiguous() and plain.numel() > 0 and all(st > 0 for st in plain.stride()):
+        # keep the original strides (kernels, and so outputs, can depend on them) over the memory they span
+        stride = tuple(plain.stride())
+        span = 1 + sum((n - 1) * st for n, st in zip(plain.shape, stride))
+    nbytes = span * plain.element_size()
+    leaves.append(Leaf(offset[0], nbytes, plain.dtype, tuple(plain.shape), stride))
     sources.append(plain)
     offset[0] = _align(offset[0] + nbytes)
     return len(leaves) - 1
@@ -201,30 +219,47 @@ class StagingBuffer:
     """A unit's host master: one flat buffer (pinned where allowed) that all its tensors view."""
 
     layout: TensorLayout
-    host: torch.Tensor
+    host: torch.Tensor | None
     pinned: bool
     host_binding: Binding
 
+    master_views: list[torch.Tensor] | None = None  # disk tier: per-leaf views of the file's mmap
+
     @classmethod
-    def create(cls, tensors: list[tuple[nn.Module, str, str, torch.Tensor]],
-               alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool) -> "StagingBuffer":
-        """Copy the tensors into one host buffer and point their modules at views of it."""
-        layout, sources = plan_layout(tensors)
+    def create(cls, layout: TensorLayout, sources: list[torch.Tensor],
+               alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
+               fill_meta: Callable[[int], torch.Tensor] | None = None) -> "StagingBuffer":
+        """Copy the tensors into one host buffer and point their modules at views of it.
+
+        `fill_meta(i)` supplies leaf i when the module holds only a meta tensor (weights still on disk).
+        """
         host, pinned = alloc_host(layout.nbytes, pin)
         if pin and not pinned:
             PinFallbackNotice.say("the allocator refused or this torch has no accelerator")
         views = layout.leaf_views(host)
         with torch.no_grad():
-            for view, src in zip(views, sources):
+            for i, (view, src) in enumerate(zip(views, sources)):
+                if src.is_meta:
+                    if fill_meta is None:
+                        raise ValueError(f"a {tuple(src.shape)} {src.dtype} tensor is on the meta device and no "
+                                         f"disk_path was given to read it from")
+                    src = fill_meta(i)
                 view.copy_(src)
         binding = layout.build(host, master=True)
         binding.apply()  # the originals are now unreferenced by the module: their storage is released
         return cls(layout, host, pinned, binding)
 
+    @classmethod
+    def from_file(cls, layout: TensorLayout, views: list[torch.Tensor]) -> "StagingBuffer":
+        """A disk-tier master: the module views the file's mmap; no RAM copy is made."""
+        binding = layout.bind(views, None, master=True)
+        binding.apply()
+        return cls(layout, None, False, binding, views)
+
     def restore_ordinary(self) -> None:
         """Give every tensor back as an ordinary, independent tensor on its original device."""
         layout = self.layout
-        views = layout.leaf_views(self.host)
+        views = self.master_views if self.host is None else layout.leaf_views(self.host)
 
         def make(recipe: Any, device: torch.device) -> torch.Tensor:
             if isinstance(recipe, int):

@@ -20,7 +20,8 @@ from .backends.base import Backend
 from .blocks import Unit
 from .metrics import MetricsCollector
 from .prefetch import PrefetchWorker
-from .staging import Binding, StagingBuffer, unit_tensors
+from .staging import Binding, StagingBuffer, plan_layout, unit_tensors
+from .storage import BounceReader, DiskSource, PageableSource, SafetensorsFile, resolve
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,12 @@ class UnitState:
     resident_buf: torch.Tensor | None = None
     slot_bindings: dict[int, Binding] = field(default_factory=dict)
     source: Any = None  # where the prefetch copy reads from (host buffer, or a disk reader)
+    mark: int = 0  # version of the tensors bound between forwards, when last seen
+    device_newer: bool = False  # a resident copy was written in place: the host master must catch up
 
     @property
     def host_tier(self) -> str:
-        if self.source is not None and getattr(self.source, "tier", None) == "disk":
+        if getattr(self.source, "tier", None) == "disk":
             return "disk"
         return "pinned" if self.staging.pinned else "pageable"
 
@@ -58,7 +61,9 @@ class ModelStreamer:
 
     def __init__(self, model: nn.Module, units: list[Unit], backend: Backend, pin_memory: bool,
                  profile: bool = False, on_forward_start: Callable[[], None] | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None, prefetch: int = 2,
+                 file: SafetensorsFile | None = None,
+                 host_plan: Callable[[list[int]], dict[int, str]] | None = None) -> None:
         self.model = model
         self.backend = backend
         self.on_forward_start = on_forward_start
@@ -78,26 +83,72 @@ class ModelStreamer:
         self.peak_device_bytes = 0
         self.resident_set: set[int] = set()
 
+        self.file = file
+        self.reader: BounceReader | None = None
+        paths: dict[int, str] = {}
+        for path, mod in model.named_modules(remove_duplicate=False):
+            paths.setdefault(id(mod), path)
+
+        def key_of(sub: nn.Module, name: str) -> str:
+            return f"{paths[id(sub)]}.{name}" if paths.get(id(sub)) else name
+
+        # 1. plan every layout and check the file before touching the model (nothing half-attached on error)
         shared = self._shared_tensor_ids(model, units)
-        total = len(units) + 1
-        for i, unit in enumerate(units):
+        planned = []
+        in_units: set[tuple[int, str, str]] = set()
+        for unit in units:
             tensors = [t for t in unit_tensors(unit.module) if id(t[3]) not in shared]
-            staging = StagingBuffer.create(tensors, backend.alloc_host, pin_memory)
-            self.units.append(UnitState(i, unit.name, unit.module, staging, staging.layout.nbytes))
-            self.units[-1].source = staging.host
-            if progress:
-                progress(i + 1, total)
-        in_units = set()
-        for u in self.units:
-            for sub, name, kind, t in unit_tensors(u.module):
-                if id(t) not in shared:
-                    in_units.add((id(sub), name, kind))
+            in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
+            planned.append(plan_layout(tensors) + (tensors,))
         rest = [(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
                 if (id(sub), name, kind) not in in_units]
+        rest_layout, rest_sources = plan_layout(rest)
+        sizes = [layout.nbytes for layout, _, _ in planned]
+        tiers = host_plan(sizes) if host_plan is not None else {}
+        keys: dict[int, list[str]] = {}
+        for i, (layout, sources, _) in enumerate(planned):
+            plain = all(isinstance(e.recipe, int) for e in layout.entries) and \
+                all(leaf.stride is None for leaf in layout.leaves)  # the file stores tensors contiguous
+            needs_file = tiers.get(i) == "disk" or any(src.is_meta for src in sources)
+            if tiers.get(i) == "disk" and not (plain and file is not None):
+                tiers[i] = "pageable"
+            if needs_file and file is not None and plain:
+                keys[i] = file.match([key_of(*e.locations[0][:2]) for e in layout.entries], sources)
+        rest_keys = None
+        if file is not None and any(src.is_meta for src in rest_sources):
+            rest_keys = file.match([key_of(*e.locations[0][:2]) for e in rest_layout.entries], rest_sources)
+
+        # 2. stage: one host buffer per RAM unit, file views for disk units
+        total = len(units) + 1
+        bounced = [i for i in range(len(units)) if tiers.get(i) == "disk" or
+                   (tiers.get(i) == "pageable" and backend.supports_pinned_host)]
+        if bounced:
+            self.reader = BounceReader(backend, max(sizes[i] for i in bounced), prefetch + 2)
+        for i, (unit, (layout, sources, _)) in enumerate(zip(units, planned)):
+            tier = tiers.get(i)
+            if tier == "disk":
+                views = [file.view(k) for k in keys[i]]
+                staging = StagingBuffer.from_file(layout, views)
+                source: Any = DiskSource(file, layout, keys[i], self.reader)
+            else:
+                fill = (lambda j, k=keys.get(i): file.view(k[j])) if i in keys else None
+                staging = StagingBuffer.create(layout, sources, backend.alloc_host,
+                                               pin_memory and tier != "pageable", fill)
+                source = staging.host
+                if not staging.pinned and self.reader is not None and backend.supports_pinned_host:
+                    source = PageableSource(staging.host, self.reader)
+            self.units.append(UnitState(i, unit.name, unit.module, staging, staging.layout.nbytes, source=source))
+            if progress:
+                progress(i + 1, total)
         # Non-block tensors: always resident; the host copy stays as the master for detach.
-        self.rest = StagingBuffer.create(rest, backend.alloc_host, False)
+        fill = (lambda j: file.view(rest_keys[j])) if rest_keys else None
+        self.rest = StagingBuffer.create(rest_layout, rest_sources, backend.alloc_host, False, fill)
         self.rest_buf: torch.Tensor | None = None
         self.rest_bytes = self.rest.layout.nbytes if rest else 0
+        self.rest_mark = self.rest.layout.version()
+        self.rest_device_newer = False
+        for u in self.units:
+            u.mark = u.staging.layout.version()
         if progress:
             progress(total, total)
         self._install_hooks()
@@ -144,6 +195,7 @@ class ModelStreamer:
         if self.active is not None:
             self._finish_active()
         self.metrics.harvest()
+        self._check_writes()
         if self.on_forward_start is not None:
             self.on_forward_start()
         self.ensure_loaded()
@@ -171,6 +223,7 @@ class ModelStreamer:
         self._seen.append(index)
         slot, copy = self.worker.take(index)
         ready = self.backend.record()
+        copy = resolve(copy)
         self.backend.wait(copy)
         start = self.backend.record()
         self._binding(u, slot).apply()
@@ -194,6 +247,48 @@ class ModelStreamer:
         free = self.backend.record()
         self.metrics.add(index, copy, ready, start, free, u.nbytes)
         self.worker.release(slot, free)
+
+    def _check_writes(self) -> None:
+        """Notice weights written in place between forwards (load_state_dict, a merged patch).
+
+        A streamed unit's host master changed: copies already queued for it are stale, so the lookahead is
+        restarted. A resident unit's device copy changed: the host master catches up when it is evicted.
+        """
+        stale = False
+        for u in self.units:
+            v = u.staging.layout.version()
+            if v != u.mark:
+                u.mark = v
+                if u.resident_buf is not None:
+                    u.device_newer = True
+                else:
+                    stale = True
+        v = self.rest.layout.version()
+        if v != self.rest_mark:
+            self.rest_mark = v
+            self.rest_device_newer = self.rest_buf is not None
+        if stale:
+            log.debug("weights changed in place; restarting the lookahead")
+            self.worker.restart()
+
+    def _evict(self, u: UnitState) -> None:
+        """Drop a resident unit's device copy (catching the host master up first if it was written)."""
+        if u.device_newer:
+            self._copy_back(u.staging, u.resident_buf, u.name)
+            u.device_newer = False
+        u.staging.host_binding.apply()
+        self.backend.release(u.resident_buf)
+        u.resident_buf = None
+        u.mark = u.staging.layout.version()
+
+    def _copy_back(self, staging: StagingBuffer, device_buf: torch.Tensor, name: str) -> None:
+        # The only device-to-host copy in the engine, and only for bytes the user wrote on the device.
+        if staging.host is None:
+            log.warning("%s was changed in place on the device but its master is a read-only file; the change "
+                        "is dropped when it leaves the device", name)
+            return
+        self.backend.synchronize()
+        staging.host.copy_(device_buf)
 
     def _binding(self, u: UnitState, slot: int) -> Binding:
         binding = u.slot_bindings.get(slot)
@@ -261,18 +356,18 @@ class ModelStreamer:
         # release first, so what we allocate next fits
         for u in self.units:
             if u.resident_buf is not None and u.index not in self.resident_set:
-                u.staging.host_binding.apply()
-                self.backend.release(u.resident_buf)
-                u.resident_buf = None
+                self._evict(u)
         if len(self.slots) != n_slots or self.slot_bytes != slot_bytes:
             self._free_slots()
         try:
             if self.rest_buf is None and self.rest_bytes:
                 self.rest_buf = self._to_device(self.rest)
+                self.rest_mark = self.rest.layout.version()
             for i in sorted(self.resident_set):
                 u = self.units[i]
                 if u.resident_buf is None:
                     u.resident_buf = self._to_device(u.staging, u)
+                    u.mark = u.staging.layout.version()
             if not self.slots and n_slots:
                 self.slot_bytes = slot_bytes
                 for _ in range(n_slots):
@@ -291,7 +386,7 @@ class ModelStreamer:
         buf = self.backend.alloc(nbytes)
         src = unit.source if unit is not None else staging.host
         if hasattr(src, "issue"):
-            event = src.issue(self.backend, buf, None)
+            event = resolve(src.issue(self.backend, buf, None))
         else:
             event = self.backend.copy_h2d(buf, src, None)
         self.backend.wait(event)
@@ -321,12 +416,13 @@ class ModelStreamer:
             for u in sorted((u for u in self.units if u.resident_buf is not None), key=lambda u: -u.index):
                 if self.device_bytes() <= target:
                     break
-                u.staging.host_binding.apply()
-                self.backend.release(u.resident_buf)
-                u.resident_buf = None
+                self._evict(u)
             if self.device_bytes() > target:
                 self._free_slots()
             if self.device_bytes() > target and self.rest_buf is not None:
+                if self.rest_device_newer:
+                    self._copy_back(self.rest, self.rest_buf, "non-block weights")
+                    self.rest_device_newer = False
                 self.rest.host_binding.apply()
                 self.backend.release(self.rest_buf)
                 self.rest_buf = None
@@ -345,3 +441,6 @@ class ModelStreamer:
                 u.slot_bindings.clear()
             self.rest.restore_ordinary()
             self.units = []
+            if self.reader is not None:
+                self.reader.close()
+                self.reader = None
