@@ -354,13 +354,20 @@ class RaisingBlock(MLPBlock):
 
 
 class RaisingStack(nn.Module):
+    """Blocks that can raise, plus a head (outside every unit) that can raise after all blocks ran."""
+
     def __init__(self, dim: int = 64, depth: int = 6) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(RaisingBlock(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, dim)
+        self.explode_in_head = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
             x = b(x)
+        x = self.head(x)
+        if self.explode_in_head:
+            raise Boom("interrupted after the blocks")
         return x
 
 

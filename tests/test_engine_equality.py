@@ -32,13 +32,14 @@ def test_streamed_outputs_bitwise_equal(case_name, sim_cfg, offload):
             assert torch.equal(out, ref), f"{case_name}: forward differs (round {rnd})"
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2, 4])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 4, 16])
 def test_prefetch_depths_bitwise_equal(prefetch, sim_cfg, offload):
     case = CASES["transformer"]
     model, inputs, refs = _reference(case)
-    budget = streaming_budget(model, case.blocks(model), slots=prefetch + 1)
+    # prefetch=16 asks for more lookahead than there are units: the ring must clamp, not wrap onto itself
+    budget = streaming_budget(model, case.blocks(model), slots=min(prefetch, 4) + 1)
     handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=prefetch))
-    assert len(handle.streamed_unit_modules()) >= 3
+    assert len(handle.streamed_unit_modules()) >= 2
     for _ in range(2):
         for x, ref in zip(inputs, refs):
             assert torch.equal(run(model, x), ref)

@@ -230,21 +230,28 @@ def test_sim_capacity_below_one_slot_is_a_clear_error(sim_cfg, offload):
     _assert_clear_slot_error(excinfo, model, paths)
 
 
-@pytest.mark.parametrize("bad_index", [0, 3, 5])
-def test_exception_inside_unit_leaves_model_usable(bad_index, sim_cfg, offload):
+def _set_explode(model, where, on):
+    if where == "head":
+        model.explode_in_head = on
+    else:
+        model.blocks[where].explode = on
+
+
+@pytest.mark.parametrize("where", [0, 3, 5, "head"])
+def test_exception_inside_unit_leaves_model_usable(where, sim_cfg, offload):
     model = seeded(RaisingStack, dim=64, depth=6)
     x = (torch.randn(2, 5, 64),)
     ref = run(model, x)
     blocks = list(model.blocks)
-    handle = offload(model, sim_cfg(vram_budget_bytes=3 * aligned_bytes(blocks[0]) + 4 * ALIGN, prefetch=2))
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, blocks, 3), prefetch=2))
     assert torch.equal(run(model, x), ref)
     handle.backend.synchronize()
     steady_handle, steady_backend = handle.device_bytes(), handle.backend.used_bytes
     for _ in range(3):  # repeated interrupts must not leak slots either
-        model.blocks[bad_index].explode = True
+        _set_explode(model, where, True)
         with pytest.raises(Boom):
             run(model, x)
-        model.blocks[bad_index].explode = False
+        _set_explode(model, where, False)
     for _ in range(2):
         assert torch.equal(run(model, x), ref)
     handle.backend.synchronize()
@@ -332,3 +339,82 @@ def test_contended_budget_follows_priority(sim_cfg):
     finally:
         ha.detach()
         hb.detach()
+
+
+def test_zero_budget_is_a_clear_error(sim_cfg, offload):
+    """Nothing fits, not even the weights outside the blocks: a clear error saying what does not fit."""
+    model = seeded(RaisingStack, dim=64, depth=6)
+    with pytest.raises(Exception) as excinfo:
+        offload(model, sim_cfg(vram_budget_bytes=0, prefetch=1))
+        run(model, (torch.randn(2, 5, 64),))
+    _assert_clear_slot_error(excinfo, model, ["blocks.", "head", "non-block", "budget"])
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks, "refused model left half-attached"
+
+
+def test_shrinking_the_shared_budget_at_runtime(sim_cfg):
+    """The VRAM Budget node changes the total between prompts (DESIGN §1): the model shrinks to fit and
+    stays exact; growing it back lets it grow again."""
+    from offload import VramBudget, offload_module
+
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    shared = VramBudget(aligned_bytes(model) * 2)
+    handle = offload_module(model, sim_cfg(prefetch=2), budget=shared)
+    try:
+        assert torch.equal(run(model, x), ref)
+        roomy = handle.device_bytes()
+        small = streaming_budget(model, case.blocks(model), 2)
+        assert small < roomy, "the roomy plan should hold more than two slots' worth"
+        shared.set_total(small)
+        for _ in range(2):
+            assert torch.equal(run(model, x), ref)
+            assert handle.device_bytes() <= small
+            assert shared.used_bytes <= small
+        assert handle.streamed_unit_modules()
+        shared.set_total(aligned_bytes(model) * 2)
+        handle.prioritize()
+        assert torch.equal(run(model, x), ref)
+        assert torch.equal(run(model, x), ref)
+        assert handle.device_bytes() > small
+    finally:
+        handle.detach()
+
+
+def test_detach_gives_device_memory_back(sim_cfg):
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    case = CASES["dit"]
+    model = case.build()
+    x = case.inputs()
+    cfg = sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2)
+    budget = VramBudget(None)
+    h = offload_module(model, cfg, budget=budget)
+    backend = h.backend
+    h.detach()  # the sim device is shared per settings: measure the baseline with nothing of ours on it
+    backend.synchronize()
+    baseline = backend.used_bytes
+    for _ in range(2):
+        h = offload_module(model, cfg, budget=budget)
+        run(model, x)
+        assert backend.used_bytes > baseline
+        h.detach()
+        backend.synchronize()
+        assert backend.used_bytes == baseline, f"{backend.used_bytes - baseline} device bytes leaked by detach"
+        assert budget.used_bytes == 0
+
+
+def test_offloading_twice_is_refused_clearly(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    cfg = sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2)
+    offload(model, cfg)
+    with pytest.raises(ValueError) as ei:
+        offload(model, cfg)
+    assert "detach" in str(ei.value) or "already" in str(ei.value)
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)
