@@ -128,9 +128,9 @@ class NaiveSyncOffload:
             host = p.data
             nbytes = host.numel() * host.element_size()
             if self.sim is not None:
-                with torch.inference_mode(False):  # the copy thread runs outside inference mode
+                with torch.inference_mode(False):  # the copy thread writes it outside inference mode
                     buf = self.sim.alloc(nbytes)
-                dst = buf.view(host.dtype).view(host.shape)
+                    dst = buf.view(host.dtype).view(host.shape)
                 self.sim.wait(self.sim.copy_h2d(dst, host))
                 p.data = dst
                 self.host[p] = (host, buf)
@@ -316,7 +316,7 @@ def engine_configs(model: nn.Module, device: str, fractions: Sequence[float], pr
     sim = {"sim_bandwidth_gbps": sim_gbps} if device == "sim" else {}
     out = []
     for frac in fractions:
-        budget = int(other + ring + frac * block_bytes)
+        budget = int((other + ring + frac * block_bytes) * 1.01) + (1 << 20)  # slack: alignment padding
         if frac <= 0:
             cfg = OffloadConfig.from_preset("budget", device=device, prefetch=prefetch, vram_budget_bytes=budget, **sim)
             label = "layer-offload: stream all"

@@ -1,0 +1,77 @@
+"""`python -m offload demo`: every configuration runs, offloaded outputs are bitwise equal, exit code tells."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--device", "sim", "--dim", "64", "--depth", "4", "--tokens", "16", "--iters", "1", "--warmup", "1"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "offload", "demo", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_demo_subprocess_json_rows_and_bitwise_equality():
+    proc = _run(*SMALL, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "copy failed" not in proc.stderr, proc.stderr  # a swallowed copy error would make equality luck
+    result = json.loads(proc.stdout)
+    configs = [r["config"] for r in result["rows"]]
+    assert configs == ["resident (no offload)", "offload: mid_range", "offload: budget"]
+    assert result["ok"] is True
+    for row in result["rows"]:
+        assert row["equal"] is True, row
+        assert row["max_abs_diff"] == 0.0, row
+        assert row["ms_per_forward"] > 0
+    for row in result["rows"][1:]:
+        assert row["ratio"] is not None and row["ratio"] > 0
+        assert row["peak_device_bytes"] is not None and row["peak_device_bytes"] > 0
+        assert row["overlap_ratio"] is not None and 0.0 <= row["overlap_ratio"] <= 1.0
+    assert result["sim_bandwidth_gbps"] > 0  # calibrated from one block's compute
+
+
+def test_demo_table_in_process(capsys):
+    from offload.__main__ import main
+
+    rc = main(["demo", *SMALL, "--model", "flux", "--presets", "budget"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| config" in out and "bitwise equal" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("| resident") or ln.startswith("| offload: budget")]
+    assert len(lines) == 2, out
+    assert all("| yes" in ln for ln in lines), out
+    assert "OK: every offloaded output is bitwise equal" in out
+
+
+def test_demo_exit_code_nonzero_when_outputs_differ(monkeypatch, capsys):
+    import offload.demo as demo
+    from offload.__main__ import main
+
+    real = demo.bitwise_equal
+    monkeypatch.setattr(demo, "bitwise_equal", lambda a, b: False if a.dim() else real(a, b))
+    rc = main(["demo", *SMALL, "--presets", "budget"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAIL" in out and "| NO" in out
+
+
+def test_demo_rejects_unknown_preset():
+    proc = _run(*SMALL, "--presets", "nonsense")
+    assert proc.returncode != 0
+    assert "nonsense" in proc.stderr and "budget" in proc.stderr  # the valid presets are listed
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_demo_on_cuda():
+    proc = _run("--device", "cuda", "--dim", "128", "--depth", "4", "--tokens", "64", "--iters", "2", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(r["equal"] for r in json.loads(proc.stdout)["rows"])
