@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from tests.models import (ALIGN, CASES, Boom, RaisingStack, TransformerStack, aligned_bytes, module_path, param_inner_tensors,
+from tests.models import (ALIGN, CASES, Boom, LayersModel, MLPBlock, RaisingStack, TransformerStack, aligned_bytes, module_path, param_inner_tensors,
                           raw_bytes, run, seeded, snapshot, same_tensor, streaming_budget, unit_tensors)
 
 
@@ -418,3 +418,53 @@ def test_offloading_twice_is_refused_clearly(sim_cfg, offload):
     assert "detach" in str(ei.value) or "already" in str(ei.value)
     for _ in range(2):
         assert torch.equal(run(model, x), ref)
+
+
+class _Outer(torch.nn.Module):
+    """Calls another offloaded model (not a registered submodule) between its own blocks."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.pre = torch.nn.ModuleList(MLPBlock(64) for _ in range(3))
+        self.post = torch.nn.ModuleList(MLPBlock(64) for _ in range(3))
+        self._inner = [inner]
+
+    def forward(self, x):
+        for b in self.pre:
+            x = b(x)
+        x = x + self._inner[0](x)
+        for b in self.post:
+            x = b(x)
+        return x
+
+
+def test_nested_models_share_a_tight_budget(sim_cfg):
+    """A model whose forward calls a second offloaded model: while the outer one is busy (holding a slot),
+    the inner one must still fit, and together they never exceed the shared budget."""
+    from offload import VramBudget, offload_module
+
+    torch.manual_seed(0)
+    inner = seeded(LayersModel, dim=64, depth=4)
+    outer = _Outer(inner).eval()
+    x = (torch.randn(2, 5, 64),)
+    ref = run(outer, x)
+    blocks_o = list(outer.pre) + list(outer.post)
+    need_o = streaming_budget(outer, blocks_o, 2)
+    need_i = streaming_budget(inner, list(inner.layers), 2)
+    shared = VramBudget(need_o + need_i)
+    ho = offload_module(outer, sim_cfg(prefetch=1), name="outer", budget=shared)
+    hi = offload_module(inner, sim_cfg(prefetch=1), name="inner", budget=shared)
+    assert ho.streamed_unit_modules() and hi.streamed_unit_modules(), "the budget should force both to stream"
+    seen = []
+    hook = inner.layers[2].register_forward_pre_hook(
+        lambda m, a: seen.append(ho.device_bytes() + hi.device_bytes()))
+    try:
+        for _ in range(3):
+            assert torch.equal(run(outer, x), ref)
+            assert ho.device_bytes() + hi.device_bytes() <= shared.total_bytes
+        assert seen and max(seen) <= shared.total_bytes, f"inside the nested call: {max(seen)} > {shared.total_bytes}"
+    finally:
+        hook.remove()
+        hi.detach()
+        ho.detach()
+    assert torch.equal(run(outer, x), ref)

@@ -190,3 +190,62 @@ def test_report_before_any_forward(sim_cfg, offload):
     assert 0.0 <= rep.overlap_ratio <= 1.0 and math.isfinite(rep.effective_gbps)
     d = rep.to_dict()
     assert json.loads(json.dumps(d)) == d
+
+
+def test_report_figures_follow_the_simulated_device(sim_cfg, offload):
+    """Copy times and bandwidth in the report are measured, not made up: with a 0.05 GB/s device and 1 ms
+    latency, every streamed copy takes at least bytes/bandwidth + latency, and the effective bandwidth
+    cannot exceed the device's."""
+    gbps, lat_us = 0.05, 1000.0
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 2), prefetch=1,
+                                    sim_bandwidth_gbps=gbps, sim_latency_us=lat_us))
+    run(model, x)
+    handle.backend.synchronize()
+    handle.reset_stats()
+    forwards = 2
+    for _ in range(forwards):
+        assert torch.equal(run(model, x), ref)
+    handle.backend.synchronize()
+    rep = handle.report()
+    names = _by_name(rep)
+    for u in handle.streamed_unit_modules():
+        b = names[module_path(model, u)]
+        floor_ms = forwards * (b.bytes / (gbps * 1e9) * 1e3 + lat_us / 1e3)
+        assert b.h2d_ms >= 0.95 * floor_ms, f"{b.name}: {b.h2d_ms:.2f} ms of copies, physically >= {floor_ms:.2f} ms"
+        assert b.h2d_ms <= 10 * floor_ms, f"{b.name}: {b.h2d_ms:.2f} ms for {floor_ms:.2f} ms of copies"
+    assert 0 < rep.effective_gbps <= gbps * 1.05, f"effective {rep.effective_gbps:.4f} GB/s on a {gbps} GB/s device"
+    assert rep.effective_gbps >= gbps * 0.2
+
+
+def test_pageable_tier_when_pinning_is_off(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2,
+                                    pin_memory=False))
+    assert torch.equal(run(model, x), ref)
+    names = _by_name(handle.report())
+    for u in handle.streamed_unit_modules():
+        assert names[module_path(model, u)].tier == "pageable"
+
+
+def test_profile_mode_keeps_outputs_and_report(sim_cfg, offload):
+    case = CASES["dit"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2,
+                                    profile=True))
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)
+    d = handle.report().to_dict()
+    assert json.loads(json.dumps(d)) == d
+    names = _by_name(handle.report())
+    for u in handle.streamed_unit_modules():
+        b = names[module_path(model, u)]
+        assert b.h2d_ms > 0 and b.compute_ms > 0
