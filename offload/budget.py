@@ -53,6 +53,7 @@ class VramBudget:
     def __init__(self, total_bytes: int | None = None) -> None:
         _validate_total(total_bytes)
         self._total = None if total_bytes is None else int(total_bytes)
+        self.auto_sized = False  # sized from free device memory rather than by the user
         self._lock = threading.RLock()
         self._members: list[BudgetMember] = []
         self._seq = itertools.count()
@@ -83,6 +84,7 @@ class VramBudget:
         with self._lock:
             self._check_device(int(total_bytes), device_total)
             self._total = int(total_bytes)
+            self.auto_sized = False
             self._caps.clear()
             self.rebalance()
 
@@ -91,7 +93,17 @@ class VramBudget:
         with self._lock:
             if self._total is None:
                 self._total = int(default)
+                self.auto_sized = True
                 log.info("VRAM budget set to %.2f GiB from free device memory", default / (1 << 30))
+
+    def adjust_total(self, delta: int, device_total: int | None) -> None:
+        """Move a self-sized total by `delta` bytes (the activation reserve was re-measured)."""
+        with self._lock:
+            if self._total is None or not self.auto_sized:
+                return
+            limit = device_total if device_total is not None else self._total + max(0, delta)
+            self._total = int(max(0, min(limit, self._total + delta)))
+            self.rebalance()
 
     def _check_device(self, total: int, device_total: int | None) -> None:
         if device_total is not None and total > device_total:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import psutil
 import torch
 import torch.nn as nn
 
@@ -12,7 +13,9 @@ from .blocks import find_units
 from .budget import VramBudget, default_budget
 from .config import OffloadConfig
 from .metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
-from .planner import PlanError, UnitPlan, default_reserve, plan_units
+from .planner import GIB, MIB, HostPlan, PlanError, UnitPlan, default_reserve, plan_host, plan_units, read_host_memory
+from .staging import unit_tensors
+from .storage import SafetensorsFile
 from .streamer import DeviceMemoryError, ModelStreamer
 
 log = logging.getLogger(__name__)
@@ -42,8 +45,21 @@ class OffloadHandle:
         self.budget = budget if budget is not None else default_budget()
         reserve = config.reserve_bytes if config.reserve_bytes is not None else default_reserve(total, self.backend.name)
         self.budget.resolve_total(max(0, min(free, total) - reserve))
-        self.streamer = ModelStreamer(model, found, self.backend, config.pin_memory, config.profile,
-                                      on_forward_start=self._on_forward_start, progress=progress)
+        self.file = SafetensorsFile(config.disk_path) if config.disk_path else None
+        self.reserve_bytes = reserve
+        self.host_plan: HostPlan | None = None
+        self._in_ram = sum(t.numel() * t.element_size() for u in found for _, _, _, t in unit_tensors(u.module)
+                           if t.device.type == "cpu")
+        try:
+            self.streamer = ModelStreamer(model, found, self.backend, config.pin_memory, config.profile,
+                                          on_forward_start=self._on_forward_start, progress=progress,
+                                          prefetch=config.prefetch, file=self.file, host_plan=self._plan_host)
+        except Exception:
+            if self.file is not None:
+                self.file.close()
+            raise
+        self.streamer.on_forward_end = self._on_forward_end
+        self._measured_reserve = False
         self._sizes = [u.nbytes for u in self.streamer.units]
         self._names = [u.name for u in self.streamer.units]
         self._plan: UnitPlan | None = None
@@ -58,10 +74,50 @@ class OffloadHandle:
             raise
         log.info("offloaded %s: %d units (%s), %s", name, len(found), self.backend.describe(), self.plan_summary())
 
+    def _plan_host(self, sizes: list[int]) -> dict[int, str]:
+        """Tiers for the units' host masters: pinned RAM, pageable RAM, or the disk file."""
+        cfg = self.config
+        mem = read_host_memory()
+        if cfg.ram_budget_bytes is not None:
+            ram_budget = int(cfg.ram_budget_bytes)
+        else:
+            margin = min(4 * GIB, int(psutil.virtual_memory().total * 0.1))
+            ram_budget = max(0, mem.available + self._in_ram - margin)
+        allow_disk = cfg.allow_disk and self.file is not None
+        pin = cfg.pin_memory and self.backend.supports_pinned_host
+        plan = plan_host(sizes, ram_budget, mem.pin_limit if pin else 0, allow_disk, pin)
+        self.host_plan = plan
+        if plan.ram_bytes > ram_budget:
+            log.warning("%s needs %.2f GiB of host RAM for its blocks but about %.2f GiB is available; "
+                        "give disk_path (its safetensors file) to stream the rest from disk", self.name,
+                        plan.ram_bytes / GIB, ram_budget / GIB)
+        disk = sum(1 for t in plan.tiers.values() if t == "disk")
+        if disk:
+            log.info("%s: %d unit(s) stream from %s (RAM budget %.1f MB)", self.name, disk, self.file.path,
+                     ram_budget / MIB)
+        return dict(plan.tiers)
+
+    def _on_forward_end(self) -> None:
+        """After the first forward: correct the activation reserve of a self-sized budget from the real peak."""
+        if self._measured_reserve:
+            return
+        self._measured_reserve = True
+        peak = self.backend.peak_allocated()
+        if peak is None or not self.budget.auto_sized or self.config.reserve_bytes is not None:
+            return
+        measured = int(max(0, peak - self.budget.used_bytes) * 1.25) + 256 * MIB
+        if abs(measured - self.reserve_bytes) > 64 * MIB:
+            self.budget.adjust_total(self.reserve_bytes - measured, self.device_total())
+            log.info("activation reserve corrected from %.2f to %.2f GiB after the first run",
+                     self.reserve_bytes / GIB, measured / GIB)
+            self.reserve_bytes = measured
+
     def _undo(self) -> None:
         self.budget.unregister(self)
         self.streamer.detach()
         self.model.__dict__.pop("_layer_offload_handle", None)
+        if self.file is not None:
+            self.file.close()
 
     # budget member --------------------------------------------------------------
     def floor_bytes(self) -> int:
@@ -212,6 +268,8 @@ class OffloadHandle:
         self.budget.unregister(self)
         self.streamer.detach()
         self.model.__dict__.pop("_layer_offload_handle", None)
+        if self.file is not None:
+            self.file.close()
 
 
 def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: str | None = None,

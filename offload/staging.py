@@ -192,7 +192,8 @@ def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> tupl
         if entry is None:
             recipe = _flatten(t, leaves, sources, offset)
             plain_param = kind == "param" and not is_subclass_tensor(t)
-            entry = Entry([], recipe, plain_param, bool(t.requires_grad), t.device,
+            home = torch.device("cpu") if t.is_meta else t.device  # a meta weight comes home from disk to RAM
+            entry = Entry([], recipe, plain_param, bool(t.requires_grad), home,
                           t if not isinstance(recipe, int) else None)
             by_id[id(t)] = entry
             entries.append(entry)
@@ -225,6 +226,16 @@ class StagingBuffer:
 
     master_views: list[torch.Tensor] | None = None  # disk tier: per-leaf views of the file's mmap
 
+    @staticmethod
+    def _unmeta(layout: TensorLayout, views: list[torch.Tensor]) -> None:
+        """Parameters still on the meta device cannot take `.data` from real memory: give them new objects."""
+        for entry in layout.entries:
+            module, attr, kind = entry.locations[0]
+            if entry.plain_param and module._parameters[attr].is_meta:
+                param = nn.Parameter(views[entry.recipe], requires_grad=entry.requires_grad)
+                for mod, name, k in entry.locations:
+                    (mod._parameters if k == "param" else mod._buffers)[name] = param
+
     @classmethod
     def create(cls, layout: TensorLayout, sources: list[torch.Tensor],
                alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
@@ -245,6 +256,7 @@ class StagingBuffer:
                                          f"disk_path was given to read it from")
                     src = fill_meta(i)
                 view.copy_(src)
+        cls._unmeta(layout, views)
         binding = layout.build(host, master=True)
         binding.apply()  # the originals are now unreferenced by the module: their storage is released
         return cls(layout, host, pinned, binding)
@@ -252,6 +264,7 @@ class StagingBuffer:
     @classmethod
     def from_file(cls, layout: TensorLayout, views: list[torch.Tensor]) -> "StagingBuffer":
         """A disk-tier master: the module views the file's mmap; no RAM copy is made."""
+        cls._unmeta(layout, views)
         binding = layout.bind(views, None, master=True)
         binding.apply()
         return cls(layout, None, False, binding, views)

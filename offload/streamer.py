@@ -67,6 +67,7 @@ class ModelStreamer:
         self.model = model
         self.backend = backend
         self.on_forward_start = on_forward_start
+        self.on_forward_end: Callable[[], None] | None = None
         self._lock = threading.RLock()
         self.units: list[UnitState] = []
         self._hooks: list[Any] = []
@@ -208,8 +209,11 @@ class ModelStreamer:
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         self.depth = max(0, self.depth - 1)
-        if self.depth == 0 and self.active is not None:  # a unit raised: give its slot back
-            self._finish_active()
+        if self.depth == 0:
+            if self.active is not None:  # a unit raised: give its slot back
+                self._finish_active()
+            if self.on_forward_end is not None:
+                self.on_forward_end()
 
     def _pre(self, index: int, module: nn.Module, args: Any) -> None:
         if self.active is not None:

@@ -64,6 +64,10 @@ class Backend(abc.ABC):
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether a tensor lives in this device's memory."""
 
+    def peak_allocated(self) -> int | None:
+        """Peak bytes allocated on the device by anything in this process (activations included), if known."""
+        return None
+
     def event_synchronize(self, event: Any) -> None:
         """Block the host until `event` completes."""
         while not self.is_done(event):

@@ -99,6 +99,9 @@ class CudaBackend(Backend):
     def event_synchronize(self, event: Any) -> None:
         (event.end if isinstance(event, CudaCopyEvent) else event).synchronize()
 
+    def peak_allocated(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
     def mem_get_info(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(self.device)
         return int(free), int(total)
