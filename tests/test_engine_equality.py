@@ -238,3 +238,45 @@ def test_gapped_strided_tensors_stay_exact(sim_cfg, offload):
     offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, list(model.blocks), 3), prefetch=2))
     for _ in range(2):
         assert torch.equal(run(model, x), ref)
+
+
+@pytest.mark.parametrize("how", ["data_copy", "no_grad_copy"])
+def test_weights_written_through_data_are_what_streams(how, sim_cfg, offload):
+    """`p.data.copy_(new)` is how many patchers write weights (comfy.utils.copy_to_param does exactly this):
+    the write lands in the host master between forwards, and the next forward must compute with it, also for
+    the units whose copy the previous forward's lookahead already started."""
+    case = CASES["transformer"]
+    model = case.build()
+    other = seeded(TransformerStack, dim=64, depth=6, heads=4, seed=7)
+    x = case.inputs()
+    ref_other = run(other, x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
+    assert handle.streamed_unit_modules()
+    run(model, x)  # lookahead for the next forward is now in flight
+    new = dict(other.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if how == "data_copy":
+                p.data.copy_(new[name])
+            else:
+                p.copy_(new[name])
+    assert torch.equal(run(model, x), ref_other), "stale weights used after an in-place write"
+    assert torch.equal(run(model, x), ref_other)
+
+
+def test_resident_weights_written_through_data_survive_eviction(sim_cfg, offload):
+    case = CASES["transformer"]
+    model = case.build()
+    other = seeded(TransformerStack, dim=64, depth=6, heads=4, seed=7)
+    x = case.inputs()
+    ref_other = run(other, x)
+    handle = offload(model, sim_cfg(prefetch=2))  # roomy: units resident
+    run(model, x)
+    assert handle.resident_unit_modules()
+    new = dict(other.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data.copy_(new[name])
+    assert torch.equal(run(model, x), ref_other)
+    handle.unload()
+    assert torch.equal(run(model, x), ref_other), "in-place write to a resident unit lost when it was evicted"
