@@ -15,7 +15,7 @@ from comfy.model_patcher import ModelPatcher
 from ..offload import offload_module
 from .comfy_patcher import OffloadPatcherMixin, non_dynamic, patcher_class_for
 from .common import (ANY, CATEGORY, Managed, engine_device, log_once, make_config, optional_inputs,
-                     preset_input, register, resolve_budget, state_of, unregister)
+                     preset_input, register, resolve_budget, state_of, track_patcher, unregister)
 
 log = logging.getLogger("layer_offload")
 
@@ -136,7 +136,10 @@ def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, prio
         root = model
     if name is None:
         name = "{}:{}".format(kind, type(root).__name__)
-    attach_engine(root, preset, budget, priority, name, kind)
+    managed = attach_engine(root, preset, budget, priority, name, kind)
+    if managed is not None and getattr(n, "_lo_tracked_for", None) is not managed:
+        track_patcher(n, managed)  # n was created before its model was offloaded
+        n._lo_tracked_for = managed
     return n
 
 

@@ -21,7 +21,7 @@ import comfy.model_patcher
 import comfy.utils
 from comfy.model_patcher import ModelPatcher
 
-from .common import Managed, log_once, state_of
+from .common import Managed, log_once, state_of, track_patcher
 
 log = logging.getLogger("layer_offload")
 
@@ -88,6 +88,10 @@ class OffloadPatcherMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _, _, st = _managed_root(self.model)
+        if st is not None:
+            track_patcher(self, st)
+            self._lo_tracked_for = st
 
     # install --------------------------------------------------------------------
     def clone(self, *args: Any, **kwargs: Any) -> Any:
@@ -319,7 +323,7 @@ def patcher_class_for(patcher: Any) -> type:
     if isinstance(patcher, OffloadPatcherMixin):
         return base
     dynamic_cls = getattr(comfy.model_patcher, "ModelPatcherDynamic", None)
-    if base is ModelPatcher or (dynamic_cls is not None and issubclass(base, dynamic_cls)):
+    if base is ModelPatcher or _claims_dynamic(patcher) or (dynamic_cls is not None and issubclass(base, dynamic_cls)):
         return OffloadModelPatcher
     if not issubclass(base, ModelPatcher):
         raise TypeError("not a ComfyUI ModelPatcher: {}".format(base.__name__))
@@ -334,14 +338,22 @@ class OffloadModelPatcher(OffloadPatcherMixin, ModelPatcher):
     """A plain, non-dynamic ModelPatcher whose weights the Layer Offload engine streams."""
 
 
+def _claims_dynamic(patcher: Any) -> bool:
+    """True for DynamicVRAM patchers (feature-detected: older ComfyUI has no is_dynamic at all)."""
+    fn = getattr(patcher, "is_dynamic", None)
+    try:
+        return bool(fn()) if callable(fn) else False
+    except Exception:  # noqa: BLE001 - a broken is_dynamic means: treat as not dynamic
+        return False
+
+
 def non_dynamic(patcher: Any) -> Any:
     """A non-dynamic equivalent of `patcher` (DynamicVRAM patchers re-created without it when ComfyUI can)."""
-    is_dyn = getattr(patcher, "is_dynamic", None)
-    if not callable(is_dyn) or not is_dyn():
+    if not _claims_dynamic(patcher):
         return patcher
     try:
         n = patcher.clone(disable_dynamic=True)
-        if not n.is_dynamic():
+        if not _claims_dynamic(n):
             log_once("dynamic-delegate", "Layer Offload: DynamicVRAM model re-created as a plain ModelPatcher for "
                      "offloading.", level=logging.INFO)
             return n

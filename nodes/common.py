@@ -117,6 +117,8 @@ class Managed:
         self.config = config
         self.budget = budget  # what the node was given (a BudgetSpec or None)
         self.handle_budget: Any = None  # the VramBudget the handle was attached to
+        self.root_ref: Any = None  # weakref to the offloaded module
+        self.patchers = 0  # live offload patchers using it; at zero the handle is detached (frees host RAM)
 
 
 _registry: "List[weakref.ReferenceType]" = []
@@ -125,6 +127,7 @@ _registry_lock = threading.Lock()
 
 def register(root: Any, managed: Managed) -> None:
     """Attach `managed` to its root module and list it (weakly) for reports and the web panel."""
+    managed.root_ref = weakref.ref(root)
     object.__setattr__(root, STATE_ATTR, managed)
     with _registry_lock:
         _registry[:] = [r for r in _registry if r() is not None and r() is not root]
@@ -151,3 +154,29 @@ def managed_models() -> List[Managed]:
     with _registry_lock:
         roots = [r() for r in _registry]
     return [m for m in (state_of(r) for r in roots if r is not None) if m is not None]
+
+
+def track_patcher(patcher: Any, managed: Managed) -> None:
+    """Count a live patcher of a managed model; when the last one is gone the engine lets the model go.
+
+    The budget holds every handle (and so its model) strongly: without this, each re-run of a loader would
+    keep the previous model in host RAM for the life of the process.
+    """
+    with _registry_lock:
+        managed.patchers += 1
+    weakref.finalize(patcher, _release_patcher, managed)
+
+
+def _release_patcher(managed: Managed) -> None:
+    with _registry_lock:
+        managed.patchers -= 1
+        last = managed.patchers <= 0
+    if not last:
+        return
+    root = managed.root_ref() if managed.root_ref is not None else None
+    try:
+        managed.handle.detach()
+    except Exception as e:  # noqa: BLE001 - a finalizer must not raise
+        log.warning("Layer Offload: detaching %s failed: %s", managed.name, e)
+    if root is not None and state_of(root) is managed:
+        unregister(root)

@@ -325,3 +325,56 @@ def test_patcher_class_is_installed_by_clone(env):
     src.__class__ = OtherPackPatcher
     mixed = cp.patcher_class_for(src).clone(src)
     assert isinstance(mixed, OtherPackPatcher) and isinstance(mixed, cp.OffloadPatcherMixin)
+
+
+def test_loader_under_inference_mode_like_the_server(env):
+    with torch.inference_mode():
+        plain = plain_model(env)
+        off = offload_model(env, "budget")
+    ref = sample(env, plain)
+    assert torch.equal(ref, sample(env, off))
+
+
+def test_dropped_model_is_released_from_the_budget(env):
+    import gc
+
+    model = offload_model(env, "budget")
+    h = handle_of(model)
+    sample(env, model)
+    budget = h.budget
+    assert h in budget.members
+    root = model.model.diffusion_model
+    clone = model.clone()
+    del model
+    gc.collect()
+    assert h in budget.members, "a live clone must keep the model offloaded"
+    del clone
+    gc.collect()
+    assert h not in budget.members, "the last patcher gone: the handle must leave the budget"
+    assert "_layer_offload" not in root.__dict__
+
+
+def test_dynamic_patchers_become_plain_offload_patchers(env):
+    from importlib import import_module
+
+    from comfy.model_patcher import ModelPatcher
+
+    cp = import_module(env["pack"].__name__ + ".nodes.comfy_patcher")
+    plain = plain_model(env)
+    ref = sample(env, plain)
+
+    class FakeDynamic(ModelPatcher):  # what DynamicVRAM's ModelPatcherDynamic looks like from outside
+        def is_dynamic(self):
+            return True
+
+        def clone(self, disable_dynamic=False, **kwargs):
+            n = ModelPatcher.clone(self)
+            if disable_dynamic:
+                n.__class__ = ModelPatcher
+            return n
+
+    dyn = plain.clone()
+    dyn.__class__ = FakeDynamic
+    out = env["M"]["OffloadModel"]().apply(dyn, "budget")[0]
+    assert type(out) is cp.OffloadModelPatcher and not out.is_dynamic()
+    assert torch.equal(ref, sample(env, out))
