@@ -129,6 +129,31 @@ class ComfyServer:
             raise RuntimeError("POST {} -> {}: {}".format(path, e.code, e.read().decode("utf-8", "replace")))
         return json.loads(body) if body else None
 
+    def queue(self, prompt: Dict[str, Any]) -> str:
+        """Queue an API-format prompt; return its id."""
+        resp = self.post_json("/prompt", {"prompt": prompt, "client_id": self.client_id})
+        if resp.get("node_errors"):
+            raise RuntimeError("prompt rejected: {}".format(resp["node_errors"]))
+        return resp["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = 120.0) -> Dict[str, Any]:
+        """Wait for a prompt's history entry, whatever its status."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get_json("/history/{}".format(prompt_id)).get(prompt_id)
+            if entry is not None:
+                return entry
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError("ComfyUI died:\n" + self.log_tail())
+            time.sleep(0.1)
+        raise RuntimeError("prompt {} did not finish in {}s\n{}".format(prompt_id, timeout, self.log_tail()))
+
+    def is_running(self, prompt_id: str) -> bool:
+        return any(item[1] == prompt_id for item in self.get_json("/queue").get("queue_running", []))
+
+    def interrupt(self) -> None:
+        self.post_json("/interrupt", {})
+
     def run_prompt(self, prompt: Dict[str, Any], timeout: float = 120.0) -> Dict[str, Any]:
         """Queue an API-format prompt and wait for its history entry; raise with the log on error."""
         resp = self.post_json("/prompt", {"prompt": prompt, "client_id": self.client_id})

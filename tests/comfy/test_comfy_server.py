@@ -181,3 +181,22 @@ def test_repeated_runs_and_budget_node(server):
     assert latent_hash(server, prompt(offload_loader("consumer"), seed=6, budget_gb=2.0)) == ref6
     data = server.get_json("/layer_offload/report")
     assert data["budget"]["total_bytes"] == 2 << 30
+
+
+def test_interrupt_mid_sampling_then_next_prompt_matches_fresh(server):
+    ref = latent_hash(server, prompt(unet_loader(), seed=8))
+    long = prompt(offload_loader("budget"), seed=9)
+    long["5"]["inputs"]["steps"] = 2000
+    pid = server.queue(long)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not server.is_running(pid):
+        time.sleep(0.05)
+    time.sleep(0.5)  # well inside the sampler loop
+    server.interrupt()
+    entry = server.wait(pid, timeout=60)
+    status = entry.get("status", {})
+    kinds = [m[0] for m in status.get("messages", [])]
+    assert "execution_interrupted" in kinds, status
+    assert latent_hash(server, prompt(offload_loader("budget"), seed=8)) == ref
+    assert latent_hash(server, prompt(offload_loader("budget"), seed=8, lora=0.8)) == \
+        latent_hash(server, prompt(unet_loader(), seed=8, lora=0.8))
