@@ -6,6 +6,7 @@ engine), and a copy of n bytes takes at least latency + n / bandwidth.
 """
 from __future__ import annotations
 
+import _thread
 import bisect
 import logging
 import queue
@@ -23,27 +24,33 @@ DEFAULT_SIM_CAPACITY = 8 << 30
 
 
 class SimEvent:
-    """A completion flag with the time it completed (and started, for copies)."""
+    """A completion flag with the time it completed (and started, for copies); cheap when born complete."""
 
-    __slots__ = ("_flag", "time", "start")
+    __slots__ = ("_latch", "_done", "time", "start")
 
     def __init__(self, done_at: float | None = None) -> None:
-        self._flag = threading.Event()
-        self.time = 0.0
-        self.start = 0.0
         if done_at is not None:
+            self._latch = None
+            self._done = True
             self.time = self.start = done_at
-            self._flag.set()
+        else:
+            self._latch = _thread.allocate_lock()
+            self._latch.acquire()  # held until the copy completes; waiters block on it
+            self._done = False
+            self.time = self.start = 0.0
 
     def set(self, start: float, end: float) -> None:
         self.start, self.time = start, end
-        self._flag.set()
+        self._done = True
+        self._latch.release()
 
     def wait(self) -> None:
-        self._flag.wait()
+        if not self._done:
+            self._latch.acquire()
+            self._latch.release()
 
     def is_set(self) -> bool:
-        return self._flag.is_set()
+        return self._done
 
 
 class SimBackend(Backend):
