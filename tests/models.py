@@ -483,6 +483,33 @@ class TransposedStack(nn.Module):
         return x
 
 
+class TableBlock(nn.Module):
+    """Returns a slice (a view) of its own buffer, which the NEXT block consumes: a unit output that aliases
+    the unit's weights and outlives its forward (rotary tables, cached modulation passed along a stack)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.register_buffer("table", torch.randn(16, dim))
+
+    def forward(self, x: torch.Tensor, prev: torch.Tensor | None):
+        if prev is not None:
+            x = x + prev
+        return torch.tanh(self.fc(x)), self.table[: x.shape[-2]]
+
+
+class TableStack(nn.Module):
+    def __init__(self, dim: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TableBlock(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prev = None
+        for b in self.blocks:
+            x, prev = b(x, prev)
+        return x + prev
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Helpers shared by the test files
 # ----------------------------------------------------------------------------------------------------------

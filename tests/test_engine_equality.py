@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import (CASES, ReorderStack, ReusedBlockStack, TransformerStack, TransposedStack, run, seeded,
+from tests.models import (CASES, ReorderStack, ReusedBlockStack, TableStack, TransformerStack, TransposedStack, run, seeded,
                           streaming_budget)
 
 CASE_NAMES = list(CASES)
@@ -280,3 +280,45 @@ def test_resident_weights_written_through_data_survive_eviction(sim_cfg, offload
     assert torch.equal(run(model, x), ref_other)
     handle.unload()
     assert torch.equal(run(model, x), ref_other), "in-place write to a resident unit lost when it was evicted"
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_unit_output_aliasing_its_weights(prefetch, sim_cfg, offload):
+    """A unit that returns a view of its own tensor, used after the unit finished: the slot it points into is
+    reused for the next unit, so the engine must not let that view change under the caller."""
+    model = seeded(TableStack, dim=64, depth=6)
+    x = (torch.randn(2, 8, 64),)
+    ref = run(model, x)
+    offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, list(model.blocks), prefetch + 1),
+                           prefetch=prefetch))
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)
+
+
+def test_forward_on_another_thread(sim_cfg, offload):
+    """ComfyUI runs prompts on a worker thread while models may be set up elsewhere: offload on one thread,
+    run on another (and back), outputs exact."""
+    import threading
+
+    case = CASES["dit"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
+    results, errors = [], []
+
+    def worker():
+        try:
+            with torch.inference_mode():
+                for _ in range(2):
+                    results.append(torch.equal(model(*x), ref))
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "forward on a worker thread hung"
+    assert not errors, errors
+    assert results == [True, True]
+    assert torch.equal(run(model, x), ref)
