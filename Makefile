@@ -7,15 +7,16 @@
 # Environment: a .venv is created when missing. torch is never a project dependency; it is installed
 # only when the chosen interpreter cannot import one, and an installed torch (e.g. a CUDA build) is kept:
 #   PYTHON=/path/to/python3 make test      create .venv from that interpreter (default: python3);
-#                                          if it can already import torch, the venv sees it
-#                                          (--system-site-packages; SYSTEM_SITE_PACKAGES=auto|1|0)
+#                                          if it can already import torch (a venv or a system python),
+#                                          .venv sees that interpreter's packages through a .pth file
+#                                          (REUSE_TORCH=auto|1|0), so its torch is used, never replaced
 #   PY=/path/to/comfy/python make test     use an existing environment directly, no .venv
 #   TORCH_SPEC="torch==2.13.0" (default)   what to install when no torch is importable
 
 PYTHON ?= python3
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
-SYSTEM_SITE_PACKAGES ?= auto
+REUSE_TORCH ?= auto
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -q
 DEMO_ARGS ?=
@@ -34,14 +35,18 @@ env: $(STAMP)
 $(STAMP): pyproject.toml
 	@set -e; \
 	if [ "$(PY)" = "$(VENV)/bin/python" ] && [ ! -x "$(VENV)/bin/python" ]; then \
-	  flags=""; \
-	  case "$(SYSTEM_SITE_PACKAGES)" in \
-	    1|yes|true) flags="--system-site-packages" ;; \
-	    auto) if $(PYTHON) -c "import torch" >/dev/null 2>&1; then flags="--system-site-packages"; \
-	            echo "[make] $(PYTHON) already has torch: the venv will use it (--system-site-packages)"; fi ;; \
+	  echo "[make] creating $(VENV) with $(PYTHON)"; \
+	  $(PYTHON) -m venv $(VENV); \
+	  reuse=0; \
+	  case "$(REUSE_TORCH)" in \
+	    1|yes|true) reuse=1 ;; \
+	    auto) if $(PYTHON) -c "import torch" >/dev/null 2>&1; then reuse=1; fi ;; \
 	  esac; \
-	  echo "[make] creating $(VENV) with $(PYTHON) $$flags"; \
-	  $(PYTHON) -m venv $$flags $(VENV); \
+	  if [ $$reuse = 1 ]; then \
+	    site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	    $(PYTHON) -c "import site, sysconfig; p = sysconfig.get_paths(); print('\n'.join(dict.fromkeys([p['purelib'], p['platlib'], *site.getsitepackages()])))" > "$$site/_layer_offload_parent.pth"; \
+	    echo "[make] $(PYTHON) already has torch: $(VENV) sees its packages (after its own) via $$site/_layer_offload_parent.pth"; \
+	  fi; \
 	fi; \
 	if $(PY) -c "import torch" >/dev/null 2>&1; then \
 	  echo "[make] keeping the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
