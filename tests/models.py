@@ -510,6 +510,88 @@ class TableStack(nn.Module):
         return x + prev
 
 
+class RopeMaskBlock(nn.Module):
+    """Complex64 rotary table and a bool causal mask as buffers (LLaMA reference / Flux style), float weights."""
+
+    def __init__(self, dim: int, max_len: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), torch.rand(dim // 2))
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles))  # complex64
+        self.register_buffer("mask", torch.ones(max_len, max_len, dtype=torch.bool).tril())
+        self.register_buffer("steps", torch.arange(max_len, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = torch.view_as_complex(self.proj(x).float().reshape(b, t, d // 2, 2))
+        h = torch.view_as_real(h * self.freqs[:t]).reshape(b, t, d)
+        scores = (h @ h.transpose(1, 2)) / d ** 0.5 + self.steps[:t].to(h.dtype) * 1e-3
+        scores = scores.masked_fill(~self.mask[:t, :t], float("-inf"))
+        return x + torch.softmax(scores, dim=-1) @ h
+
+
+class RopeStack(nn.Module):
+    def __init__(self, dim: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(RopeMaskBlock(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class DownBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1)
+        self.norm = nn.GroupNorm(4, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(x)
+        return h + self.conv2(F.silu(self.norm(h)))
+
+
+class UpBlock(nn.Module):
+    def __init__(self, cin: int, cskip: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin + cskip, cout, 3, padding=1)
+        self.norm = nn.GroupNorm(4, cout)
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(x, size=skip.shape[-2:], mode="nearest")
+        return F.silu(self.norm(self.conv(torch.cat((x, skip), dim=1))))
+
+
+class UNetLike(nn.Module):
+    """SD-UNet-shaped: `input_blocks` / `middle_block` / `output_blocks` of different widths, skip connections
+    between them (ComfyUI's UNetModel layout)."""
+
+    def __init__(self, ch: int = 16) -> None:
+        super().__init__()
+        widths = [ch, 2 * ch, 4 * ch, 4 * ch]
+        self.conv_in = nn.Conv2d(4, ch, 3, padding=1)
+        self.input_blocks = nn.ModuleList(
+            DownBlock(widths[max(i - 1, 0)], widths[i], 1 if i == 0 else 2) for i in range(len(widths)))
+        self.middle_block = DownBlock(widths[-1], widths[-1], 1)
+        self.output_blocks = nn.ModuleList(
+            UpBlock(widths[-1] if i == len(widths) - 1 else widths[i + 1], widths[i], widths[i])
+            for i in reversed(range(len(widths))))
+        self.conv_out = nn.Conv2d(ch, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(x)
+        skips = []
+        for blk in self.input_blocks:
+            h = blk(h)
+            skips.append(h)
+        h = self.middle_block(h)
+        for blk in self.output_blocks:
+            h = blk(h, skips.pop())
+        return self.conv_out(h)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Helpers shared by the test files
 # ----------------------------------------------------------------------------------------------------------
@@ -602,6 +684,10 @@ CASES = {
                          lambda: (torch.randint(0, 128, (2, 7)),), ["layers"]),
     "transposed": Case("transposed", lambda: seeded(TransposedStack, dim=64, depth=4),
                        lambda: (torch.randn(2, 5, 64),), ["blocks"]),
+    "rope_complex": Case("rope_complex", lambda: seeded(RopeStack, dim=64, depth=4),
+                         lambda: (torch.randn(2, 12, 64),), ["blocks"]),
+    "unet": Case("unet", lambda: seeded(UNetLike, ch=16), lambda: (torch.randn(2, 4, 32, 32),),
+                 ["input_blocks", "output_blocks"]),
     "int8_subclass": Case("int8_subclass", lambda: seeded(QuantStack, dim=64, depth=4),
                           lambda: (torch.randn(2, 5, 64),), ["blocks"]),
 }

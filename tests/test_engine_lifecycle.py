@@ -108,11 +108,14 @@ def _assert_units_are_blocks(model, handle, expected):
     (lambda: seeded(RepeatedHintModel), "stuff"),
     (lambda: seeded(WeirdListModel), "trunk.zorglubs"),
     (lambda: CASES["dit"].build(), "double_blocks+single_blocks"),
-], ids=["layers", "no_split_modules", "repeated_blocks", "heuristic", "dit_two_lists"])
+    (lambda: CASES["unet"].build(), "input_blocks+output_blocks"),
+], ids=["layers", "no_split_modules", "repeated_blocks", "heuristic", "dit_two_lists", "unet_lists"])
 def test_block_discovery(build, list_path, sim_cfg, offload):
     model = build()
     if model.__class__.__name__ == "DiTStack":
         x = CASES["dit"].inputs()
+    elif model.__class__.__name__ == "UNetLike":
+        x = CASES["unet"].inputs()
     else:
         x = (torch.randn(2, 5, 64),)
     ref = run(model, x)
