@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
-        return demo_mod.main(args)
+        try:
+            return demo_mod.main(args)
+        except ValueError as exc:  # bad device / preset / size: a message, not a traceback
+            print(f"python -m offload demo: error: {exc}", file=sys.stderr)
+            return 2
     parser.error(f"unknown command {args.command!r}")
     return 2
 

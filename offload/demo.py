@@ -245,6 +245,8 @@ def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, d
     from offload import OffloadConfig
 
     device = resolve_device(device)
+    for preset in presets:  # fail before any work on a typo
+        OffloadConfig.from_preset(preset, device=device)
     net, inputs, block, block_inputs = build_demo_model(model, dim, depth, tokens, seed)
     total = weight_bytes(net)
     info: dict[str, Any] = {"device": device, "model": model, "dim": dim, "depth": depth, "tokens": tokens,
