@@ -111,4 +111,6 @@ class OffloadReport:
 
         publish(data)
         text = summary_text(data)
-        return {"ui": {"text": [text]}, "result": (json.dumps(data),)}
+        blob = json.dumps(data)
+        # "text" is what the node shows; "report_json" puts the full report in /history for API clients.
+        return {"ui": {"text": [text], "report_json": [blob]}, "result": (blob,)}

@@ -141,6 +141,10 @@ def test_pack_imports_and_registers_every_node(server):
     assert "budget" in loader["input"]["optional"] and "priority" in loader["input"]["optional"]
     assert info["OffloadVramBudget"]["output"] == ["OFFLOAD_BUDGET"]
     assert info["OffloadReport"]["output_node"] is True
+    scripts = server.get_json("/extensions")
+    assert "/extensions/{}/layer_offload.js".format(cs.PACK_FOLDER) in scripts, scripts
+    with cs.urllib.request.urlopen(server.url + "/extensions/{}/layer_offload.js".format(cs.PACK_FOLDER)) as r:
+        assert b"registerExtension" in r.read()
     failed = [line for line in server.log_tail(200000).splitlines()
               if cs.PACK_FOLDER in line and ("IMPORT FAILED" in line or "Cannot import" in line)]
     assert not failed, failed
@@ -154,6 +158,8 @@ def test_offload_loader_samples_bitwise_like_unet_loader_and_reports(server):
     assert cs.ui_texts(entry, "6")[0].split()[0] == ref
     summary = cs.ui_texts(entry, "7")
     assert summary and "streamed" in summary[0] and "sim" in summary[0], summary
+    in_history = json.loads(entry["outputs"]["7"]["report_json"][0])
+    assert any(m["name"] == UNET and m["streamed_blocks"] == 4 for m in in_history["models"]), in_history
     data = server.get_json("/layer_offload/report")
     models = [m for m in data["models"] if m["name"] == UNET]
     assert models, data
