@@ -223,6 +223,13 @@ class OffloadHandle:
         self._allowance = None
         return freed
 
+    def refresh(self) -> None:
+        """Call after writing weights in place through `.data` (writes that version counters cannot see).
+
+        `load_state_dict`, `param.copy_()` and other in-place writes on the parameters are noticed on their own.
+        """
+        self.streamer.refresh()
+
     def set_priority(self, priority: int) -> None:
         self.priority = int(priority)
         self.budget.priority_changed(self)

@@ -1,13 +1,13 @@
 """Where a unit's host bytes come from when they are not in a pinned buffer: a safetensors file or pageable RAM.
 
-The disk tier reads a unit's tensors straight from the model's safetensors file (positional reads, no second
-copy in RAM) into a pinned bounce buffer on a read-ahead thread, then queues the bounce-to-device copy; the
-unit's parameters view a read-only mmap of the file between forwards. Pageable RAM goes through the same
+The disk tier reads a unit's tensors straight from the model's safetensors file (through a private mmap, no
+second copy in RAM) into a pinned bounce buffer on a read-ahead thread, then queues the bounce-to-device copy;
+the unit's parameters view that mapping between forwards. Pageable RAM goes through the same
 bounce path on devices with pinned memory, so its copies stay asynchronous.
 """
 from __future__ import annotations
 
-import ctypes
+import atexit
 import json
 import logging
 import mmap
@@ -15,7 +15,7 @@ import os
 import queue
 import struct
 import threading
-import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -127,13 +127,18 @@ class SafetensorsFile:
         return found
 
     def flat(self) -> torch.Tensor:
-        """The whole file as a read-only uint8 tensor backed by mmap (page cache, not process RAM)."""
+        """The whole file as a uint8 tensor backed by a private mmap (page cache, not process RAM)."""
         if self._flat is None:
-            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the buffer is read-only; nothing writes through these views
-                self._flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            # Private copy-on-write mapping: a write through a parameter view (load_state_dict) lands in
+            # process memory instead of crashing on a read-only page, and the file is never modified.
+            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            self._flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
         return self._flat
+
+    def aligned(self, key: str) -> bool:
+        """Whether a tensor's offset allows a zero-copy view of its dtype."""
+        ft = self.tensors[key]
+        return ft.start % ft.dtype.itemsize == 0
 
     def view(self, key: str) -> torch.Tensor:
         """A zero-copy view of one tensor (a private copy if its offset is misaligned for the dtype)."""
@@ -143,31 +148,23 @@ class SafetensorsFile:
             raw = raw.clone()
         return raw.view(ft.dtype).view(ft.shape)
 
-    def read_into(self, dst: torch.Tensor, pieces: list[tuple[int, int, int]]) -> int:
-        """Positional reads of (file_start, file_end, dst_offset) pieces into a contiguous uint8 `dst`."""
-        base = dst.data_ptr()
-        total = 0
-        run: list[memoryview] = []
-        run_start = run_end = -1
-        for start, end, off in sorted(pieces):
-            mv = memoryview((ctypes.c_char * (end - start)).from_address(base + off)).cast("B")
-            if run and start == run_end:
-                run.append(mv)
-                run_end = end
-                continue
-            total += self._flush(run, run_start)
-            run, run_start, run_end = [mv], start, end
-        total += self._flush(run, run_start)
-        return total
+    def read_into(self, dst: torch.Tensor, pieces: list[tuple[str, int]]) -> int:
+        """Copy (key, dst_offset) tensors from the mapping into a flat uint8 `dst`; returns bytes read.
 
-    def _flush(self, run: list[memoryview], start: int) -> int:
-        if not run:
-            return 0
-        want = sum(len(m) for m in run)
-        got = os.preadv(self._fd, run, start)
-        if got != want:  # short read: fall back to reading the rest piecewise
-            raise self._fail(f"short read at byte {start}: {got} of {want} bytes")
-        return got
+        Reading through the mapping (not the file descriptor) means bytes written in place through a
+        parameter view (copy-on-write pages) are what streams next.
+        """
+        flat = self.flat()
+        total = 0
+        for key, off in pieces:
+            ft = self.tensors[key]
+            n = ft.end - ft.start
+            if self._mmap is not None and hasattr(self._mmap, "madvise"):
+                start = ft.start // mmap.PAGESIZE * mmap.PAGESIZE
+                self._mmap.madvise(mmap.MADV_WILLNEED, start, ft.end - start)
+            dst[off:off + n].copy_(flat[ft.start:ft.end])
+            total += n
+        return total
 
     def close(self) -> None:
         self._flat = None
@@ -180,6 +177,16 @@ class SafetensorsFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+_live_readers: "weakref.WeakSet[BounceReader]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_readers() -> None:
+    # A daemon thread killed in the middle of a copy at interpreter exit aborts the process.
+    for reader in list(_live_readers):
+        reader.close()
 
 
 class DeferredCopy:
@@ -216,6 +223,7 @@ class BounceReader:
         self.reads = 0
         self._thread = threading.Thread(target=self._run, name="offload-read-ahead", daemon=True)
         self._thread.start()
+        _live_readers.add(self)
 
     def submit(self, fill: Callable[[torch.Tensor], int], nbytes: int, dst: torch.Tensor, after: Any) -> DeferredCopy:
         job = DeferredCopy()
@@ -226,6 +234,7 @@ class BounceReader:
         while True:
             item = self._jobs.get()
             if item is None:
+                self._jobs.task_done()
                 return
             fill, nbytes, dst, after, job = item
             try:
@@ -241,9 +250,17 @@ class BounceReader:
                 job.error = exc
             finally:
                 job._done.set()
+                self._jobs.task_done()
+
+    def drain(self) -> None:
+        """Wait until every submitted read has been done and its copy queued."""
+        self._jobs.join()
 
     def close(self) -> None:
-        self._jobs.put(None)
+        """Finish queued reads and stop the thread (nothing may read a mapping after it is closed)."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
 
 
 class DiskSource:
@@ -255,8 +272,7 @@ class DiskSource:
         self.file = file
         self.layout = layout
         self.reader = reader
-        self.pieces = [(file.tensors[k].start, file.tensors[k].end, leaf.offset)
-                       for k, leaf in zip(keys, layout.leaves)]
+        self.pieces = [(k, leaf.offset) for k, leaf in zip(keys, layout.leaves)]
         self.keys = keys
         self.reads = 0
 

@@ -115,6 +115,8 @@ class ModelStreamer:
                 tiers[i] = "pageable"
             if needs_file and file is not None and plain:
                 keys[i] = file.match([key_of(*e.locations[0][:2]) for e in layout.entries], sources)
+                if tiers.get(i) == "disk" and not all(file.aligned(k) for k in keys[i]):
+                    tiers[i] = "pageable"  # a misaligned tensor cannot be viewed in place: keep it in RAM
         rest_keys = None
         if file is not None and any(src.is_meta for src in rest_sources):
             rest_keys = file.match([key_of(*e.locations[0][:2]) for e in rest_layout.entries], rest_sources)
@@ -275,6 +277,17 @@ class ModelStreamer:
             log.debug("weights changed in place; restarting the lookahead")
             self.worker.restart()
 
+    def refresh(self) -> None:
+        """Weights were written in a way version counters miss (through `.data`): treat everything as changed."""
+        with self._lock:
+            for u in self.units:
+                u.mark = u.staging.layout.version()
+                u.device_newer = u.resident_buf is not None
+            self.rest_device_newer = self.rest_buf is not None
+            self.rest_mark = self.rest.layout.version()
+            if self.active is None:
+                self.worker.restart()
+
     def _evict(self, u: UnitState) -> None:
         """Drop a resident unit's device copy (catching the host master up first if it was written)."""
         if u.device_newer:
@@ -293,6 +306,12 @@ class ModelStreamer:
             return
         self.backend.synchronize()
         staging.host.copy_(device_buf)
+
+    def _quiesce(self) -> None:
+        """Wait for every queued read and copy: nothing in flight may touch memory about to change hands."""
+        if self.reader is not None:
+            self.reader.drain()
+        self.backend.synchronize()
 
     def _binding(self, u: UnitState, slot: int) -> Binding:
         binding = u.slot_bindings.get(slot)
@@ -353,7 +372,7 @@ class ModelStreamer:
     def _apply_plan(self) -> None:
         if self.active is not None:
             self._finish_active()
-        self.backend.synchronize()  # nothing in flight may touch memory we are about to free
+        self._quiesce()  # nothing in flight may touch memory we are about to free
         streamed = self.streamed()
         slot_bytes = max((self.units[i].nbytes for i in streamed), default=0)
         n_slots = self._planned_slots() if streamed else 0
@@ -414,7 +433,7 @@ class ModelStreamer:
             before = self.device_bytes()
             if self.active is not None:
                 self._finish_active()
-            self.backend.synchronize()
+            self._quiesce()
             target = 0 if nbytes is None else max(0, before - int(nbytes))
             # demote resident units (last first), then the ring, then the rest
             for u in sorted((u for u in self.units if u.resident_buf is not None), key=lambda u: -u.index):
@@ -448,3 +467,4 @@ class ModelStreamer:
             if self.reader is not None:
                 self.reader.close()
                 self.reader = None
+            self.worker.configure([], 0)

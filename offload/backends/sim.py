@@ -7,6 +7,7 @@ engine), and a copy of n bytes takes at least latency + n / bandwidth.
 from __future__ import annotations
 
 import _thread
+import atexit
 import bisect
 import logging
 import queue
@@ -75,6 +76,12 @@ class SimBackend(Backend):
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
         self._worker.start()
+        atexit.register(self._stop)  # a daemon thread killed mid-copy at exit would abort the process
+
+    def _stop(self) -> None:
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
 
     # memory -----------------------------------------------------------------
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -135,7 +142,11 @@ class SimBackend(Backend):
 
     def _run(self) -> None:
         while True:
-            dst, src, after, event = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            dst, src, after, event = item
             try:
                 if after is not None:
                     after.wait()
