@@ -378,3 +378,57 @@ def test_dynamic_patchers_become_plain_offload_patchers(env):
     out = env["M"]["OffloadModel"]().apply(dyn, "budget")[0]
     assert type(out) is cp.OffloadModelPatcher and not out.is_dynamic()
     assert torch.equal(ref, sample(env, out))
+
+
+TINY_CLIP_CONFIG = {"architectures": ["CLIPTextModel"], "attention_dropout": 0.0, "bos_token_id": 0, "dropout": 0.0,
+                    "eos_token_id": 49407, "hidden_act": "quick_gelu", "hidden_size": 64, "initializer_factor": 1.0,
+                    "initializer_range": 0.02, "intermediate_size": 128, "layer_norm_eps": 1e-05,
+                    "max_position_embeddings": 77, "model_type": "clip_text_model", "num_attention_heads": 2,
+                    "num_hidden_layers": 4, "pad_token_id": 1, "projection_dim": 64, "torch_dtype": "float32",
+                    "vocab_size": 49408}
+
+
+def tiny_clip():
+    """A ComfyUI CLIP object around a 4-layer, width-64 CLIP-L-shaped text encoder with seeded weights."""
+    import comfy.sd
+    import comfy.sd1_clip
+
+    class Target:
+        params = {}
+        tokenizer = comfy.sd1_clip.SD1Tokenizer
+
+        @staticmethod
+        def clip(**kw):
+            return comfy.sd1_clip.SD1ClipModel(clip_model=comfy.sd1_clip.SDClipModel,
+                                               textmodel_json_config=TINY_CLIP_CONFIG, **kw)
+
+    clip = comfy.sd.CLIP(target=Target())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in clip.cond_stage_model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return clip
+
+
+def test_offload_clip_encodes_bitwise_like_the_plain_clip(env):
+    clip = tiny_clip()
+    with torch.inference_mode():
+        ref, ref_pooled = clip.encode_from_tokens(clip.tokenize("a photo of a cat"), return_pooled=True)
+        off = env["M"]["OffloadCLIP"]().apply(clip, "budget")[0]
+        out, pooled = off.encode_from_tokens(off.tokenize("a photo of a cat"), return_pooled=True)
+        again, _ = off.encode_from_tokens(off.tokenize("a photo of a cat"), return_pooled=True)
+    assert off is not clip
+    assert torch.equal(ref, out) and torch.equal(ref_pooled, pooled) and torch.equal(ref, again)
+    st = off.patcher.model.__dict__["_layer_offload"]
+    assert st.kind == "clip" and len(st.handle.streamed_unit_modules()) == 4
+    data = json.loads(env["M"]["OffloadReport"]().report(None, None)["result"][0])
+    assert any(m["kind"] == "clip" and m["streamed_blocks"] == 4 for m in data["models"])
+
+
+def test_offload_any_routes_clip(env):
+    clip = tiny_clip()
+    with torch.inference_mode():
+        ref = clip.encode_from_tokens(clip.tokenize("hello"))
+        out = env["M"]["OffloadAny"]().apply(clip, "consumer")[0]
+        got = out.encode_from_tokens(out.tokenize("hello"))
+    assert torch.equal(ref, got)
