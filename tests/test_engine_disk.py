@@ -130,7 +130,7 @@ _WRITE_CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("write", [
     "model.load_state_dict(other.state_dict())",
-    "[p.data.copy_(q) for p, q in zip(model.parameters(), other.parameters())]",
+    "[p.data.copy_(q) for p, q in zip(model.parameters(), other.parameters())]; handle.refresh()",
 ], ids=["load_state_dict", "data_copy"])
 def test_in_place_write_to_disk_tier_weights_does_not_crash(write, tmp_path):
     """Between forwards a disk-tier unit's parameters view the file's mapping. Writing them in place

