@@ -1,0 +1,458 @@
+"""The disk tier (DESIGN §2 storage.py, §6): blocks that do not fit the RAM budget stream from the model's
+safetensors file through bounce buffers filled by a read-ahead thread.
+
+Checked: tiers in the report, one read per disk unit per forward, parameters that view the file's mmap
+between forwards (no RAM copy), bitwise outputs, a model built on the meta device, corrupt or mismatched files
+refused before anything is attached, and reads that really happen ahead of the unit that needs them.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import struct
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from offload import OffloadConfig, VramBudget, offload_module
+from tests.models import LayersModel, aligned_bytes, raw_bytes, run, seeded
+
+DEPTH = 6
+_caps = itertools.count(1)
+
+
+def _private_capacity() -> int:
+    return (96 << 20) + 512 * next(_caps) + 7
+
+
+def _model(seed=0, dim=64, depth=DEPTH, dtype=None):
+    m = seeded(LayersModel, dim=dim, depth=depth, seed=seed)
+    return m.to(dtype) if dtype is not None else m
+
+
+def _x(dim=64):
+    g = torch.Generator().manual_seed(4321)
+    return torch.randn(2, 5, dim, generator=g)
+
+
+def _save(model, path, prefix="model.", drop=(), dtype=None):
+    sd = {}
+    for k, v in model.state_dict().items():
+        if any(k.startswith(d) for d in drop):
+            continue
+        v = v.detach().contiguous()
+        sd[prefix + k] = v.to(dtype) if dtype is not None else v
+    save_file(sd, str(path))
+    return path
+
+
+BLK = aligned_bytes(_model().layers[0])
+
+
+def _cfg(path, ram_units=2, preset="budget", **kw):
+    kw.setdefault("device", "sim")
+    return OffloadConfig.from_preset(preset, disk_path=str(path), ram_budget_bytes=ram_units * BLK, **kw)
+
+
+def _settle(reader, quiet_s=0.05, limit_s=5.0):
+    """Wait until the read-ahead thread has finished what was queued (its count stops moving)."""
+    import time
+
+    end = time.monotonic() + limit_s
+    last = -1
+    while time.monotonic() < end:
+        now = (reader.reads, reader.bytes_read)
+        if now == last:
+            return
+        last = now
+        time.sleep(quiet_s)
+
+
+def _disk_indices(h):
+    return [i for i, b in enumerate(h.report().blocks) if b.tier == "disk"]
+
+
+@pytest.fixture
+def attached():
+    handles = []
+
+    def attach(model, cfg, **kw):
+        kw.setdefault("budget", VramBudget(None))
+        h = offload_module(model, cfg, **kw)
+        handles.append(h)
+        return h
+
+    yield attach
+    for h in handles:
+        try:
+            h.detach()
+        except Exception:
+            pass
+
+
+def _param_storage_is_file(p, path):
+    """The parameter's storage is the whole file, mapped: same size, same first bytes (the header length)."""
+    st = p.untyped_storage()
+    size = os.path.getsize(path)
+    if st.nbytes() != size:
+        return False
+    with open(path, "rb") as f:
+        head = f.read(64)
+    return bytes(st[:64].tolist()) == head
+
+
+# ------------------------------------------------------------------------------------------------------------
+# end to end
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", ["model.", "", "diffusion_model.model."])
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_disk_tier_end_to_end(tmp_path, attached, prefix, prefetch):
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    units = list(model.layers)
+    path = _save(model, tmp_path / "m.safetensors", prefix=prefix)
+    h = attached(model, _cfg(path, ram_units=2, prefetch=prefetch))
+    tiers = [b.tier for b in h.report().blocks]
+    disk = _disk_indices(h)
+    assert len(disk) == DEPTH - 2, f"two blocks fit the RAM budget, the rest stream from disk: {tiers}"
+    assert all(tiers[i] in ("pinned", "pageable") for i in range(DEPTH) if i not in disk), tiers
+    srcs = {i: h.streamer.units[i].source for i in disk}
+    reader = h.streamer.reader
+    per_forward = sum(raw_bytes(units[i]) for i in disk)
+
+    assert torch.equal(run(model, (x,)), ref)  # first forward: the read-ahead learns the order
+    _settle(reader)
+    reads = {i: s.reads for i, s in srcs.items()}
+    assert all(r >= 1 for r in reads.values()), reads
+    nbytes = reader.bytes_read
+    for k in range(1, 4):
+        assert torch.equal(run(model, (x,)), ref)
+        _settle(reader)
+        now = {i: s.reads for i, s in srcs.items()}
+        assert now == {i: reads[i] + k for i in srcs}, f"forward {k}: reads {now}, expected one more each"
+        assert reader.bytes_read - nbytes == k * per_forward, "each disk unit's bytes are read once a forward"
+    rep = h.report()
+    assert [b.tier for b in rep.blocks] == tiers
+    assert all(rep.blocks[i].bytes > 0 for i in disk)
+    h.detach()
+    assert torch.equal(run(model, (x,)), ref)
+
+
+def test_disk_params_view_the_file_mmap_between_forwards(tmp_path, attached):
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    orig = {n: p.detach().clone() for n, p in model.named_parameters()}
+    path = _save(model, tmp_path / "m.safetensors")
+    h = attached(model, _cfg(path, ram_units=1))
+    disk = _disk_indices(h)
+    assert disk
+    ram_bufs = [u.staging.host for u in h.streamer.units if u.staging.host is not None]
+    ram_bufs.append(h.streamer.rest.host)
+
+    def in_ram_buffer(t):
+        ptr = t.data_ptr()
+        return any(b is not None and b.data_ptr() <= ptr < b.data_ptr() + b.numel() for b in ram_bufs)
+
+    seen = {}
+
+    def during(i):
+        def hook(mod, args):
+            seen[i] = [h.backend.owns(p) for p in mod.parameters()]
+        return hook
+
+    hooks = [model.layers[i].register_forward_pre_hook(during(i)) for i in disk]
+    try:
+        for _ in range(3):
+            seen.clear()
+            assert torch.equal(run(model, (x,)), ref)
+            assert set(seen) == set(disk)
+            assert all(all(v) for v in seen.values()), "during its forward a disk unit computes from device memory"
+            for i in disk:
+                for n, p in model.layers[i].named_parameters():
+                    name = f"layers.{i}.{n}"
+                    assert not h.backend.owns(p), f"{name} left on the device"
+                    assert not in_ram_buffer(p), f"{name} points into a RAM staging buffer"
+                    assert _param_storage_is_file(p, path), f"{name} is not a view of the file's mmap"
+                    assert torch.equal(p.detach(), orig[name]), f"{name} values differ from the file"
+            for i in range(DEPTH):
+                if i not in disk:
+                    for n, p in model.layers[i].named_parameters():
+                        assert not _param_storage_is_file(p, path), "RAM-tier units keep their own RAM master"
+    finally:
+        for hk in hooks:
+            hk.remove()
+    h.detach()
+    for n, p in model.named_parameters():
+        assert not _param_storage_is_file(p, path), f"{n} still views the file after detach"
+        assert torch.equal(p.detach(), orig[n])
+    p = model.layers[disk[0]].fc1.weight
+    with torch.no_grad():
+        p.copy_(orig[f"layers.{disk[0]}.fc1.weight"])  # an ordinary, writable tensor again
+    assert torch.equal(run(model, (x,)), ref)
+
+
+def test_resident_disk_units_are_read_once(tmp_path, attached):
+    """Disk-tier units that end up resident in VRAM are read once, not every forward."""
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    path = _save(model, tmp_path / "m.safetensors")
+    h = attached(model, _cfg(path, ram_units=0, preset="auto", prefetch=1))
+    for _ in range(3):
+        assert torch.equal(run(model, (x,)), ref)
+    assert len(h.resident_unit_modules()) == DEPTH
+    reads = [getattr(u.source, "reads", None) for u in h.streamer.units]
+    nbytes = h.streamer.reader.bytes_read if h.streamer.reader is not None else 0
+    for _ in range(2):
+        assert torch.equal(run(model, (x,)), ref)
+    h.backend.synchronize()
+    assert [getattr(u.source, "reads", None) for u in h.streamer.units] == reads
+    assert (h.streamer.reader.bytes_read if h.streamer.reader is not None else 0) == nbytes
+
+
+def test_no_disk_when_the_preset_forbids_it(tmp_path, attached):
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    path = _save(model, tmp_path / "m.safetensors")
+    h = attached(model, _cfg(path, ram_units=1, preset="high_end"))
+    assert "disk" not in [b.tier for b in h.report().blocks]
+    assert torch.equal(run(model, (x,)), ref)
+
+
+@pytest.mark.parametrize("ram_units", [0, 3, None])
+def test_meta_model_offloaded_from_the_file(tmp_path, attached, ram_units):
+    ref_model = _model()
+    x = _x()
+    ref = run(ref_model, (x,))
+    path = _save(ref_model, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        model = LayersModel(dim=64, depth=DEPTH).eval()
+    assert all(p.is_meta for p in model.parameters())
+    cfg = _cfg(path, ram_units=ram_units or 0, prefetch=2)
+    if ram_units is None:
+        cfg = cfg.replace(ram_budget_bytes=None)
+    h = attached(model, cfg)
+    assert not any(p.is_meta for p in model.parameters()), "every weight comes from the file"
+    tiers = [b.tier for b in h.report().blocks]
+    if ram_units is not None:
+        assert tiers.count("disk") == DEPTH - ram_units, tiers
+    for _ in range(3):
+        assert torch.equal(run(model, (x,)), ref)
+    h.detach()
+    assert not any(p.is_meta for p in model.parameters())
+    assert torch.equal(run(model, (x,)), ref)
+    for (n, p), (n2, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert n == n2 and torch.equal(p, q), n
+
+
+# ------------------------------------------------------------------------------------------------------------
+# corrupt or mismatched files
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _garbage_header(path):
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    path.write_bytes(data[:8] + b"\x00{not json" + b"#" * (n - 10) + data[8 + n:])
+
+
+def _huge_header(path):
+    data = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 1 << 40) + data[8:])
+
+
+def _random_bytes(path):
+    path.write_bytes(os.urandom(64))
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _lying_offsets(path):
+    """A well-formed header whose last tensor claims more bytes than its shape needs."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    key = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    header[key]["data_offsets"][1] += 4
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n:] + b"\0" * 4)
+
+
+CORRUPT = {
+    "cut_in_half": (None, _truncate),
+    "garbage_header": (None, _garbage_header),
+    "huge_header_length": (None, _huge_header),
+    "random_bytes": (None, _random_bytes),
+    "empty": (None, _empty),
+    "lying_offsets": (None, _lying_offsets),
+    "wrong_dtype": (dict(dtype=torch.float16), None),
+    "wrong_shape": ("shape", None),
+    "missing_keys": (dict(drop=(f"layers.{DEPTH - 1}.",)), None),
+    "missing_one_tensor": (dict(drop=(f"layers.{DEPTH - 2}.fc2.bias",)), None),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPT))
+def test_corrupt_file_refused_before_anything_is_attached(tmp_path, kind):
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    save_kw, damage = CORRUPT[kind]
+    path = tmp_path / f"{kind}.safetensors"
+    if save_kw == "shape":
+        _save(_model(dim=32), path)
+    else:
+        _save(model, path, **(save_kw or {}))
+    if damage is not None:
+        damage(path)
+    before = {n: (p, p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    budget = VramBudget(None)
+    with pytest.raises(ValueError) as ei:
+        offload_module(model, _cfg(path, ram_units=1), budget=budget)
+    assert str(path) in str(ei.value) or path.name in str(ei.value), f"the error must name the file: {ei.value}"
+    for name, m in model.named_modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks, f"{name or 'model'} keeps a hook"
+    assert getattr(model, "_layer_offload_handle", None) is None
+    assert budget.members == [] and budget.used_bytes == 0
+    for n, p in model.named_parameters():
+        p0, ptr, val = before[n]
+        assert p is p0 and p.data_ptr() == ptr and torch.equal(p, val), f"{n} touched by a refused offload"
+    assert torch.equal(run(model, (x,)), ref)
+    # nothing half-attached: a good file works right after
+    good = _save(model, tmp_path / "good.safetensors")
+    h = offload_module(model, _cfg(good, ram_units=1), budget=budget)
+    try:
+        assert _disk_indices(h)
+        assert torch.equal(run(model, (x,)), ref)
+    finally:
+        h.detach()
+
+
+@pytest.mark.parametrize("kind", ["missing_rest", "wrong_dtype_rest"])
+def test_meta_model_with_incomplete_file_is_refused(tmp_path, kind):
+    """A meta model needs every weight from the file, the non-block ones too."""
+    src = _model()
+    path = tmp_path / "m.safetensors"
+    if kind == "missing_rest":
+        _save(src, path, drop=("out.",))
+    else:
+        sd = {"model." + k: v.contiguous() for k, v in src.state_dict().items()}
+        sd["model.inp.weight"] = sd["model.inp.weight"].to(torch.float16)
+        save_file(sd, str(path))
+    with torch.device("meta"):
+        model = LayersModel(dim=64, depth=DEPTH).eval()
+    budget = VramBudget(None)
+    with pytest.raises(ValueError) as ei:
+        offload_module(model, _cfg(path, ram_units=2), budget=budget)
+    assert str(path) in str(ei.value) or path.name in str(ei.value), str(ei.value)
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
+    assert all(p.is_meta for p in model.parameters()), "a refused meta model stays as it was"
+    assert budget.members == []
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    model = _model()
+    path = tmp_path / "nope.safetensors"
+    with pytest.raises(ValueError) as ei:
+        offload_module(model, _cfg(path), budget=VramBudget(None))
+    assert "nope.safetensors" in str(ei.value)
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
+
+
+# ------------------------------------------------------------------------------------------------------------
+# read-ahead really ahead
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, attached, monkeypatch, prefetch):
+    """Every disk unit is fully read before its forward begins.
+
+    A pre-hook PREPENDED to each unit runs before the engine's own pre-hook, i.e. before the engine could
+    read or wait for anything for that unit. At that moment the read-ahead thread must already have finished
+    reading that unit's bytes (and every use before it). Each unit's forward is made slow (a sleep in a
+    post-hook, standing in for compute) on a latency-limited simulated device so there is time to read ahead;
+    an engine that reads a unit only when the unit is reached fails, whatever the timing. File reads are also
+    recorded by thread: none may happen on the thread running the forward.
+    """
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    path = _save(model, tmp_path / "m.safetensors")
+    cfg = _cfg(path, ram_units=0, prefetch=prefetch, sim_capacity_bytes=_private_capacity(),
+               sim_latency_us=500.0, sim_bandwidth_gbps=4.0)
+    h = attached(model, cfg)
+    disk = _disk_indices(h)
+    assert disk == list(range(DEPTH)), "a zero RAM budget puts every block on disk"
+    assert h.resident_unit_modules() == []
+    srcs = [h.streamer.units[i].source for i in range(DEPTH)]
+    reader = h.streamer.reader
+
+    # which thread reads the file: wrap this handle's file reader (instance attribute, nothing global)
+    main = threading.get_ident()
+    read_threads = []
+    file = h.file
+    real_read_into = file.read_into
+
+    def read_into(*a, **kw):
+        read_threads.append(threading.get_ident())
+        return real_read_into(*a, **kw)
+
+    monkeypatch.setattr(file, "read_into", read_into)
+
+    base_reads = reader.reads
+    base_unit = [s.reads for s in srcs]
+    assert torch.equal(run(model, (x,)), ref)  # warm-up: the order is learned, the pipeline wraps around
+    h.backend.synchronize()
+
+    # uses counted from before the warm-up (one use of each unit), so reads it did ahead for the next
+    # forward count for the units that will use them
+    uses = {"n": DEPTH}
+    entered = [0] * DEPTH
+    late = []
+
+    def before(i):
+        def hook(mod, args):
+            entered[i] += 1
+            uses["n"] += 1
+            done = reader.reads - base_reads  # reads the read-ahead thread has finished
+            if done < uses["n"]:
+                late.append(f"unit {i} use {entered[i]}: {done} reads finished, {uses['n']} needed")
+            if srcs[i].reads - base_unit[i] < 1 + entered[i]:
+                late.append(f"unit {i} use {entered[i]}: its own read had not even started")
+        return hook
+
+    def compute(mod, args, out):
+        threading.Event().wait(0.015)
+
+    hooks = [model.layers[i].register_forward_pre_hook(before(i), prepend=True) for i in range(DEPTH)]
+    hooks += [model.layers[i].register_forward_hook(compute) for i in range(DEPTH)]
+    try:
+        for _ in range(3):
+            assert torch.equal(run(model, (x,)), ref)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    assert entered == [3] * DEPTH, f"the prepended pre-hooks did not run for every unit: {entered}"
+    assert uses["n"] == DEPTH + 3 * DEPTH
+    assert not late, "reads were not ahead of the units:\n" + "\n".join(late)
+    assert read_threads, "no file read was seen at all"
+    assert main not in read_threads, "a file read ran on the forward's own thread"
