@@ -82,6 +82,9 @@ class VramBudget:
         if total_bytes is None:
             raise ValueError("set_total needs a number of bytes")
         with self._lock:
+            if device_total is None:  # the devices of the registered models are known
+                totals = [t for t in (m.device_total() for m in self._members) if t is not None]
+                device_total = min(totals) if totals else None
             self._check_device(int(total_bytes), device_total)
             self._total = int(total_bytes)
             self.auto_sized = False

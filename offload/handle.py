@@ -162,47 +162,55 @@ class OffloadHandle:
     def _on_forward_start(self) -> None:
         allowance = self.budget.allowance(self)
         if allowance != self._allowance or not self.streamer.loaded:
-            self._replan(allowance)
+            self._replan(allowance, place=True)
         if torch.is_grad_enabled() and not getattr(self, "_grad_said", False):
             if any(p.requires_grad for p in self.model.parameters()):
                 self._grad_said = True
                 log.warning("%s: running with gradients enabled; streamed weights are swapped after each "
                             "block, so backward through them is not supported (use torch.no_grad())", self.name)
 
-    def _replan(self, allowance: int) -> None:
-        cfg = self.config
+    def _make_plan(self, allowance: int) -> UnitPlan:
         try:
-            plan = plan_units(self._sizes, self._names, self.streamer.rest_bytes, allowance, cfg.prefetch,
-                              stream_all=cfg.vram_fraction <= 0)
+            return plan_units(self._sizes, self._names, self.streamer.rest_bytes, allowance, self.config.prefetch,
+                              stream_all=self.config.vram_fraction <= 0)
         except PlanError as exc:
             raise DeviceMemoryError(f"{self.name}: {exc}") from None
-        for note in plan.notes:
-            if plan.shrunk_lookahead and (self._plan is None or not self._plan.shrunk_lookahead):
+
+    def _replan(self, allowance: int, place: bool = False) -> None:
+        """Plan for `allowance` bytes; place it now when asked or when the model is on the device already.
+
+        An out-of-memory error while placing (the device holds more than the budget knows of) shrinks the
+        resident set and retries, with one log line; a plan that cannot even hold one slot is an error naming
+        the unit and its size.
+        """
+        plan = self._make_plan(allowance)
+        if plan.shrunk_lookahead and (self._plan is None or not self._plan.shrunk_lookahead):
+            for note in plan.notes:
                 log.warning("%s: %s", self.name, note)
         self._allowance = allowance
         self._plan = plan
+        if not (place or self.streamer.loaded):
+            self.streamer.set_plan(plan.resident, plan.n_slots)
+            return
         while True:
             try:
                 self.streamer.set_plan(plan.resident, plan.n_slots)
+                self.streamer.ensure_loaded()
                 return
             except torch.OutOfMemoryError as exc:
                 self.streamer.unload()
                 free, _ = self.backend.mem_get_info()
-                smaller = min(plan.device_bytes - max(self._sizes), free)
+                smaller = min(plan.device_bytes - 1, free)
                 if not self._oom_said:
                     self._oom_said = True
                     log.warning("%s: device out of memory while placing blocks (%s); shrinking the resident set",
                                 self.name, str(exc).splitlines()[0])
                 try:
-                    plan = plan_units(self._sizes, self._names, self.streamer.rest_bytes, smaller, cfg.prefetch,
-                                      stream_all=cfg.vram_fraction <= 0)
+                    plan = plan_units(self._sizes, self._names, self.streamer.rest_bytes, smaller,
+                                      self.config.prefetch, stream_all=self.config.vram_fraction <= 0)
                 except PlanError as err:
                     raise DeviceMemoryError(f"{self.name}: out of device memory: {err}") from None
                 self._plan = plan
-                if not self.streamer.loaded:
-                    self.streamer.set_plan(plan.resident, plan.n_slots)
-                    self.streamer.ensure_loaded()
-                    return
 
     def plan_summary(self) -> str:
         p = self._plan

@@ -7,6 +7,7 @@ copied device-to-host: the host buffer is the truth and a slot is just reused.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
@@ -24,6 +25,38 @@ from .staging import Binding, StagingBuffer, plan_layout, unit_tensors
 from .storage import BounceReader, DiskSource, PageableSource, SafetensorsFile, resolve
 
 log = logging.getLogger(__name__)
+
+
+_UNCHANGED = object()
+
+
+def _unalias_walk(obj: Any, storage_ptr: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() and obj.untyped_storage().data_ptr() == storage_ptr:
+            return obj.clone()
+        return _UNCHANGED
+    if isinstance(obj, (tuple, list)):
+        items = [_unalias_walk(o, storage_ptr) for o in obj]
+        if all(i is _UNCHANGED for i in items):
+            return _UNCHANGED
+        new = [o if i is _UNCHANGED else i for o, i in zip(obj, items)]
+        return type(obj)(*new) if hasattr(obj, "_fields") else type(obj)(new)
+    if isinstance(obj, dict):
+        items = {k: _unalias_walk(v, storage_ptr) for k, v in obj.items()}
+        if all(i is _UNCHANGED for i in items.values()):
+            return _UNCHANGED
+        new = copy.copy(obj)  # keeps dict subclasses (model-output classes) intact
+        for k, v in items.items():
+            if v is not _UNCHANGED:
+                new[k] = v
+        return new
+    return _UNCHANGED
+
+
+def _unalias(output: Any, storage_ptr: int) -> Any:
+    """An output that views the slot (a unit returning its own weight) is cloned: the slot is about to be reused."""
+    result = _unalias_walk(output, storage_ptr)
+    return None if result is _UNCHANGED else result
 
 
 class DeviceMemoryError(ValueError):
@@ -235,15 +268,19 @@ class ModelStreamer:
         self._binding(u, slot).apply()
         self.active = (index, slot, copy, ready, start)
 
-    def _post(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+    def _post(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
         u = self.units[index]
         if u.resident_buf is not None:
             start = self._resident_start.pop(index, None)
             if start is not None:
                 self.metrics.add(index, None, None, start, self.backend.record(), 0)
-            return
+            return None
         if self.active is not None and self.active[0] == index:
+            slot_storage = self.slots[self.active[1]].untyped_storage().data_ptr()
+            replaced = _unalias(output, slot_storage)
             self._finish_active()
+            return replaced
+        return None
 
     def _finish_active(self) -> None:
         index, slot, copy, ready, start = self.active
@@ -428,8 +465,6 @@ class ModelStreamer:
     def unload(self, nbytes: int | None = None) -> int:
         """Free at least `nbytes` device bytes (None: everything); the next forward re-acquires what it may."""
         with self._lock:
-            if self.depth > 0:
-                log.warning("unload requested during a forward; deferring is not possible, freeing after sync")
             before = self.device_bytes()
             if self.active is not None:
                 self._finish_active()
