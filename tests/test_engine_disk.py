@@ -48,6 +48,12 @@ def test_disk_tier_streams_exactly(tmp_path, sim_cfg, offload):
     for k, v in before.items():
         assert same_tensor(sd[k], v), k
     assert torch.equal(run(model, x), ref)
+    # detached weights are ordinary tensors: nothing may still map the file
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:  # scribble over the tensor data in place (same inode)
+        f.seek(size // 4)
+        f.write(b"\0" * (size - size // 4))
+    assert torch.equal(run(model, x), ref), "detached model still reads its weights from the file"
 
 
 def test_meta_model_streams_from_its_file(tmp_path, sim_cfg, offload):
