@@ -23,6 +23,7 @@ NODE_IDS = ["OffloadDiffusionModelLoader", "OffloadCheckpointLoader", "OffloadMo
 PRESETS = ["auto", "high_end", "mid_range", "consumer", "budget"]
 UNET = "lo_tiny_wan.safetensors"
 LORA = "lo_tiny_wan_lora.safetensors"
+CKPT = "lo_tiny_wan_ckpt.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,8 @@ def env(pack, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("models"))
     tiny_wan.write_wan(os.path.join(d, UNET))
     tiny_wan.write_lora(os.path.join(d, LORA))
+    tiny_wan.write_checkpoint(os.path.join(d, CKPT))
+    folder_paths.add_model_folder_path("checkpoints", d)
     folder_paths.add_model_folder_path("diffusion_models", d)
     folder_paths.add_model_folder_path("loras", d)
     return {"pack": pack, "mm": mm, "nodes": nodes, "M": pack.NODE_CLASS_MAPPINGS}
@@ -432,3 +435,11 @@ def test_offload_any_routes_clip(env):
         out = env["M"]["OffloadAny"]().apply(clip, "consumer")[0]
         got = out.encode_from_tokens(out.tokenize("hello"))
     assert torch.equal(ref, got)
+
+
+def test_offload_checkpoint_loader(env):
+    ref = sample(env, plain_model(env))
+    model, clip, vae = env["M"]["OffloadCheckpointLoader"]().load(CKPT, "budget")
+    assert clip is None  # the tiny checkpoint holds no text encoder
+    assert "_layer_offload" in model.model.diffusion_model.__dict__
+    assert torch.equal(ref, sample(env, model))

@@ -105,6 +105,12 @@ def write_wan(path: str, seed: int = 0, dtype: torch.dtype = torch.float16) -> N
     save_file(make_wan_state_dict(seed, dtype), path)
 
 
+def write_checkpoint(path: str, seed: int = 0, dtype: torch.dtype = torch.float16) -> None:
+    """The same model as a checkpoint ('model.diffusion_model.' prefix; no text encoder or VAE inside)."""
+    sd = {"model.diffusion_model." + k: v for k, v in make_wan_state_dict(seed, dtype).items()}
+    save_file(sd, path)
+
+
 def write_lora(path: str, seed: int = 1) -> None:
     """Write the tiny LoRA as a .safetensors file."""
     save_file(make_lora_state_dict(seed), path)
