@@ -144,3 +144,26 @@ def test_cuda_inference_mode_then_grad_mode(offload):
     with torch.inference_mode():
         assert torch.equal(model(*x), ref)
     assert torch.equal(model(*x).detach(), ref)
+
+
+def test_cuda_pre_existing_unit_hook_computes_on_device(offload):
+    """A pre-hook already on a block before offloading that computes with the block's weights (a cache or
+    skip heuristic): it must get GPU weights, not fail with a device mismatch."""
+    from offload import OffloadConfig
+
+    case = CASES["transformer"]
+    model = case.build()
+    x_cpu = case.inputs()
+    ref = run(model.to("cuda"), _to(x_cpu, "cuda"))
+    model.to("cpu")
+    probes = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: probes.append((a[0] @ m.fc1.weight.t()).sum().item()))
+             for b in model.blocks]
+    try:
+        offload(model, OffloadConfig(device="cuda", vram_budget_bytes=streaming_budget(model, case.blocks(model), 3),
+                                     prefetch=2))
+        assert torch.equal(run(model, _to(x_cpu, "cuda")), ref)
+        assert len(probes) == len(model.blocks)
+    finally:
+        for h in hooks:
+            h.remove()

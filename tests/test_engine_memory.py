@@ -470,3 +470,33 @@ def test_nested_models_share_a_tight_budget(sim_cfg):
         hi.detach()
         ho.detach()
     assert torch.equal(run(outer, x), ref)
+
+
+def test_unit_pre_hook_registered_before_offloading_sees_device_weights(sim_cfg, offload):
+    """Hooks already on a block when it is offloaded (cache/skip hooks of diffusers or node packs, weight
+    readers) run before the block's forward and may touch its weights: they must see the device copy, or on
+    a GPU they compute with host tensors (device mismatch). The engine's swap-in has to run first
+    (register_forward_pre_hook(..., prepend=True))."""
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    seen = {}
+
+    def early_hook(mod, args):
+        seen[id(mod)] = [backend_ref[0].owns(t) for _, p in mod.named_parameters() for t in param_inner_tensors(p)]
+
+    backend_ref = []
+    hooks = [b.register_forward_pre_hook(early_hook) for b in model.blocks]
+    try:
+        handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3),
+                                        prefetch=2))
+        backend_ref.append(handle.backend)
+        streamed = handle.streamed_unit_modules()
+        assert streamed
+        assert torch.equal(run(model, x), ref)
+        for u in streamed:
+            assert all(seen[id(u)]), f"{module_path(model, u)}: a pre-existing pre-hook saw host weights"
+    finally:
+        for h in hooks:
+            h.remove()
