@@ -26,6 +26,7 @@ import datetime as _dt
 import json
 import logging
 import math
+import os
 import platform
 import shlex
 import statistics
@@ -438,6 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{desc}; {total / MIB:.1f} MiB of weights; device: {device_name(device)}"
           + (f"; sim bandwidth {sim_gbps:.2f} GB/s" if device == "sim" else ""), flush=True)
 
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
     runs: list[list[Row]] = []
     engine_ok = True
@@ -463,6 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              "peak device MiB: " + ("torch.cuda.max_memory_allocated during the timed forwards (weights + "
                                     "activations)" if on_cuda else
                                     "weights on the simulated device (its own accounting); activations not counted")]
+    if hasattr(os, "getloadavg"):
+        notes.append(f"host load average before the run: {load_before:.1f}, after: {os.getloadavg()[0]:.1f} "
+                     f"({os.cpu_count()} CPUs); other processes on the machine slow every row alike only roughly")
     if not on_cuda:
         notes.append("simulated device: compute runs on the CPU and copies are throttled to the bandwidth above, "
                      "so the figures show the scheduling (overlap, stalls), not GPU speed")
