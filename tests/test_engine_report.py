@@ -249,3 +249,29 @@ def test_profile_mode_keeps_outputs_and_report(sim_cfg, offload):
     for u in handle.streamed_unit_modules():
         b = names[module_path(model, u)]
         assert b.h2d_ms > 0 and b.compute_ms > 0
+
+
+def test_next_forward_is_prefetched_across_the_gap(sim_cfg, offload):
+    """DESIGN §4.4: at the end of a forward the first streamed units of the next forward are already on their
+    way. With idle time between forwards (a sampler step, a UI round trip) the first unit must not stall."""
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    unit = aligned_bytes(model.blocks[0])
+    copy_s = 0.02
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2,
+                                    sim_bandwidth_gbps=unit / copy_s / 1e9))
+    streamed = handle.streamed_unit_modules()
+    first = module_path(model, streamed[0])
+    run(model, x)
+    handle.backend.synchronize()
+    handle.reset_stats()
+    for _ in range(3):
+        time.sleep(5 * copy_s)  # idle: the lookahead copies finish in the gap
+        assert torch.equal(run(model, x), ref)
+    handle.backend.synchronize()
+    b = _by_name(handle.report())[first]
+    assert b.h2d_ms > 0
+    assert b.stall_ms < 0.25 * b.h2d_ms, (
+        f"{first} stalled {b.stall_ms:.1f} ms of {b.h2d_ms:.1f} ms copying: the next forward was not prefetched")
