@@ -288,3 +288,26 @@ def test_overlapping_explicit_units(sim_cfg, offload):
         assert torch.equal(run(model, x), ref)
     handle.detach()
     assert torch.equal(run(model, x), ref)
+
+
+def test_default_budget_is_process_wide():
+    """budget=None joins default_budget(): the same object every time, and it accounts for the model."""
+    from offload import OffloadConfig, default_budget, offload_module
+
+    assert default_budget() is default_budget()
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    shared = default_budget()
+    before = shared.used_bytes
+    handle = offload_module(model, OffloadConfig(device="sim", prefetch=1))
+    try:
+        assert torch.equal(run(model, x), ref)
+        assert handle.device_bytes() > 0
+        assert shared.used_bytes == before + handle.device_bytes()
+        assert shared.total_bytes is not None and shared.used_bytes <= shared.total_bytes
+    finally:
+        handle.detach()
+    assert shared.used_bytes == before
+    assert torch.equal(run(model, x), ref)
