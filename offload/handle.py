@@ -292,4 +292,5 @@ def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: 
                    progress: Callable[[int, int], None] | None = None) -> OffloadHandle:
     """Stream `model`'s blocks from host memory to the device from now on; returns the handle."""
     config = config if config is not None else OffloadConfig.from_preset("auto")
-    return OffloadHandle(model, config, name or type(model).__name__, priority, budget, units, progress)
+    with torch.inference_mode(False):  # our buffers and views must serve grad-mode and inference-mode calls
+        return OffloadHandle(model, config, name or type(model).__name__, priority, budget, units, progress)

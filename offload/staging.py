@@ -67,7 +67,7 @@ class TensorLayout:
         for entry in self.entries:
             module, attr, kind = entry.locations[0]
             t = (module._parameters if kind == "param" else module._buffers).get(attr)
-            if t is not None:
+            if t is not None and not t.is_inference():  # inference tensors have no version counter
                 total += t._version
         return total
 
@@ -228,10 +228,11 @@ class StagingBuffer:
 
     @staticmethod
     def _unmeta(layout: TensorLayout, views: list[torch.Tensor]) -> None:
-        """Parameters still on the meta device cannot take `.data` from real memory: give them new objects."""
+        """Meta or inference-mode parameters cannot take `.data` from our buffers: give them new objects."""
         for entry in layout.entries:
             module, attr, kind = entry.locations[0]
-            if entry.plain_param and module._parameters[attr].is_meta:
+            current = module._parameters[attr] if entry.plain_param else None
+            if current is not None and (current.is_meta or current.is_inference()):
                 param = nn.Parameter(views[entry.recipe], requires_grad=entry.requires_grad)
                 for mod, name, k in entry.locations:
                     (mod._parameters if k == "param" else mod._buffers)[name] = param

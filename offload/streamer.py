@@ -212,10 +212,12 @@ class ModelStreamer:
 
     # hooks ----------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre))
+        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
         self._hooks.append(self.model.register_forward_hook(self._root_post, always_call=True))
         for u in self.units:
-            self._hooks.append(u.module.register_forward_pre_hook(functools.partial(self._pre, u.index)))
+            # prepend: hooks the user registered earlier must already see the unit's device weights
+            self._hooks.append(u.module.register_forward_pre_hook(functools.partial(self._pre, u.index),
+                                                                   prepend=True))
             self._hooks.append(u.module.register_forward_hook(functools.partial(self._post, u.index),
                                                               always_call=True))
 
