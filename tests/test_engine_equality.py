@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import (CASES, ReorderStack, ReusedBlockStack, TableStack, TransformerStack, TransposedStack, run, seeded,
-                          streaming_budget)
+from tests.models import (CASES, ReorderStack, ReusedBlockStack, TableStack, TransformerStack, TransposedStack,
+                          run, seeded, streaming_budget)
 
 CASE_NAMES = list(CASES)
 PRESET_NAMES = ["auto", "high_end", "mid_range", "consumer", "budget"]

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import logging
-import math
 import re
 import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 from tests.models import (CASES, HintedModel, LayersModel, OddMLP, RepeatedHintModel, SingleLinear,
                           WeirdListModel, module_path, param_inner_tensors, run, same_tensor, seeded, snapshot,
@@ -96,7 +94,8 @@ def _assert_units_are_blocks(model, handle, expected):
     units = _units(handle)
     ids = {id(u) for u in units}
     for b in expected:
-        assert id(b) in ids, f"block {module_path(model, b)} not a unit; units: {[module_path(model, u) for u in units]}"
+        assert id(b) in ids, (
+            f"block {module_path(model, b)} not a unit; units: {[module_path(model, u) for u in units]}")
     inside = {id(m) for b in expected for m in b.modules() if m is not b}
     for u in units:
         assert id(u) not in inside, f"unit {module_path(model, u)} splits a block"

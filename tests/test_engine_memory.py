@@ -10,8 +10,9 @@ import warnings
 import pytest
 import torch
 
-from tests.models import (ALIGN, CASES, Boom, LayersModel, MLPBlock, RaisingStack, TransformerStack, aligned_bytes, module_path, param_inner_tensors,
-                          raw_bytes, run, seeded, snapshot, same_tensor, streaming_budget, unit_tensors)
+from tests.models import (ALIGN, CASES, Boom, LayersModel, MLPBlock, RaisingStack, TransformerStack,
+                          aligned_bytes, module_path, param_inner_tensors, raw_bytes, run, same_tensor, seeded,
+                          snapshot, streaming_budget)
 
 
 def _param_tensors(unit):
@@ -386,7 +387,7 @@ def test_shrinking_the_shared_budget_at_runtime(sim_cfg):
 
 
 def test_detach_gives_device_memory_back(sim_cfg):
-    from offload import OffloadConfig, VramBudget, offload_module
+    from offload import VramBudget, offload_module
 
     case = CASES["dit"]
     model = case.build()

@@ -173,7 +173,8 @@ def test_copies_hide_behind_compute(sim_cfg, offload, one_compute_thread):
     h2d = sum(b.h2d_ms for b in deep.blocks)
     stall = sum(b.stall_ms for b in deep.blocks)
     assert h2d > 0
-    assert deep.overlap_ratio > 0.5, f"prefetch=2: overlap {deep.overlap_ratio:.2f} (h2d {h2d:.1f} ms, stall {stall:.1f} ms)"
+    assert deep.overlap_ratio > 0.5, (
+        f"prefetch=2: overlap {deep.overlap_ratio:.2f} (h2d {h2d:.1f} ms, stall {stall:.1f} ms)")
     assert stall < 0.5 * h2d, f"prefetch=2: stalled {stall:.1f} ms of {h2d:.1f} ms of copies"
     assert none.overlap_ratio < deep.overlap_ratio, (
         f"prefetch=0 overlap {none.overlap_ratio:.2f} not below prefetch=2 overlap {deep.overlap_ratio:.2f}")
