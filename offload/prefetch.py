@@ -10,6 +10,8 @@ import logging
 from collections import deque
 from typing import Any, Callable
 
+from .storage import resolve
+
 log = logging.getLogger(__name__)
 
 IssueFn = Callable[[int, int, Any], Any]  # (unit, slot, after_event) -> copy event
@@ -69,11 +71,16 @@ class PrefetchWorker:
         self._cancel_inflight()
 
     def _cancel_inflight(self) -> None:
-        # Copies already queued into these slots stay ahead of any new copy on the same transfer stream,
-        # so the slots can be handed out again at once.
+        # A new copy into a cancelled slot must land after the cancelled one. A copy already on the transfer
+        # stream is ahead of it anyway; one still waiting for the read-ahead thread is resolved first, so
+        # the thread cannot queue the stale copy behind the new one.
         while self.inflight:
-            _, slot, _ = self.inflight.pop()
-            self.free.appendleft((slot, None))
+            _, slot, event = self.inflight.pop()
+            try:
+                after = resolve(event)
+            except Exception:  # a failed read queued no copy; the slot is free
+                after = None
+            self.free.appendleft((slot, after))
 
     def _resync(self, unit: int) -> None:
         self.resyncs += 1

@@ -68,7 +68,7 @@ class CudaBackend(Backend):
         event = CudaCopyEvent()
         with torch.cuda.stream(self.copy_stream):
             if after is not None:
-                self.copy_stream.wait_event(after)
+                self.copy_stream.wait_event(after.end if isinstance(after, CudaCopyEvent) else after)
             event.start.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)
             event.end.record(self.copy_stream)
