@@ -326,3 +326,26 @@ def test_forward_on_another_thread(sim_cfg, offload):
     assert not errors, errors
     assert results == [True, True]
     assert torch.equal(run(model, x), ref)
+
+
+@pytest.mark.parametrize("case_name", ["transformer", "decoder"])
+def test_backward_is_exact_or_refused(case_name, sim_cfg, offload):
+    """Offloading is for inference, but plain PyTorch users can call backward (LoRA training on an offloaded
+    base). Slots are overwritten by later units while autograd still holds views of them, so backward must
+    either produce the resident gradients or raise; silently wrong gradients (a log line is not enough) are
+    the one unacceptable outcome."""
+    case = CASES[case_name]
+    model = case.build()
+    x = case.inputs()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model(*x).float().square().mean().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 2), prefetch=1))
+    try:
+        model(*x).float().square().mean().backward()
+    except Exception:
+        return  # refused: acceptable
+    wrong = [n for n, p in model.named_parameters() if p.grad is None or not torch.equal(p.grad, ref[n])]
+    assert not wrong, f"{len(wrong)} of {len(ref)} gradients silently wrong after backward, e.g. {wrong[:3]}"
