@@ -216,6 +216,9 @@ class OffloadPatcherMixin:
             self.unpatch_hooks()
             _reassert_budget(st)
             patch_counter = self._lo_set_weight_functions(root, prefix)
+            reset = getattr(st.handle, "reset_stats", None)
+            if callable(reset):
+                reset()  # the report describes the run this load serves, not every run since setup
             st.handle.load()
             for _, m in self._lo_outside_params(root):
                 m.to(device_to)
