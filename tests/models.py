@@ -592,6 +592,89 @@ class UNetLike(nn.Module):
         return self.conv_out(h)
 
 
+class TimestepBlock(nn.Module):
+    """Marker base, as in ComfyUI's openaimodel."""
+
+
+class TimestepEmbedSequential(nn.Sequential, TimestepBlock):
+    def forward(self, x, emb):  # ComfyUI's UNet never calls this: it iterates the container itself
+        return forward_timestep_embed(self, x, emb)
+
+
+def forward_timestep_embed(ts: nn.Module, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's comfy/ldm/modules/diffusionmodules/openaimodel.py does `for layer in ts: x = layer(...)`,
+    so the block container's own forward (and any hook on it) never runs."""
+    for layer in ts:
+        x = layer(x, emb) if isinstance(layer, TimestepBlock) else layer(x)
+    return x
+
+
+class ResBlock(TimestepBlock):
+    def __init__(self, cin: int, cout: int, emb_dim: int) -> None:
+        super().__init__()
+        self.in_layers = nn.Sequential(nn.GroupNorm(4, cin), nn.SiLU(), nn.Conv2d(cin, cout, 3, padding=1))
+        self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, cout))
+        self.out_layers = nn.Sequential(nn.GroupNorm(4, cout), nn.SiLU(), nn.Conv2d(cout, cout, 3, padding=1))
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        h = self.in_layers(x) + self.emb_layers(emb)[:, :, None, None]
+        return self.skip(x) + self.out_layers(h)
+
+
+class AttnLayer(nn.Module):
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(4, ch)
+        self.qkv = nn.Linear(ch, 3 * ch)
+        self.proj = nn.Linear(ch, ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, hh, ww = x.shape
+        t = self.norm(x).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(t).chunk(3, dim=-1)
+        a = F.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(a).transpose(1, 2).reshape(b, c, hh, ww)
+
+
+class ComfyUNetLike(nn.Module):
+    """SD1.5/SDXL as ComfyUI runs it: `input_blocks` / `middle_block` / `output_blocks` are
+    TimestepEmbedSequential containers, and the model walks their children via forward_timestep_embed."""
+
+    def __init__(self, ch: int = 16, emb_dim: int = 32) -> None:
+        super().__init__()
+        self.time_embed = nn.Sequential(nn.Linear(emb_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
+        chans = [ch, ch, 2 * ch, 2 * ch]
+        self.input_blocks = nn.ModuleList([TimestepEmbedSequential(nn.Conv2d(4, ch, 3, padding=1))])
+        for i in range(1, len(chans)):
+            layers = [ResBlock(chans[i - 1], chans[i], emb_dim)]
+            if i % 2 == 0:
+                layers.append(AttnLayer(chans[i]))
+            self.input_blocks.append(TimestepEmbedSequential(*layers))
+        self.middle_block = TimestepEmbedSequential(ResBlock(chans[-1], chans[-1], emb_dim), AttnLayer(chans[-1]),
+                                                    ResBlock(chans[-1], chans[-1], emb_dim))
+        self.output_blocks = nn.ModuleList()
+        cur = chans[-1]
+        for i in reversed(range(len(chans))):
+            layers = [ResBlock(cur + chans[i], chans[i], emb_dim)]
+            if i % 2 == 0:
+                layers.append(AttnLayer(chans[i]))
+            self.output_blocks.append(TimestepEmbedSequential(*layers))
+            cur = chans[i]
+        self.out = nn.Sequential(nn.GroupNorm(4, ch), nn.SiLU(), nn.Conv2d(ch, 4, 3, padding=1))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        emb = self.time_embed(t)
+        hs, h = [], x
+        for module in self.input_blocks:
+            h = forward_timestep_embed(module, h, emb)
+            hs.append(h)
+        h = forward_timestep_embed(self.middle_block, h, emb)
+        for module in self.output_blocks:
+            h = forward_timestep_embed(module, torch.cat([h, hs.pop()], dim=1), emb)
+        return self.out(h)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Helpers shared by the test files
 # ----------------------------------------------------------------------------------------------------------
@@ -688,6 +771,8 @@ CASES = {
                          lambda: (torch.randn(2, 12, 64),), ["blocks"]),
     "unet": Case("unet", lambda: seeded(UNetLike, ch=16), lambda: (torch.randn(2, 4, 32, 32),),
                  ["input_blocks", "output_blocks"]),
+    "comfy_unet": Case("comfy_unet", lambda: seeded(ComfyUNetLike, ch=16, emb_dim=32),
+                       lambda: (torch.randn(2, 4, 16, 16), torch.randn(2, 32)), ["input_blocks", "output_blocks"]),
     "int8_subclass": Case("int8_subclass", lambda: seeded(QuantStack, dim=64, depth=4),
                           lambda: (torch.randn(2, 5, 64),), ["blocks"]),
 }

@@ -30,7 +30,8 @@ def _cuda_case(name, offload, slots=3, prefetch=2, model=None):
     return case, model, _to(x_cpu, "cuda"), ref, handle
 
 
-@pytest.mark.parametrize("case_name", ["transformer", "dit", "tied_buffers", "fp8_e4m3", "int8_subclass"])
+@pytest.mark.parametrize("case_name", ["transformer", "dit", "tied_buffers", "fp8_e4m3", "int8_subclass",
+                                       "comfy_unet", "unet", "rope_complex"])
 def test_cuda_outputs_bitwise_equal(case_name, offload):
     case, model, x, ref, handle = _cuda_case(case_name, offload)
     assert handle.streamed_unit_modules()

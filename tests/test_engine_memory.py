@@ -501,3 +501,34 @@ def test_unit_pre_hook_registered_before_offloading_sees_device_weights(sim_cfg,
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_units_whose_children_are_called_directly(sim_cfg, offload):
+    """ComfyUI's SD1.5/SDXL UNet never calls its block containers: `forward_timestep_embed` iterates each
+    TimestepEmbedSequential and calls the layers inside. Hooks on the container never fire, so unless the
+    engine notices, those weights are never put on the device (on a GPU: a device-mismatch crash; here: a
+    forward that silently computes from host memory and streams nothing)."""
+    case = CASES["comfy_unet"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
+    backend = handle.backend
+    streamed = handle.streamed_unit_modules()
+    assert streamed
+    off_device = []
+
+    def check(mod, args):
+        for n, p in mod.named_parameters(recurse=False):
+            if not backend.owns(p):
+                off_device.append(f"{module_path(model, mod)}.{n}")
+
+    hooks = [m.register_forward_pre_hook(check) for u in streamed for m in u.modules()]
+    try:
+        handle.reset_stats()
+        assert torch.equal(run(model, x), ref)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert not off_device, f"{len(off_device)} weights computed from host memory, e.g. {off_device[:3]}"
+    assert handle.report().total_bytes_streamed > 0
