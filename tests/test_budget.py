@@ -187,11 +187,36 @@ def test_set_total_larger_than_known_device_is_refused():
         h.detach()
 
 
+def test_per_model_budget_larger_than_device_is_refused():
+    cap = _private_capacity()
+    model = _model()
+    with pytest.raises(ValueError) as ei:
+        offload_module(model, OffloadConfig(device="sim", sim_capacity_bytes=cap, vram_budget_bytes=cap + 1),
+                       budget=VramBudget(None))
+    assert str(cap) in str(ei.value), str(ei.value)
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
+
+
+def test_budget_above_the_default_sim_capacity_is_refused():
+    """The simulated device has 8 GiB unless told otherwise: a bigger budget is refused when a model joins."""
+    model = _model()
+    budget = VramBudget((8 << 30) + 1)
+    with pytest.raises(ValueError) as ei:
+        offload_module(model, OffloadConfig(device="sim"), budget=budget)
+    assert str(8 << 30) in str(ei.value), str(ei.value)
+    assert budget.members == []
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
+
+
 def test_default_budget_is_process_wide():
     assert default_budget() is default_budget()
     model = _model()
     ref = run(model, (_x(),))
-    h = offload_module(model, OffloadConfig(device="sim"), name="default-member")
+    total = default_budget().total_bytes  # another test may have sized it already: pick a device it fits
+    cap = None if total is None or total <= (8 << 30) else int(total)
+    h = offload_module(model, OffloadConfig(device="sim", sim_capacity_bytes=cap), name="default-member")
     try:
         b = default_budget()
         assert h.budget is b
@@ -300,9 +325,17 @@ def test_two_models_detach_others_grow_back(fleet_factory):
     f.fwd("a")
     f.fwd("b")
     assert f.resident("a") < DEPTH
+    a_bytes = f.handles["a"].device_bytes()
     f.handles["b"].detach()
-    assert budget.used_bytes == f.handles["a"].device_bytes()
-    f.fwd("a")
+    assert budget.used_bytes == a_bytes, "detach returns b's bytes at once"
+    assert f.handles["a"].device_bytes() == a_bytes, "a grows at the start of its own forward, not before"
+    at_start = []
+    hook = f.models["a"].layers[0].register_forward_pre_hook(lambda m, args: at_start.append(f.resident("a")))
+    try:
+        f.fwd("a")
+    finally:
+        hook.remove()
+    assert at_start == [DEPTH], f"a had not grown by the start of its forward: {at_start}"
     assert f.resident("a") == DEPTH
     assert not f.violations, f.violations
 
@@ -314,10 +347,20 @@ def test_idle_model_is_shrunk_at_once(fleet_factory):
     a = f.add("a", priority=0)
     f.fwd("a")
     assert f.resident("a") == DEPTH and a.device_bytes() == FULL
-    f.add("b", priority=1)  # registering rebalanced: a is idle and must fit beside b's share now
-    assert a.device_bytes() <= budget.total_bytes - FULL, (
-        f"a still holds {a.device_bytes()} bytes; b is owed {FULL} of {budget.total_bytes}")
-    f.fwd("b")
+    b = f.add("b", priority=1)
+    at_start = []
+    hook = f.models["b"].layers[0].register_forward_pre_hook(
+        lambda m, args: at_start.append((a.device_bytes(), b.device_bytes())))
+    try:
+        f.fwd("b")  # b needs its share now: the idle a gives it up before b's first unit runs
+    finally:
+        hook.remove()
+    assert len(at_start) == 1
+    a_bytes, b_bytes = at_start[0]
+    assert b_bytes == FULL, "b (higher priority) keeps everything resident"
+    assert a_bytes + b_bytes <= budget.total_bytes, (
+        f"a still holds {a_bytes} bytes beside b's {b_bytes} (budget {budget.total_bytes})")
+    assert a.device_bytes() <= budget.total_bytes - FULL
     assert f.resident("b") == DEPTH
     f.fwd("a")
     assert not f.violations, f.violations
@@ -424,6 +467,12 @@ def test_watermark_keeps_lost_units_streaming_until_prioritize(fleet_factory):
     lost = f.resident("a")
     assert lost < DEPTH, "a lost resident units to the higher-priority b"
     assert f.resident("b") == DEPTH
+    # b goes idle and gives its device memory up: a keeps streaming what it lost
+    b.unload()
+    for _ in range(2):
+        f.fwd("a")
+        assert f.resident("a") == lost, "a won units back from an unloaded b without prioritize()"
+    f.fwd("b")
     # b steps down: a could win its units back, but the watermark keeps them streaming
     b.set_priority(-1)
     for _ in range(3):
