@@ -150,3 +150,19 @@ def test_in_place_write_to_disk_tier_weights_does_not_crash(write, tmp_path):
     tail = (proc.stdout + proc.stderr)[-1500:]
     assert proc.returncode == 0, f"child died with return code {proc.returncode} (negative = signal):\n{tail}"
     assert "OK-" in proc.stdout, tail
+
+
+def test_disk_tier_with_complex_and_bool_tensors(tmp_path, sim_cfg, offload):
+    """safetensors stores complex64 ('C64') and bool tensors (rotary tables, masks); a valid file holding them
+    must stream from disk exactly, not be reported as corrupt."""
+    case = CASES["rope_complex"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    path = _save(model, tmp_path / "rope.safetensors")
+    unit = aligned_bytes(model.blocks[0])
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 2), prefetch=1,
+                                    disk_path=path, ram_budget_bytes=unit))
+    assert "disk" in [b.tier for b in handle.report().blocks]
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)
