@@ -459,3 +459,93 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, attached, monke
     assert not late, "reads were not ahead of the units:\n" + "\n".join(late)
     assert read_threads, "no file read was seen at all"
     assert main not in read_threads, "a file read ran on the forward's own thread"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# disk tier under the budget: resident and streamed disk units, replanning, detach with reads in flight
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_disk_units_partly_resident(tmp_path, attached):
+    """A VRAM budget that holds some blocks: resident disk units are read once, streamed ones once a forward."""
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    rest = aligned_bytes(model) - DEPTH * BLK
+    path = _save(model, tmp_path / "m.safetensors")
+    h = attached(model, _cfg(path, ram_units=0, preset="auto", prefetch=1, vram_budget_bytes=rest + 5 * BLK))
+    assert torch.equal(run(model, (x,)), ref)
+    resident = {i for i, u in enumerate(h.streamer.units) if model.layers[i] in h.resident_unit_modules()}
+    streamed = set(range(DEPTH)) - resident
+    assert resident and streamed, (resident, streamed)
+    tiers = [b.tier for b in h.report().blocks]
+    assert all(tiers[i] == "vram" for i in resident) and all(tiers[i] == "disk" for i in streamed), tiers
+    _settle(h.streamer.reader)
+    reads = [h.streamer.units[i].source.reads for i in range(DEPTH)]
+    for _ in range(3):
+        assert torch.equal(run(model, (x,)), ref)
+    _settle(h.streamer.reader)
+    now = [h.streamer.units[i].source.reads for i in range(DEPTH)]
+    for i in range(DEPTH):
+        assert now[i] - reads[i] == (3 if i in streamed else 0), (i, reads, now)
+    assert h.device_bytes() <= rest + 5 * BLK
+
+
+def test_disk_models_share_a_budget_and_swap_priority(tmp_path):
+    """Two disk-tier models on one budget; priorities flip, resident units go back to streaming from the file
+    and come back: outputs stay bitwise and the budget holds."""
+    a, b = _model(seed=0), _model(seed=1)
+    x = _x()
+    ra, rb = run(a, (x,)), run(b, (x,))
+    full = aligned_bytes(a)
+    rest = full - DEPTH * BLK
+    pa, pb = _save(a, tmp_path / "a.safetensors"), _save(b, tmp_path / "b.safetensors", prefix="")
+    budget = VramBudget(full + rest + 2 * BLK)
+    cfg = dict(ram_units=1, preset="auto", prefetch=1)
+    ha = offload_module(a, _cfg(pa, **cfg), name="a", priority=0, budget=budget)
+    hb = offload_module(b, _cfg(pb, **cfg), name="b", priority=1, budget=budget)
+    try:
+        for step in range(6):
+            assert torch.equal(run(a, (x,)), ra), f"step {step}: a"
+            assert budget.used_bytes <= budget.total_bytes
+            assert torch.equal(run(b, (x,)), rb), f"step {step}: b"
+            assert budget.used_bytes <= budget.total_bytes
+            if step == 1:
+                assert len(hb.resident_unit_modules()) > len(ha.resident_unit_modules())
+                ha.prioritize()
+            if step == 3:
+                assert len(ha.resident_unit_modules()) > len(hb.resident_unit_modules())
+                hb.prioritize()
+        assert len(hb.resident_unit_modules()) > len(ha.resident_unit_modules())
+        assert "disk" in [blk.tier for blk in ha.report().blocks]
+    finally:
+        ha.detach()
+        hb.detach()
+    assert torch.equal(run(a, (x,)), ra)
+    assert torch.equal(run(b, (x,)), rb)
+
+
+def test_detach_with_reads_in_flight(tmp_path):
+    """Detaching right after a forward, while the read-ahead for the next one is still going, is clean."""
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    path = _save(model, tmp_path / "m.safetensors")
+
+    def readers():
+        return [t for t in threading.enumerate() if "read-ahead" in t.name]
+
+    before = len(readers())
+    for k in range(4):
+        cfg = _cfg(path, ram_units=0, prefetch=3, sim_capacity_bytes=_private_capacity(), sim_latency_us=300.0)
+        h = offload_module(model, cfg, budget=VramBudget(None))
+        for _ in range(k % 2 + 1):
+            assert torch.equal(run(model, (x,)), ref)
+        h.detach()
+        assert h.backend.used_bytes == 0
+        for n, p in model.named_parameters():
+            assert not _param_storage_is_file(p, path), n
+        assert torch.equal(run(model, (x,)), ref)
+    for t in readers():
+        t.join(timeout=2.0)
+    assert len(readers()) <= before, f"read-ahead threads left running after detach: {readers()}"
