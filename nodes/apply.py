@@ -54,29 +54,6 @@ def _move_to_host(root: torch.nn.Module) -> None:
             return
 
 
-def _leave_inference_mode(root: torch.nn.Module) -> int:
-    """Replace inference-mode tensors (ComfyUI loads models under torch.inference_mode) with normal ones.
-
-    The engine swaps `param.data` between host and device views; a Parameter created in inference mode has no
-    version counter, so after such a swap every op on it fails ("Inference tensors do not track version
-    counter"). Fresh Parameters made outside inference mode behave. Returns the number of tensors replaced.
-    """
-    fresh: Dict[int, torch.Tensor] = {}  # keeps tied weights tied
-    with torch.inference_mode(False):
-        for module in root.modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None and p.is_inference():
-                    if id(p) not in fresh:
-                        fresh[id(p)] = torch.nn.Parameter(p.clone(), requires_grad=False)
-                    module._parameters[name] = fresh[id(p)]
-            for name, b in list(module._buffers.items()):
-                if b is not None and b.is_inference():
-                    if id(b) not in fresh:
-                        fresh[id(b)] = b.clone()
-                    module._buffers[name] = fresh[id(b)]
-    return len(fresh)
-
-
 def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int, name: str,
                   kind: str) -> Optional[Managed]:
     """Offload `root` with the engine (or reuse/refresh an existing handle); None when the device is unsupported."""
@@ -102,9 +79,7 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
     if "progress" in inspect.signature(offload_module).parameters:
         kwargs["progress"] = progress
     t0 = time.perf_counter()
-    with torch.inference_mode(False):
-        _leave_inference_mode(root)
-        handle = offload_module(root, cfg, **kwargs)
+    handle = offload_module(root, cfg, **kwargs)  # the engine stages outside inference mode itself
     progress(n_units, n_units)
     managed = Managed(name=name, handle=handle, preset=preset, priority=priority, device=device, kind=kind,
                       config=cfg, budget=budget)
