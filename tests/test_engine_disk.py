@@ -166,3 +166,23 @@ def test_disk_tier_with_complex_and_bool_tensors(tmp_path, sim_cfg, offload):
     assert "disk" in [b.tier for b in handle.report().blocks]
     for _ in range(2):
         assert torch.equal(run(model, x), ref)
+
+
+def test_disk_tier_reads_a_prefixed_checkpoint(tmp_path, sim_cfg, offload):
+    """ComfyUI checkpoints hold the diffusion model under `model.diffusion_model.` next to other models'
+    weights: the file's key prefix is found and the unrelated tensors are ignored."""
+    case = CASES["transformer"]
+    model = case.build()
+    x = case.inputs()
+    ref = run(model, x)
+    tensors = {f"model.diffusion_model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    tensors["first_stage_model.decoder.conv_in.weight"] = torch.randn(8, 4, 3, 3)
+    tensors["cond_stage_model.transformer.embeddings.weight"] = torch.randn(10, 64)
+    path = str(tmp_path / "checkpoint.safetensors")
+    safetensors_torch.save_file(tensors, path)
+    unit = aligned_bytes(model.blocks[0])
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2,
+                                    disk_path=path, ram_budget_bytes=2 * unit))
+    assert "disk" in [b.tier for b in handle.report().blocks]
+    for _ in range(2):
+        assert torch.equal(run(model, x), ref)
