@@ -108,6 +108,12 @@ class VramBudget:
             self._total = int(max(0, min(limit, self._total + delta)))
             self.rebalance()
 
+    def check_device(self, device_total: int | None) -> None:
+        """Refuse (ValueError with the limit) if this budget's total is larger than the device."""
+        with self._lock:
+            if self._total is not None:
+                self._check_device(self._total, device_total)
+
     def _check_device(self, total: int, device_total: int | None) -> None:
         if device_total is not None and total > device_total:
             raise ValueError(f"VRAM budget {total / (1 << 30):.2f} GiB ({total} bytes) is larger than the device "

@@ -45,6 +45,7 @@ class OffloadHandle:
         self.budget = budget if budget is not None else default_budget()
         reserve = config.reserve_bytes if config.reserve_bytes is not None else default_reserve(total, self.backend.name)
         self.budget.resolve_total(max(0, min(free, total) - reserve))
+        self.budget.check_device(total)  # before staging: a refused model is left exactly as it was
         self.file = SafetensorsFile(config.disk_path) if config.disk_path else None
         self.reserve_bytes = reserve
         self.host_plan: HostPlan | None = None
@@ -59,6 +60,7 @@ class OffloadHandle:
                 self.file.close()
             raise
         self.streamer.on_forward_end = self._on_forward_end
+        self.streamer.on_forward_begin = self._warn_grad
         self._measured_reserve = False
         self._sizes = [u.nbytes for u in self.streamer.units]
         self._names = [u.name for u in self.streamer.units]
@@ -163,6 +165,8 @@ class OffloadHandle:
         allowance = self.budget.allowance(self)
         if allowance != self._allowance or not self.streamer.loaded:
             self._replan(allowance, place=True)
+
+    def _warn_grad(self) -> None:
         if torch.is_grad_enabled() and not getattr(self, "_grad_said", False):
             if any(p.requires_grad for p in self.model.parameters()):
                 self._grad_said = True

@@ -101,6 +101,7 @@ class ModelStreamer:
         self.backend = backend
         self.on_forward_start = on_forward_start
         self.on_forward_end: Callable[[], None] | None = None
+        self.on_forward_begin: Callable[[], None] | None = None
         self._lock = threading.RLock()
         self.units: list[UnitState] = []
         self._hooks: list[Any] = []
@@ -232,6 +233,8 @@ class ModelStreamer:
             return
         if self.active is not None:
             self._finish_active()
+        if self.on_forward_begin is not None:
+            self.on_forward_begin()
         self.metrics.harvest()
         self._check_writes()
         if self.on_forward_start is not None:
