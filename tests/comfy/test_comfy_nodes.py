@@ -443,3 +443,40 @@ def test_offload_checkpoint_loader(env):
     assert clip is None  # the tiny checkpoint holds no text encoder
     assert "_layer_offload" in model.model.diffusion_model.__dict__
     assert torch.equal(ref, sample(env, model))
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp8_e4m3fn", "fp8_e5m2"])
+def test_fp8_weights_with_and_without_lora_match(env, weight_dtype):
+    nodes = env["nodes"]
+    lora_node = nodes.LoraLoaderModelOnly()
+    plain = nodes.UNETLoader().load_unet(UNET, weight_dtype)[0]
+    off = env["M"]["OffloadDiffusionModelLoader"]().load(UNET, weight_dtype, "budget")[0]
+    assert torch.equal(sample(env, plain), sample(env, off))
+    ref = sample(env, lora_node.load_lora_model_only(plain, LORA, 0.7)[0])
+    assert torch.equal(ref, sample(env, lora_node.load_lora_model_only(off, LORA, 0.7)[0]))
+
+
+def test_two_models_share_a_small_budget_by_priority(env):
+    import gc
+    from importlib import import_module
+
+    offload = import_module(env["pack"].__name__ + ".offload")
+    mm = env["mm"]
+    gc.collect()  # models of earlier tests leave the budget with their last patcher
+    budget_node = env["M"]["OffloadVramBudget"]()
+    try:
+        spec = budget_node.set_budget(0.01, "auto")[0]  # ~10 MB: less than both models fully resident
+        hi = env["M"]["OffloadDiffusionModelLoader"]().load(UNET, "default", "high_end", spec, 10)[0]
+        lo = env["M"]["OffloadDiffusionModelLoader"]().load(UNET, "default", "high_end", spec, 0)[0]
+        ref = sample(env, plain_model(env))
+        assert torch.equal(ref, sample(env, hi)) and torch.equal(ref, sample(env, lo))
+        mm.load_models_gpu([hi, lo])
+        budget = offload.default_budget()
+        assert budget.used_bytes <= budget.total_bytes == spec.total_bytes
+        assert hi.loaded_size() + lo.loaded_size() == budget.used_bytes
+        assert hi.loaded_size() >= lo.loaded_size(), "the higher priority model keeps more resident"
+        data = json.loads(env["M"]["OffloadReport"]().report(None)["result"][0])
+        prios = sorted(m["priority"] for m in data["models"] if m["name"] == UNET)
+        assert prios[-2:] == [0, 10] or prios == [0, 10]
+    finally:
+        budget_node.set_budget(4.0, "auto")
