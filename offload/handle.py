@@ -170,8 +170,8 @@ class OffloadHandle:
         if torch.is_grad_enabled() and not getattr(self, "_grad_said", False):
             if any(p.requires_grad for p in self.model.parameters()):
                 self._grad_said = True
-                log.warning("%s: running with gradients enabled; streamed weights are swapped after each "
-                            "block, so backward through them is not supported (use torch.no_grad())", self.name)
+                log.warning("%s: running with gradients enabled; backward through streamed blocks raises "
+                            "(their slots are reused), so use torch.no_grad() for inference", self.name)
 
     def _make_plan(self, allowance: int) -> UnitPlan:
         try:

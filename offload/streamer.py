@@ -53,6 +53,37 @@ def _unalias_walk(obj: Any, storage_ptr: int) -> Any:
     return _UNCHANGED
 
 
+class _StreamedBackwardGuard(torch.autograd.Function):
+    """Identity in forward; backward refuses: autograd saved views of a slot that later units overwrote."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.unit_name = name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        raise RuntimeError(
+            f"backward through the streamed unit {ctx.unit_name!r} is not supported: its weights lived in a "
+            f"device slot that later units reused, so the gradients would be wrong. Run offloaded models under "
+            f"torch.no_grad()/torch.inference_mode(), or keep the layers you train resident (units=...)")
+
+
+def _guard_backward(obj: Any, name: str) -> Any:
+    """Route every grad-requiring output tensor through the guard (so backward raises instead of lying)."""
+    if isinstance(obj, torch.Tensor):
+        return _StreamedBackwardGuard.apply(obj, name) if obj.requires_grad else obj
+    if isinstance(obj, (tuple, list)):
+        items = [_guard_backward(o, name) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        new = copy.copy(obj)
+        for k, v in obj.items():
+            new[k] = _guard_backward(v, name)
+        return new
+    return obj
+
+
 def _unalias(output: Any, storage_ptr: int) -> Any:
     """An output that views the slot (a unit returning its own weight) is cloned: the slot is about to be reused."""
     result = _unalias_walk(output, storage_ptr)
@@ -221,6 +252,11 @@ class ModelStreamer:
                                                                    prepend=True))
             self._hooks.append(u.module.register_forward_hook(functools.partial(self._post, u.index),
                                                               always_call=True))
+            # Some models never call the block container itself (ComfyUI's UNet iterates a
+            # TimestepEmbedSequential and calls its layers): the first child to run brings the unit in.
+            for child in u.module.children():
+                self._hooks.append(child.register_forward_pre_hook(functools.partial(self._child_pre, u.index),
+                                                                   prepend=True))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -273,6 +309,12 @@ class ModelStreamer:
         self._binding(u, slot).apply()
         self.active = (index, slot, copy, ready, start)
 
+    def _child_pre(self, index: int, module: nn.Module, args: Any) -> None:
+        active = self.active
+        if (active is not None and active[0] == index) or self.units[index].resident_buf is not None:
+            return
+        self._pre(index, module, args)  # stays in until the next unit comes in or the forward ends
+
     def _post(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
         u = self.units[index]
         if u.resident_buf is not None:
@@ -284,6 +326,8 @@ class ModelStreamer:
             slot_storage = self.slots[self.active[1]].untyped_storage().data_ptr()
             replaced = _unalias(output, slot_storage)
             self._finish_active()
+            if torch.is_grad_enabled():
+                replaced = _guard_backward(output if replaced is None else replaced, u.name)
             return replaced
         return None
 
