@@ -96,6 +96,10 @@ class OffloadVramBudget:
         if budget_gb != budget_gb or budget_gb < 0:  # NaN or negative
             raise ValueError("budget_gb must be >= 0, got {!r}".format(budget_gb))
         if budget_gb > 0:
+            total = device_total_bytes()
+            if budget_gb * GIB > total:
+                raise ValueError("budget_gb={} is larger than the device ({:.2f} GB); the limit is {:.2f} GB".format(
+                    budget_gb, total / GIB, total / GIB))
             spec = BudgetSpec(int(budget_gb * GIB), None)
         else:
             spec = BudgetSpec(preset_total_bytes(preset), preset)

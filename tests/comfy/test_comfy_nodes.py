@@ -250,6 +250,8 @@ def test_vram_budget_is_process_wide_and_persists(env):
     assert offload.default_budget().total_bytes == spec2.total_bytes > 0
     with pytest.raises(ValueError):
         node.set_budget(-1.0, "auto")
+    with pytest.raises(ValueError, match="larger than the device"):
+        node.set_budget(1000.0, "auto")
     node.set_budget(4.0, "auto")
 
 
