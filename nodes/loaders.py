@@ -1,6 +1,7 @@
 """Offload Loaders: load from ComfyUI's model folders and return models already set up for streaming."""
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from typing import Any, Dict, List, Tuple
@@ -43,6 +44,14 @@ def unet_model_options(weight_dtype: str) -> Dict[str, Any]:
     return opts
 
 
+def _non_dynamic_kwargs(fn: Any) -> Dict[str, Any]:
+    """`disable_dynamic=True` where ComfyUI's loader has it (DynamicVRAM): the pack wants a plain ModelPatcher."""
+    try:
+        return {"disable_dynamic": True} if "disable_dynamic" in inspect.signature(fn).parameters else {}
+    except (TypeError, ValueError):
+        return {}
+
+
 class OffloadDiffusionModelLoader:
     """UNETLoader + Offload Model in one node."""
 
@@ -65,7 +74,8 @@ class OffloadDiffusionModelLoader:
     def load(self, unet_name: str, weight_dtype: str, preset: str, budget: Any = None,
              priority: int = 0) -> Tuple[Any]:
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        model = comfy.sd.load_diffusion_model(path, model_options=unet_model_options(weight_dtype))
+        model = comfy.sd.load_diffusion_model(path, model_options=unet_model_options(weight_dtype),
+                                              **_non_dynamic_kwargs(comfy.sd.load_diffusion_model))
         return (offload_patcher(model, preset, budget, priority, name=unet_name, kind="model"),)
 
 
@@ -90,7 +100,8 @@ class OffloadCheckpointLoader:
     def load(self, ckpt_name: str, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any, Any, Any]:
         path = folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)
         out = comfy.sd.load_checkpoint_guess_config(path, output_vae=True, output_clip=True,
-                                                    embedding_directory=folder_paths.get_folder_paths("embeddings"))
+                                                    embedding_directory=folder_paths.get_folder_paths("embeddings"),
+                                                    **_non_dynamic_kwargs(comfy.sd.load_checkpoint_guess_config))
         model, clip, vae = out[:3]
         if model is not None:
             model = offload_patcher(model, preset, budget, priority, name=ckpt_name, kind="model")
