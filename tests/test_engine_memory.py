@@ -532,3 +532,49 @@ def test_units_whose_children_are_called_directly(sim_cfg, offload):
             h.remove()
     assert not off_device, f"{len(off_device)} weights computed from host memory, e.g. {off_device[:3]}"
     assert handle.report().total_bytes_streamed > 0
+
+
+class _IteratedStages(torch.nn.Module):
+    """Containers whose children the parent calls itself, sometimes skipping the first or in reverse."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = torch.nn.ModuleList(torch.nn.Sequential(MLPBlock(64), MLPBlock(64), MLPBlock(64))
+                                          for _ in range(5))
+        self.skip_first = False
+        self.reverse = False
+
+    def forward(self, x):
+        for st in self.stages:
+            kids = list(st)[1:] if self.skip_first else list(st)
+            for k in (kids[::-1] if self.reverse else kids):
+                x = k(x)
+        return x
+
+
+def test_never_called_containers_with_changing_child_order(sim_cfg, offload):
+    torch.manual_seed(0)
+    model = _IteratedStages().eval()
+    x = (torch.randn(2, 3, 64),)
+    modes = [(False, False), (True, False), (False, True), (True, True), (False, False)]
+    refs = []
+    for sf, rv in modes:
+        model.skip_first, model.reverse = sf, rv
+        refs.append(run(model, x))
+    handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, list(model.stages), 2), prefetch=1),
+                     units=[f"stages.{i}" for i in range(5)])
+    backend = handle.backend
+    off_device = []
+
+    def check(mod, args):
+        off_device.extend(n for n, p in mod.named_parameters(recurse=False) if not backend.owns(p))
+
+    hooks = [m.register_forward_pre_hook(check) for st in model.stages for m in st.modules()]
+    try:
+        for (sf, rv), ref in zip(modes * 2, refs * 2):
+            model.skip_first, model.reverse = sf, rv
+            assert torch.equal(run(model, x), ref), (sf, rv)
+            assert not off_device, f"skip_first={sf} reverse={rv}: computed from host memory: {off_device[:3]}"
+    finally:
+        for h in hooks:
+            h.remove()
