@@ -27,9 +27,10 @@ DEFAULT_SIM_CAPACITY = 8 << 30
 class SimEvent:
     """A completion flag with the time it completed (and started, for copies); cheap when born complete."""
 
-    __slots__ = ("_latch", "_done", "time", "start")
+    __slots__ = ("_latch", "_done", "time", "start", "error")
 
     def __init__(self, done_at: float | None = None) -> None:
+        self.error: BaseException | None = None
         if done_at is not None:
             self._latch = None
             self._done = True
@@ -160,18 +161,18 @@ class SimBackend(Backend):
                     if remaining > 0:
                         time.sleep(remaining)
                 event.set(start, time.perf_counter())
-            except BaseException:  # never leave a waiter hanging
-                log.exception("simulated copy failed")
+            except BaseException as exc:  # never leave a waiter hanging; the waiter re-raises
+                event.error = exc
                 now = time.perf_counter()
                 event.set(now, now)
             finally:
                 self._queue.task_done()
 
     def wait(self, event: SimEvent) -> float:
-        if event.is_set():
-            return 0.0
         start = time.perf_counter()
         event.wait()
+        if event.error is not None:
+            raise RuntimeError(f"simulated host-to-device copy failed: {event.error}") from event.error
         return time.perf_counter() - start
 
     def record(self) -> SimEvent:
