@@ -70,6 +70,16 @@ class ExactPatch:
         return out.to(dtype=weight.dtype)
 
 
+def _move_own_tensors(module: torch.nn.Module, device: Any) -> None:
+    """Move a module's own parameters and buffers (not its children: those may be the engine's)."""
+    for name, p in module._parameters.items():
+        if p is not None and p.device != torch.device(device):
+            p.data = p.data.to(device)
+    for name, b in module._buffers.items():
+        if b is not None and b.device != torch.device(device):
+            module._buffers[name] = b.to(device)
+
+
 def _managed_root(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Module], str, Optional[Managed]]:
     """The offloaded root inside a patcher's model: diffusion_model for MODEL, the whole model for CLIP."""
     dm = getattr(model, "diffusion_model", None)
@@ -103,8 +113,12 @@ class OffloadPatcherMixin:
             n = super(OffloadPatcherMixin, self).clone(*args, **kwargs)
         finally:
             self.__class__ = src_cls
-        if not isinstance(n, OffloadPatcherMixin):  # a base clone that ignored self.__class__
+        if not isinstance(n, OffloadPatcherMixin):  # a base clone that ignored self.__class__ (e.g. GGUF's)
             n.__class__ = target
+            _, _, st = _managed_root(n.model)
+            if st is not None and getattr(n, "_lo_tracked_for", None) is not st:
+                track_patcher(n, st)
+                n._lo_tracked_for = st
         return n
 
     def is_dynamic(self) -> bool:
@@ -221,7 +235,7 @@ class OffloadPatcherMixin:
                 reset()  # the report describes the run this load serves, not every run since setup
             st.handle.load()
             for _, m in self._lo_outside_params(root):
-                m.to(device_to)
+                _move_own_tensors(m, device_to)
             self.model.device = device_to
             self.model.model_lowvram = True
             self.model.lowvram_patch_counter = patch_counter
@@ -288,7 +302,7 @@ class OffloadPatcherMixin:
             self.backup.clear()
             if device_to is not None:
                 for _, m in self._lo_outside_params(root):
-                    m.to(device_to)
+                    _move_own_tensors(m, device_to)
                 self.model.device = device_to
             self.model.model_loaded_weight_memory = 0
             self.model.model_offload_buffer_memory = 0

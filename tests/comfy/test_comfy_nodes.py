@@ -482,3 +482,35 @@ def test_two_models_share_a_small_budget_by_priority(env):
         assert prios[-2:] == [0, 10] or prios == [0, 10]
     finally:
         budget_node.set_budget(4.0, "auto")
+
+
+def test_other_packs_patcher_subclass_keeps_its_class_and_works(env):
+    """GGUF-style patchers re-type their clones themselves; the offload mix-in must survive that."""
+    from importlib import import_module
+
+    from comfy.model_patcher import ModelPatcher
+
+    cp = import_module(env["pack"].__name__ + ".nodes.comfy_patcher")
+
+    class GGUFLikePatcher(ModelPatcher):
+        def clone(self, *args, **kwargs):
+            src_cls = self.__class__
+            self.__class__ = GGUFLikePatcher
+            n = super().clone(*args, **kwargs)
+            n.__class__ = GGUFLikePatcher
+            self.__class__ = src_cls
+            return n
+
+    plain = plain_model(env)
+    ref = sample(env, plain)
+    src = plain.clone()
+    src.__class__ = GGUFLikePatcher
+    out = env["M"]["OffloadModel"]().apply(src, "budget")[0]
+    assert isinstance(out, GGUFLikePatcher) and isinstance(out, cp.OffloadPatcherMixin)
+    again = out.clone()
+    assert type(again) is type(out)
+    assert torch.equal(ref, sample(env, out)) and torch.equal(ref, sample(env, again))
+    lora = env["nodes"].LoraLoaderModelOnly().load_lora_model_only(out, LORA, 0.5)[0]
+    assert type(lora) is type(out)
+    ref_lora = sample(env, env["nodes"].LoraLoaderModelOnly().load_lora_model_only(plain_model(env), LORA, 0.5)[0])
+    assert torch.equal(ref_lora, sample(env, lora))
