@@ -85,8 +85,8 @@ bench-deps: $(STAMP)-bench
 bench: env
 	@if $(PY) -c "import accelerate, diffusers" >/dev/null 2>&1; then :; else \
 	  echo "[make] accelerate/diffusers not installed: their baselines are skipped (make bench-deps installs them)"; fi
-	$(PY) benchmarks/bench_offload.py --model flux $(BENCH_ARGS)
-	$(PY) benchmarks/bench_offload.py --model decoder7b $(BENCH_ARGS)
+	$(PY) benchmarks/bench_offload.py --model flux --repeat 3 $(BENCH_ARGS)
+	$(PY) benchmarks/bench_offload.py --model decoder7b --repeat 3 $(BENCH_ARGS)
 
 clean:
 	rm -rf .make .pytest_cache build *.egg-info
