@@ -316,10 +316,12 @@ def engine_configs(model: nn.Module, device: str, fractions: Sequence[float], pr
     largest = max(weight_bytes(b) for b in blocks)
     other = weight_bytes(model) - block_bytes
     ring = (prefetch + 1) * largest  # slot ring: the unit computing plus the lookahead
-    sim = {"sim_bandwidth_gbps": sim_gbps} if device == "sim" else {}
     out = []
     for frac in fractions:
         budget = int((other + ring + frac * block_bytes) * 1.01) + (1 << 20)  # slack: alignment padding
+        # The simulated card must be at least as big as the budget (the engine refuses a budget over the device).
+        sim = ({"sim_bandwidth_gbps": sim_gbps, "sim_capacity_bytes": max(8 << 30, 2 * budget)}
+               if device == "sim" else {})
         if frac <= 0:
             cfg = OffloadConfig.from_preset("budget", device=device, prefetch=prefetch, vram_budget_bytes=budget, **sim)
             label = "layer-offload: stream all"

@@ -279,6 +279,8 @@ def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, d
     # a share of it (mid_range: 65%) streams the rest, and "budget" streams everything through the ring.
     budget_bytes = int(total * budget_frac)
     info["budget_bytes"] = budget_bytes
+    if device == "sim":  # the simulated card must hold the budget (the engine refuses a budget over the device)
+        overrides["sim_capacity_bytes"] = max(8 << 30, 2 * budget_bytes)
     for preset in presets:
         cfg = OffloadConfig.from_preset(preset, **overrides)
         row, report = run_offloaded(net, dev_inputs, cfg, ref, iters, warmup, name=f"offload: {preset}",
