@@ -15,7 +15,7 @@ from comfy.model_patcher import ModelPatcher
 from ..offload import offload_module
 from .comfy_patcher import OffloadPatcherMixin, non_dynamic, patcher_class_for
 from .common import (ANY, CATEGORY, Managed, engine_device, log_once, make_config, optional_inputs,
-                     preset_input, register, resolve_budget, state_of, track_patcher, unregister)
+                     preset_input, register, resolve_budget, state_of, track_patcher, detach_managed)
 
 log = logging.getLogger("layer_offload")
 
@@ -70,8 +70,7 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
                 existing.priority = priority
             existing.budget = budget
             return existing
-        existing.handle.detach()
-        unregister(root)
+        detach_managed(existing)
     _move_to_host(root)
     kwargs: Dict[str, Any] = dict(name=name, priority=priority, budget=vbudget)
     n_units = max(1, sum(1 for _ in root.children()))
@@ -86,6 +85,8 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
     managed.handle_budget = vbudget
     for m in root.modules():
         if hasattr(m, "comfy_cast_weights"):
+            # ComfyUI's cast path: weights are read through cast_bias_weight, so weight_function (LoRA) applies
+            managed.cast_flags.append((m, m.__dict__.get("comfy_cast_weights")))
             m.comfy_cast_weights = True
     register(root, managed)
     log.info("Layer Offload: %s (%s) set up on %s with preset %s in %.2fs", name, kind, device, preset,

@@ -119,6 +119,7 @@ class Managed:
         self.handle_budget: Any = None  # the VramBudget the handle was attached to
         self.root_ref: Any = None  # weakref to the offloaded module
         self.patchers = 0  # live offload patchers using it; at zero the handle is detached (frees host RAM)
+        self.cast_flags: List[Any] = []  # (module, its own comfy_cast_weights before offloading, or None)
 
 
 _registry: "List[weakref.ReferenceType]" = []
@@ -171,12 +172,22 @@ def _release_patcher(managed: Managed) -> None:
     with _registry_lock:
         managed.patchers -= 1
         last = managed.patchers <= 0
-    if not last:
-        return
+    if last:
+        detach_managed(managed)
+
+
+def detach_managed(managed: Managed) -> None:
+    """Hand a model back: engine hooks removed, ordinary tensors, ComfyUI's cast flags as they were."""
     root = managed.root_ref() if managed.root_ref is not None else None
     try:
         managed.handle.detach()
-    except Exception as e:  # noqa: BLE001 - a finalizer must not raise
+    except Exception as e:  # noqa: BLE001 - also runs from a finalizer, which must not raise
         log.warning("Layer Offload: detaching %s failed: %s", managed.name, e)
+    for module, flag in managed.cast_flags:
+        if flag is None:
+            module.__dict__.pop("comfy_cast_weights", None)
+        else:
+            module.comfy_cast_weights = flag
+    managed.cast_flags = []
     if root is not None and state_of(root) is managed:
         unregister(root)

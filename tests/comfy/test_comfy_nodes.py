@@ -349,6 +349,7 @@ def test_dropped_model_is_released_from_the_budget(env):
     budget = h.budget
     assert h in budget.members
     root = model.model.diffusion_model
+    root_model_holder = [model.model]
     clone = model.clone()
     del model
     gc.collect()
@@ -357,6 +358,12 @@ def test_dropped_model_is_released_from_the_budget(env):
     gc.collect()
     assert h not in budget.members, "the last patcher gone: the handle must leave the budget"
     assert "_layer_offload" not in root.__dict__
+    assert not root.blocks[0].self_attn.q.comfy_cast_weights, "ComfyUI's own cast flag is restored"
+    ref = sample(env, plain_model(env))
+    from comfy.model_patcher import ModelPatcher
+
+    plain_again = ModelPatcher(root_model_holder[0], torch.device("cpu"), torch.device("cpu"))
+    assert torch.equal(ref, sample(env, plain_again)), "the released model works as an ordinary model"
 
 
 def test_dynamic_patchers_become_plain_offload_patchers(env):
