@@ -521,3 +521,18 @@ def test_other_packs_patcher_subclass_keeps_its_class_and_works(env):
     assert type(lora) is type(out)
     ref_lora = sample(env, env["nodes"].LoraLoaderModelOnly().load_lora_model_only(plain_model(env), LORA, 0.5)[0])
     assert torch.equal(ref_lora, sample(env, lora))
+
+
+def test_model_setup_drives_a_comfy_progress_bar(env):
+    import comfy.utils
+
+    calls = []
+    previous = comfy.utils.PROGRESS_BAR_HOOK
+    comfy.utils.set_progress_bar_global_hook(lambda value, total, preview=None, node_id=None: calls.append((value,
+                                                                                                           total)))
+    try:
+        offload_model(env, "budget")
+    finally:
+        comfy.utils.set_progress_bar_global_hook(previous)
+    assert len(calls) >= 2, calls
+    assert calls[-1][0] == calls[-1][1] > 0
