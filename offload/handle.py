@@ -216,6 +216,12 @@ class OffloadHandle:
                     raise DeviceMemoryError(f"{self.name}: out of device memory: {err}") from None
                 self._plan = plan
 
+    def planned_device_bytes(self) -> int:
+        """Device bytes the current plan holds when placed (what a host application should reserve for it)."""
+        if self._plan is None or self._allowance is None:
+            return self._make_plan(self.budget.allowance(self)).device_bytes
+        return self._plan.device_bytes
+
     def plan_summary(self) -> str:
         p = self._plan
         if p is None:

@@ -133,6 +133,7 @@ class ModelStreamer:
         self.on_forward_start = on_forward_start
         self.on_forward_end: Callable[[], None] | None = None
         self.on_forward_begin: Callable[[], None] | None = None
+        self._implicit_last: int | None = None
         self._lock = threading.RLock()
         self.units: list[UnitState] = []
         self._hooks: list[Any] = []
@@ -267,6 +268,11 @@ class ModelStreamer:
         self.depth += 1
         if self.depth > 1:
             return
+        self._implicit_last = None
+        self._begin_pass()
+
+    def _begin_pass(self) -> None:
+        """A safe point before a forward: rebalance, notice in-place writes, learn the order, start prefetching."""
         if self.active is not None:
             self._finish_active()
         if self.on_forward_begin is not None:
@@ -292,6 +298,12 @@ class ModelStreamer:
                 self.on_forward_end()
 
     def _pre(self, index: int, module: nn.Module, args: Any) -> None:
+        if self.depth == 0:
+            # Units called without the root module (a text encoder entered through another method): a unit at
+            # or before the last one seen starts a new pass, which gets the same safe point as a root forward.
+            if self._implicit_last is None or index <= self._implicit_last:
+                self._begin_pass()
+            self._implicit_last = index
         if self.active is not None:
             self._finish_active()
         if not self.loaded:
