@@ -103,7 +103,7 @@ def time_forwards(fn: Callable[[], Any], iters: int, device: str, warmup: int = 
 
 
 def calibrate_sim_gbps(block: nn.Module, args: Sequence[torch.Tensor], copy_to_compute: float = 0.5,
-                       repeats: int = 3) -> tuple[float, float]:
+                       repeats: int = 5, warmup: int = 3) -> tuple[float, float]:
     """Bandwidth (GB/s, 1e9) at which copying `block` takes `copy_to_compute` times its measured compute.
 
     The simulated device has no natural speed: tying its bandwidth to the CPU's compute speed makes
@@ -111,7 +111,8 @@ def calibrate_sim_gbps(block: nn.Module, args: Sequence[torch.Tensor], copy_to_c
     Returns (gbps, block compute ms).
     """
     with torch.inference_mode():
-        block(*args)  # warm-up (allocator, kernels)
+        for _ in range(warmup):  # allocator, kernels, first touch of fresh pages (slow in some VMs)
+            block(*args)
         best = math.inf
         for _ in range(repeats):
             start = time.perf_counter()
@@ -238,7 +239,7 @@ def build_demo_model(model: str, dim: int, depth: int, tokens: int, seed: int) -
 
 
 def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, depth: int = 8,
-             tokens: int = 256, iters: int = 3, warmup: int = 1, presets: Sequence[str] = ("mid_range", "budget"),
+             tokens: int = 256, iters: int = 3, warmup: int = 2, presets: Sequence[str] = ("mid_range", "budget"),
              sim_gbps: float | None = None, copy_to_compute: float = 0.5, budget_frac: float = 1.0,
              seed: int = 0) -> tuple[list[Row], dict]:
     """Resident run, then one offloaded run per preset on the same model and input; rows plus run info."""
@@ -300,7 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=8, help="number of blocks")
     parser.add_argument("--tokens", type=int, default=256, help="sequence length of the random input")
     parser.add_argument("--iters", type=int, default=3, help="timed forwards per configuration (after warm-up)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed forwards per configuration")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per configuration")
     parser.add_argument("--presets", default="mid_range,budget", help="comma-separated presets to run")
     parser.add_argument("--sim-gbps", type=float, default=None,
                         help="simulated copy bandwidth in GB/s (default: calibrated from one block's compute)")
