@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout without `pip in
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from offload.demo import (MIB, Row, bitwise_equal, calibrate_sim_gbps, format_table, max_abs_diff,  # noqa: E402
+from offload.demo import (MIB, Row, bitwise_equal, calibrate_sim_gbps_model, format_table, max_abs_diff,  # noqa: E402
                           resolve_device, synchronize, time_forwards, torch_device, weight_bytes)
 
 log = logging.getLogger("bench_offload")
@@ -379,8 +379,9 @@ def record(path: Path, table: str, meta: dict[str, Any], notes: Sequence[str]) -
              f"{meta['warmup']} warm-up per configuration, {meta['repeat']} round(s) (medians; each ratio "
              f"against the resident time of its own round)"]
     if meta.get("sim_gbps"):
-        lines.append(f"- simulated copy bandwidth {meta['sim_gbps']:.2f} GB/s "
-                     f"(one block computes in {meta.get('block_ms', float('nan')):.1f} ms)")
+        lines.append(f"- simulated copy bandwidth {meta['sim_gbps']:.2f} GB/s: copying the blocks takes "
+                     f"{meta['copy_to_compute']:.0%} of their compute (a block computes in "
+                     f"{meta.get('block_ms', float('nan')):.1f} ms on average, fastest of 5 forwards)")
     lines += [f"- {n}" for n in notes]
     lines += ["", table, ""]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -410,7 +411,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2, help="engine lookahead in streamed units")
     p.add_argument("--sim-gbps", type=float, default=None, help="simulated copy bandwidth (default: calibrated)")
     p.add_argument("--copy-to-compute", type=float, default=0.5,
-                   help="sim calibration: one block's copy time as a fraction of its compute time")
+                   help="sim calibration: the blocks' copy time as a fraction of their compute time")
     p.add_argument("--skip", default="", help="comma-separated configs to skip: naive, accelerate, diffusers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-record", action="store_true", help="do not append the table to docs/benchmarks.md")
@@ -439,7 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with torch.inference_mode():  # warm the allocator and fresh pages first, or the block times slow
             for _ in range(2):
                 model(*inputs)
-        sim_gbps, block_ms = calibrate_sim_gbps(block, block_inputs, args.copy_to_compute)
+        blocks = [b for lst in block_lists(model) for b in lst]
+        sim_gbps, block_ms = calibrate_sim_gbps_model(model, inputs, blocks, args.copy_to_compute)
     total = weight_bytes(model)
     print(f"{desc}; {total / MIB:.1f} MiB of weights; device: {device_name(device)}"
           + (f"; sim bandwidth {sim_gbps:.2f} GB/s" if device == "sim" else ""), flush=True)
@@ -483,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "desc": desc, "weight_mib": total / MIB, "repeat": max(1, args.repeat), "torch": torch.__version__,
             "python": platform.python_version(), "iters": args.iters, "warmup": args.warmup,
             "sim_gbps": sim_gbps if device == "sim" else None, "block_ms": block_ms,
-            "width_div": width_div, "depth_div": depth_div}
+            "width_div": width_div, "depth_div": depth_div, "copy_to_compute": args.copy_to_compute}
     if not args.no_record:
         record(args.record_to, table, meta, notes)
         print(f"appended to {args.record_to}")
