@@ -12,7 +12,7 @@ Configurations (same weights, same input):
 
 Speed is reported as a ratio to `resident` measured in the same run, never as a pass/fail bound.
 On a machine without CUDA everything runs on the simulated device (CPU), whose copy bandwidth is
-calibrated from one block's measured compute; accelerate/diffusers need a real device and are skipped.
+calibrated from the blocks' measured compute; accelerate/diffusers need a real device and are skipped.
 
     python benchmarks/bench_offload.py --model flux          # Flux-shaped DiT, scaled down without CUDA
     python benchmarks/bench_offload.py --model decoder7b     # 7B decoder, batch-1 decode step

@@ -2,7 +2,7 @@
 
 It exists so a new user sees, in under a minute and without a GPU, that offloading moves bytes and never
 changes them, and what it costs. On CUDA it uses the GPU; otherwise the simulated device, with a copy
-bandwidth calibrated so that copying one block takes about half of that block's compute (overlap visible).
+bandwidth calibrated so that copying the blocks takes about half of their compute (overlap visible).
 The helpers here (timing, sim calibration, table) are shared with benchmarks/bench_offload.py.
 """
 from __future__ import annotations
@@ -314,9 +314,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed forwards per configuration")
     parser.add_argument("--presets", default="mid_range,budget", help="comma-separated presets to run")
     parser.add_argument("--sim-gbps", type=float, default=None,
-                        help="simulated copy bandwidth in GB/s (default: calibrated from one block's compute)")
+                        help="simulated copy bandwidth in GB/s (default: calibrated from the blocks' compute)")
     parser.add_argument("--copy-to-compute", type=float, default=0.5,
-                        help="sim calibration: a block's copy time as a fraction of its compute time")
+                        help="sim calibration: the blocks' copy time as a fraction of their compute time")
     parser.add_argument("--budget-frac", type=float, default=1.0,
                         help="VRAM budget given to each offloaded run, as a multiple of the model's weight bytes")
     parser.add_argument("--seed", type=int, default=0)

@@ -35,7 +35,7 @@ def test_demo_subprocess_json_rows_and_bitwise_equality():
         assert row["ratio"] is not None and row["ratio"] > 0
         assert row["peak_device_bytes"] is not None and row["peak_device_bytes"] > 0
         assert row["overlap_ratio"] is not None and 0.0 <= row["overlap_ratio"] <= 1.0
-    assert result["sim_bandwidth_gbps"] > 0  # calibrated from one block's compute
+    assert result["sim_bandwidth_gbps"] > 0  # calibrated from the blocks' compute
 
 
 def test_demo_table_in_process(capsys):
