@@ -216,6 +216,24 @@ class OffloadHandle:
                     raise DeviceMemoryError(f"{self.name}: out of device memory: {err}") from None
                 self._plan = plan
 
+    def unit_bytes(self) -> dict[str, int]:
+        """Each unit's size as it moves (aligned layout): what slots and resident units really take."""
+        return dict(zip(self._names, self._sizes))
+
+    @property
+    def non_block_bytes(self) -> int:
+        """Device bytes of the weights outside the units (always resident)."""
+        return self.streamer.rest_bytes
+
+    def budget_for(self, resident_units: int = 0, prefetch: int | None = None) -> int:
+        """Device bytes a plan with the `resident_units` largest units resident and a full ring would need."""
+        prefetch = self.config.prefetch if prefetch is None else prefetch
+        sizes = sorted(self._sizes, reverse=True)
+        resident = sizes[:resident_units]
+        streamed = sizes[resident_units:]
+        ring = min(prefetch + 1, len(streamed)) * max(streamed) if streamed else 0
+        return self.streamer.rest_bytes + sum(resident) + ring
+
     def planned_device_bytes(self) -> int:
         """Device bytes the current plan holds when placed (what a host application should reserve for it)."""
         if self._plan is None or self._allowance is None:

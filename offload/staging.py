@@ -208,11 +208,11 @@ class PinFallbackNotice:
     said = False
 
     @classmethod
-    def say(cls, reason: str) -> None:
+    def say(cls, reason: str, level: int = logging.WARNING) -> None:
         if not cls.said:
             cls.said = True
-            log.warning("pinned host memory unavailable (%s); staging in pageable memory instead "
-                        "(copies are slower and cannot fully overlap compute)", reason)
+            log.log(level, "pinned host memory unavailable (%s); staging in pageable memory instead "
+                    "(copies are slower and cannot fully overlap compute)", reason)
 
 
 @dataclass
@@ -240,14 +240,15 @@ class StagingBuffer:
     @classmethod
     def create(cls, layout: TensorLayout, sources: list[torch.Tensor],
                alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
-               fill_meta: Callable[[int], torch.Tensor] | None = None) -> "StagingBuffer":
+               fill_meta: Callable[[int], torch.Tensor] | None = None,
+               notice_level: int = logging.WARNING) -> "StagingBuffer":
         """Copy the tensors into one host buffer and point their modules at views of it.
 
         `fill_meta(i)` supplies leaf i when the module holds only a meta tensor (weights still on disk).
         """
         host, pinned = alloc_host(layout.nbytes, pin)
         if pin and not pinned:
-            PinFallbackNotice.say("the allocator refused or this torch has no accelerator")
+            PinFallbackNotice.say("the allocator refused or this torch has no accelerator", notice_level)
         views = layout.leaf_views(host)
         with torch.no_grad():
             for i, (view, src) in enumerate(zip(views, sources)):

@@ -202,7 +202,9 @@ class ModelStreamer:
             else:
                 fill = (lambda j, k=keys.get(i): file.view(k[j])) if i in keys else None
                 staging = StagingBuffer.create(layout, sources, backend.alloc_host,
-                                               pin_memory and tier != "pageable", fill)
+                                               pin_memory and tier != "pageable", fill,
+                                               # the simulated device needs no pinning: say it quietly there
+                                               logging.WARNING if backend.supports_pinned_host else logging.INFO)
                 source = staging.host
                 if not staging.pinned and self.reader is not None and backend.supports_pinned_host:
                     source = PageableSource(staging.host, self.reader)

@@ -152,7 +152,8 @@ class SimBackend(Backend):
                 if after is not None:
                     after.wait()
                 start = time.perf_counter()
-                dst.copy_(src)
+                with torch.inference_mode():  # dst may have been allocated under inference mode by a caller
+                    dst.copy_(src)
                 if self.bandwidth_gbps or self.latency_us:
                     target = self.latency_us * 1e-6
                     if self.bandwidth_gbps:
