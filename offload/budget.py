@@ -14,6 +14,8 @@ import math
 import threading
 from typing import Protocol
 
+from .config import check_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -37,14 +39,7 @@ class BudgetMember(Protocol):
 
 
 def _validate_total(total: object) -> None:
-    if total is None:
-        return
-    if isinstance(total, bool) or not isinstance(total, (int, float)):
-        raise ValueError(f"VRAM budget must be a number of bytes, got {total!r}")
-    if isinstance(total, float) and (math.isnan(total) or math.isinf(total)):
-        raise ValueError(f"VRAM budget must be a finite number of bytes, got {total!r}")
-    if total < 0:
-        raise ValueError(f"VRAM budget must be >= 0 bytes, got {total!r}")
+    check_bytes("VRAM budget", total)
 
 
 class VramBudget:

@@ -38,7 +38,8 @@ PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
 })
 
 
-def _check_bytes(name: str, value: Any, allow_none: bool = True) -> None:
+def check_bytes(name: str, value: Any, allow_none: bool = True) -> None:
+    """A byte count must be a finite number >= 0 (None allowed where it means 'decide for me')."""
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -72,19 +73,19 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ValueError(f"device must be one of 'auto', 'cuda', 'cuda:N' or 'sim', got {self.device!r}")
-        _check_bytes("vram_budget_bytes", self.vram_budget_bytes)
-        _check_bytes("ram_budget_bytes", self.ram_budget_bytes)
-        _check_bytes("reserve_bytes", self.reserve_bytes)
-        _check_bytes("sim_capacity_bytes", self.sim_capacity_bytes)
+        check_bytes("vram_budget_bytes", self.vram_budget_bytes)
+        check_bytes("ram_budget_bytes", self.ram_budget_bytes)
+        check_bytes("reserve_bytes", self.reserve_bytes)
+        check_bytes("sim_capacity_bytes", self.sim_capacity_bytes)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch is the lookahead in streamed units and must be an int >= 0, got {self.prefetch!r}")
         if self.prefetch > 64:
             raise ValueError(f"prefetch={self.prefetch} is absurd; use 0..64 (each step costs one slot of VRAM)")
         if self.sim_bandwidth_gbps is not None:
-            _check_bytes("sim_bandwidth_gbps", self.sim_bandwidth_gbps)
+            check_bytes("sim_bandwidth_gbps", self.sim_bandwidth_gbps)
             if self.sim_bandwidth_gbps == 0:
                 raise ValueError("sim_bandwidth_gbps must be > 0 (or None for no limit)")
-        _check_bytes("sim_latency_us", self.sim_latency_us, allow_none=False)
+        check_bytes("sim_latency_us", self.sim_latency_us, allow_none=False)
         if not 0.0 <= float(self.vram_fraction) <= 1.0:
             raise ValueError(f"vram_fraction must be within 0..1, got {self.vram_fraction!r}")
         if self.preset is not None and self.preset not in PRESETS:
