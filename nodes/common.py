@@ -70,12 +70,7 @@ def engine_device() -> Optional[str]:
     dev = mm.get_torch_device()
     dev_type = getattr(dev, "type", str(dev))
     if dev_type == "cuda":
-        index = dev.index
-        if index is None:
-            import torch
-
-            index = torch.cuda.current_device()
-        return "cuda:{}".format(index)
+        return "cuda" if dev.index is None else "cuda:{}".format(dev.index)  # the engine resolves "cuda"
     if dev_type == "cpu":
         return "sim"
     log_once("device-" + dev_type, "Layer Offload: device type %r is not supported by the engine; "

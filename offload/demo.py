@@ -19,6 +19,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
+from . import backends
+from .config import OffloadConfig
+
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
@@ -44,14 +47,12 @@ class Row:
 
 
 def resolve_device(device: str) -> str:
-    """Map "auto" to "cuda" when a GPU is usable, else "sim", so the demo runs everywhere."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "sim"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but torch.cuda.is_available() is False; use 'sim' or 'auto'")
-    if device != "sim" and not device.startswith("cuda"):
-        raise ValueError(f"device must be 'auto', 'cuda', 'cuda:N' or 'sim', got {device!r}")
-    return device
+    """Map "auto" to "cuda" when a GPU is usable, else "sim"; a GPU asked for but missing is a ValueError."""
+    cfg = OffloadConfig(device=device)  # validates the name (ValueError lists the valid ones)
+    resolved = backends.resolve_device(cfg.device)
+    if resolved != "sim":
+        backends.get_backend(cfg.replace(device=resolved))  # ValueError when this torch has no such GPU
+    return resolved
 
 
 def torch_device(device: str) -> torch.device:
@@ -67,8 +68,8 @@ def weight_bytes(module: nn.Module) -> int:
 
 def synchronize(device: str) -> None:
     """Wait for queued device work so a timer measures finished forwards."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(torch.device(device))
+    if device != "sim":
+        backends.get_backend(OffloadConfig(device=device)).synchronize()
 
 
 def time_forwards(fn: Callable[[], Any], iters: int, device: str, warmup: int = 1,
@@ -285,8 +286,8 @@ def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, d
                 max_abs_diff=0.0, equal=True, note="all on device")]
     if resident is not net:
         del resident
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        if device != "sim":
+            backends.get_backend(OffloadConfig(device=device)).empty_cache()
 
     # The VRAM budget plays the card: as big as the model's weights (budget_frac=1), so a preset that keeps
     # a share of it (mid_range: 65%) streams the rest, and "budget" streams everything through the ring.
@@ -343,7 +344,7 @@ def main(args: argparse.Namespace) -> int:
         if dev == "sim":
             dev = f"simulated device (CPU), copy bandwidth {info['sim_bandwidth_gbps']:.2f} GB/s"
         else:
-            dev = f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
+            dev = backends.get_backend(OffloadConfig(device=dev)).describe()
         print(f"Layer Offload demo: {info['model']} dim={info['dim']} depth={info['depth']} "
               f"tokens={info['tokens']}, {info['weight_bytes'] / MIB:.1f} MiB of weights, on {dev}, "
               f"torch {info['torch']}; VRAM budget per offloaded run {info['budget_bytes'] / MIB:.1f} MiB")

@@ -64,6 +64,9 @@ class Backend(abc.ABC):
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether a tensor lives in this device's memory."""
 
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the driver (a no-op where there is no cache)."""
+
     def peak_allocated(self) -> int | None:
         """Peak bytes allocated on the device by anything in this process (activations included), if known."""
         return None

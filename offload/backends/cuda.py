@@ -99,6 +99,9 @@ class CudaBackend(Backend):
     def event_synchronize(self, event: Any) -> None:
         (event.end if isinstance(event, CudaCopyEvent) else event).synchronize()
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
     def peak_allocated(self) -> int | None:
         return int(torch.cuda.max_memory_allocated(self.device))
 
