@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import threading
+import weakref
 from typing import Protocol
 
 from .config import check_bytes
@@ -50,7 +51,9 @@ class VramBudget:
         self._total = None if total_bytes is None else int(total_bytes)
         self.auto_sized = False  # sized from free device memory rather than by the user
         self._lock = threading.RLock()
-        self._members: list[BudgetMember] = []
+        # Weak references: a model its owner dropped without detach() must not be kept alive (with its device
+        # memory) by the budget; the model and its handle refer to each other, so either keeps both alive.
+        self._refs: list[weakref.ReferenceType] = []
         self._seq = itertools.count()
         self._order: dict[int, int] = {}
         self._caps: dict[int, int] = {}  # watermarks: id(member) -> max bytes until prioritize()
@@ -65,6 +68,13 @@ class VramBudget:
     def used_bytes(self) -> int:
         with self._lock:
             return sum(m.device_bytes() for m in self._members)
+
+    @property
+    def _members(self) -> list[BudgetMember]:
+        live = [m for m in (r() for r in self._refs) if m is not None]
+        if len(live) != len(self._refs):
+            self._refs = [r for r in self._refs if r() is not None]
+        return live
 
     @property
     def members(self) -> list[BudgetMember]:
@@ -120,18 +130,27 @@ class VramBudget:
         with self._lock:
             if self._total is not None:
                 self._check_device(self._total, member.device_total())
-            self._members.append(member)
+            self._refs.append(weakref.ref(member, self._forget))
             self._order[id(member)] = next(self._seq)
             self.rebalance()
 
     def unregister(self, member: BudgetMember) -> None:
         with self._lock:
-            if member in self._members:
-                self._members.remove(member)
+            if any(m is member for m in self._members):
+                self._refs = [r for r in self._refs if r() is not member]
                 self._order.pop(id(member), None)
                 self._last_targets.pop(id(member), None)
                 self._caps.clear()  # bytes came free: everyone may grow back into them
                 self.rebalance()
+
+    def _forget(self, ref: weakref.ReferenceType) -> None:
+        """A member was garbage collected without detach(): drop it so the others can grow into its bytes."""
+        with self._lock:
+            self._refs = [r for r in self._refs if r is not ref and r() is not None]
+            live = {id(m) for m in self._members}
+            for d in (self._order, self._caps, self._last_targets):
+                for key in [k for k in d if k not in live]:
+                    del d[key]
 
     def prioritize(self, member: BudgetMember) -> None:
         """Give `member` the highest priority and clear its watermark."""

@@ -251,6 +251,7 @@ class BounceReader:
                 job.error = exc
             finally:
                 job._done.set()
+                del item, fill, dst, after, job  # the idle thread must not keep the last buffers alive
                 self._jobs.task_done()
 
     def drain(self) -> None:

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -87,6 +88,7 @@ class SimBackend(Backend):
         self._lock = threading.Lock()
         self._starts: list[int] = []  # sorted data_ptr of live allocations
         self._sizes: dict[int, int] = {}
+        self._tokens: dict[int, object] = {}  # one per live allocation, so a late finalizer cannot free a newer one
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
         self._worker.start()
@@ -113,14 +115,22 @@ class SimBackend(Backend):
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
             bisect.insort(self._starts, ptr)
             self._sizes[ptr] = nbytes
+            token = object()
+            self._tokens[ptr] = token
+        # a buffer dropped without release() (a model garbage collected without detach) still frees its bytes
+        weakref.finalize(buf, self._free, ptr, token)
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         ptr = buf.untyped_storage().data_ptr()
+        self._free(ptr, self._tokens.get(ptr))
+
+    def _free(self, ptr: int, token: object) -> None:
         with self._lock:
-            size = self._sizes.pop(ptr, None)
-            if size is None:
-                return
+            if token is None or self._tokens.get(ptr) is not token:
+                return  # released already (and maybe the address reused by a newer buffer)
+            del self._tokens[ptr]
+            size = self._sizes.pop(ptr)
             self._starts.remove(ptr)
             self.used_bytes -= size
 
@@ -179,6 +189,7 @@ class SimBackend(Backend):
                 now = time.perf_counter()
                 event.set(now, now)
             finally:
+                del item, dst, src, after  # the idle thread must not keep the last buffers alive
                 self._queue.task_done()
 
     def wait(self, event: SimEvent) -> float:
