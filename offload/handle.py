@@ -13,7 +13,7 @@ from .blocks import find_units
 from .budget import VramBudget, default_budget
 from .config import OffloadConfig
 from .metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
-from .planner import GIB, MIB, HostPlan, PlanError, UnitPlan, default_reserve, plan_host, plan_units, read_host_memory
+from .planner import GIB, MIB, HostPlan, PlanError, UnitPlan, estimate_reserve, plan_host, plan_units, read_host_memory
 from .staging import unit_tensors
 from .storage import SafetensorsFile
 from .streamer import DeviceMemoryError, ModelStreamer
@@ -43,7 +43,8 @@ class OffloadHandle:
                              f"{self.backend.describe()} ({total} bytes); the limit is {total} bytes")
         found = find_units(model, units)
         self.budget = budget if budget is not None else default_budget()
-        reserve = config.reserve_bytes if config.reserve_bytes is not None else default_reserve(total, self.backend.name)
+        reserve = (config.reserve_bytes if config.reserve_bytes is not None
+                   else estimate_reserve(model, total, self.backend.name))
         self.budget.resolve_total(max(0, min(free, total) - reserve))
         self.budget.check_device(total)  # before staging: a refused model is left exactly as it was
         self.file = SafetensorsFile(config.disk_path) if config.disk_path else None

@@ -6,9 +6,9 @@ Reads free device memory from the backend, available host memory from MemAvailab
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import psutil
@@ -186,6 +186,42 @@ def default_reserve(total_device_bytes: int, backend_name: str) -> int:
     return max(512 * MIB, min(2 * GIB, total_device_bytes // 10))
 
 
-def env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value and value.isdigit() else None
+def _config_value(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def config_activation_bytes(model: Any, dtype_bytes: int = 2, tokens: int = 4096) -> int | None:
+    """Peak activation bytes of one block, estimated from a transformers/diffusers `config` when there is one.
+
+    Width from `hidden_size` / `d_model` / `heads x head_dim`; sequence from `max_position_embeddings` capped at
+    `tokens` (diffusion transformers: `tokens` image tokens); about 12 width-sized tensors live at the peak of
+    a block (attention in/out, the 4x MLP hidden, residuals). A first guess only: the measured peak of the
+    first run replaces it.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    width = _config_value(config, "hidden_size", "d_model", "dim", "inner_dim")
+    if width is None:
+        heads = _config_value(config, "num_attention_heads")
+        head_dim = _config_value(config, "attention_head_dim", "head_dim")
+        width = heads * head_dim if heads and head_dim else None
+    if width is None:
+        return None
+    seq = min(tokens, _config_value(config, "max_position_embeddings") or tokens)
+    return 12 * seq * width * dtype_bytes
+
+
+def estimate_reserve(model: Any, total_device_bytes: int, backend_name: str) -> int:
+    """The activation reserve before the first run: the config-based estimate where known, else a default."""
+    base = default_reserve(total_device_bytes, backend_name)
+    estimate = config_activation_bytes(model)
+    if estimate is None:
+        return base
+    return int(min(max(estimate, base // 2), total_device_bytes // 2))
+
+
