@@ -31,8 +31,8 @@ class CudaBackend(Backend):
 
     def __init__(self, device: str = "cuda") -> None:
         if not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for, but this torch has no usable CUDA/ROCm device; "
-                             "use device='sim' (simulated) or install a CUDA build of torch")
+            raise ValueError(f"device {device!r} asked for, but this torch has no usable CUDA/ROCm device; "
+                             f"valid here: 'sim' (the simulated device), or install a CUDA build of torch")
         dev = torch.device(device)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         count = torch.cuda.device_count()
