@@ -189,10 +189,9 @@ class ModelStreamer:
 
         # 2. stage: one host buffer per RAM unit, file views for disk units
         total = len(units) + 1
-        bounced = [i for i in range(len(units)) if tiers.get(i) == "disk" or
-                   (tiers.get(i) == "pageable" and backend.supports_pinned_host)]
-        if bounced:
-            self.reader = BounceReader(backend, max(sizes[i] for i in bounced), prefetch + 2)
+        disk = [i for i in range(len(units)) if tiers.get(i) == "disk"]
+        if disk:
+            self.reader = BounceReader(backend, max(sizes[i] for i in disk), prefetch + 2)
         for i, (unit, (layout, sources, _)) in enumerate(zip(units, planned)):
             tier = tiers.get(i)
             if tier == "disk":
@@ -206,11 +205,23 @@ class ModelStreamer:
                                                # the simulated device needs no pinning: say it quietly there
                                                logging.WARNING if backend.supports_pinned_host else logging.INFO)
                 source = staging.host
-                if not staging.pinned and self.reader is not None and backend.supports_pinned_host:
-                    source = PageableSource(staging.host, self.reader)
             self.units.append(UnitState(i, unit.name, unit.module, staging, staging.layout.nbytes, source=source))
             if progress:
                 progress(i + 1, total)
+        # Pageable units (planned so, or pinning refused) on a device with pinned memory go through a pinned
+        # bounce buffer on the read-ahead thread: a copy straight from pageable memory would block the forward.
+        pageable = [u for u in self.units if isinstance(u.source, torch.Tensor) and not u.staging.pinned]
+        if pageable and backend.supports_pinned_host:
+            if self.reader is None:
+                self.reader = BounceReader(backend, max(u.nbytes for u in pageable), prefetch + 2)
+            elif max(u.nbytes for u in pageable) > self.reader.bounce_bytes:
+                self.reader.close()
+                self.reader = BounceReader(backend, max(sizes), prefetch + 2)
+                for u in self.units:
+                    if isinstance(u.source, DiskSource):
+                        u.source.reader = self.reader
+            for u in pageable:
+                u.source = PageableSource(u.staging.host, self.reader)
         # Non-block tensors: always resident; the host copy stays as the master for detach.
         fill = (lambda j: file.view(rest_keys[j])) if rest_keys else None
         self.rest = StagingBuffer.create(rest_layout, rest_sources, backend.alloc_host, False, fill)
