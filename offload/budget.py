@@ -50,6 +50,7 @@ class VramBudget:
         _validate_total(total_bytes)
         self._total = None if total_bytes is None else int(total_bytes)
         self.auto_sized = False  # sized from free device memory rather than by the user
+        self._sized_from: object = None  # the backend a self-sized total was read from
         self._lock = threading.RLock()
         # Weak references: a model its owner dropped without detach() must not be kept alive (with its device
         # memory) by the budget; the model and its handle refer to each other, so either keeps both alive.
@@ -96,13 +97,27 @@ class VramBudget:
             self._caps.clear()
             self.rebalance()
 
-    def resolve_total(self, default: int) -> None:
-        """Size a budget created without a total (the process-wide default) from the first device seen."""
+    def resolve_total(self, default: int, device: object = None) -> None:
+        """Size a budget created without a total (the process-wide default) from the device a model is on.
+
+        A self-sized budget follows its devices: sized afresh when it is empty, and grown when a model on
+        another device joins, so the first small device seen does not cap every later model.
+        """
         with self._lock:
-            if self._total is None:
+            if self._total is not None and not self.auto_sized:
+                return
+            empty = not self._members
+            if self._total is None or (empty and device is not self._sized_from):
                 self._total = int(default)
-                self.auto_sized = True
-                log.info("VRAM budget set to %.2f GiB from free device memory", default / (1 << 30))
+            elif device is not self._sized_from and default > self._total:
+                log.info("a model on another device joined a self-sized VRAM budget; growing it to %.2f GiB",
+                         default / (1 << 30))
+                self._total = int(default)
+            else:
+                return
+            self.auto_sized = True
+            self._sized_from = device
+            log.info("VRAM budget set to %.2f GiB from free device memory", self._total / (1 << 30))
 
     def adjust_total(self, delta: int, device_total: int | None) -> None:
         """Move a self-sized total by `delta` bytes (the activation reserve was re-measured)."""

@@ -45,7 +45,7 @@ class OffloadHandle:
         self.budget = budget if budget is not None else default_budget()
         reserve = (config.reserve_bytes if config.reserve_bytes is not None
                    else estimate_reserve(model, total, self.backend.name))
-        self.budget.resolve_total(max(0, min(free, total) - reserve))
+        self.budget.resolve_total(max(0, min(free, total) - reserve), self.backend)
         self.budget.check_device(total)  # before staging: a refused model is left exactly as it was
         self.file = SafetensorsFile(config.disk_path) if config.disk_path else None
         self.reserve_bytes = reserve

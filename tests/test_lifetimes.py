@@ -60,3 +60,28 @@ def test_others_grow_into_a_dropped_models_bytes():
     with torch.no_grad():
         b(x)
     assert len(hb.resident_unit_modules()) == 6, "b grows into the bytes the dropped model held"
+
+
+def test_self_sized_budget_follows_its_devices():
+    """The process-wide budget sizes itself from the first device it sees; a small device seen first must not
+    cap models on a bigger one, and an emptied budget sizes itself afresh."""
+    budget = VramBudget(None)
+    small = offload_module(TransformerStack(dim=32, depth=3), _cfg((2 << 20) + 11), budget=budget)
+    small_total = budget.total_bytes
+    assert small_total < 2 << 20
+    model = TransformerStack(dim=128, depth=6)
+    x = torch.randn(1, 4, 128)
+    with torch.no_grad():
+        ref = model(x)
+    big = offload_module(model, _cfg((256 << 20) + 11), budget=budget)
+    assert budget.total_bytes > 200 << 20, "a model on a bigger device grows a self-sized budget"
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+    assert len(big.resident_unit_modules()) == 6
+    small.detach()
+    big.detach()
+    offload_module(TransformerStack(dim=32, depth=3), _cfg((2 << 20) + 11), budget=budget).detach()
+    assert budget.total_bytes == small_total, "an emptied self-sized budget is sized again from the new device"
+    fixed = VramBudget(1 << 20)
+    offload_module(TransformerStack(dim=32, depth=3), _cfg((256 << 20) + 11), budget=fixed).detach()
+    assert fixed.total_bytes == 1 << 20, "a budget the user sized is never resized"
