@@ -206,7 +206,7 @@ def _report_figures(handle: Any) -> tuple[int | None, float | None, float | None
 def run_offloaded(model: nn.Module, inputs: Sequence[torch.Tensor], cfg: Any, reference: torch.Tensor,
                   iters: int, warmup: int, name: str, budget_bytes: int | None = None) -> tuple[Row, dict]:
     """Offload `model` with `cfg` under its own budget, time it, compare with `reference`, then detach."""
-    from offload import VramBudget, offload_module
+    from . import VramBudget, offload_module
 
     budget = VramBudget(int(budget_bytes)) if budget_bytes is not None else None
     handle = offload_module(model, cfg, name=name, budget=budget)
@@ -226,7 +226,7 @@ def run_offloaded(model: nn.Module, inputs: Sequence[torch.Tensor], cfg: Any, re
 
 def build_demo_model(model: str, dim: int, depth: int, tokens: int, seed: int) -> tuple[nn.Module, list[torch.Tensor], nn.Module, list[torch.Tensor]]:
     """The demo model (float32, random weights), its CPU inputs, and one block with that block's inputs."""
-    from offload.reference_models import DiTStack, TransformerStack
+    from .reference_models import DiTStack, TransformerStack
 
     torch.manual_seed(seed)
     heads = max(1, dim // 64)
@@ -253,7 +253,7 @@ def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, d
              sim_gbps: float | None = None, copy_to_compute: float = 0.5, budget_frac: float = 1.0,
              seed: int = 0) -> tuple[list[Row], dict]:
     """Resident run, then one offloaded run per preset on the same model and input; rows plus run info."""
-    from offload import OffloadConfig
+    from .config import OffloadConfig
 
     device = resolve_device(device)
     for preset in presets:  # fail before any work on a typo
