@@ -253,7 +253,6 @@ def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, d
              sim_gbps: float | None = None, copy_to_compute: float = 0.5, budget_frac: float = 1.0,
              seed: int = 0) -> tuple[list[Row], dict]:
     """Resident run, then one offloaded run per preset on the same model and input; rows plus run info."""
-    from .config import OffloadConfig
 
     device = resolve_device(device)
     for preset in presets:  # fail before any work on a typo

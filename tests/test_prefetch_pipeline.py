@@ -4,7 +4,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from offload.prefetch import PrefetchWorker
 from offload.storage import DeferredCopy
