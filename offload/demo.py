@@ -298,9 +298,16 @@ def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, d
         cfg = OffloadConfig.from_preset(preset, **overrides)
         row, report = run_offloaded(net, dev_inputs, cfg, ref, iters, warmup, name=f"offload: {preset}",
                                     budget_bytes=budget_bytes)
-        row.ratio = row.ms_per_forward / ms_res if ms_res > 0 else None
         rows.append(row)
         info.setdefault("reports", {})[preset] = report
+    if device == "sim":
+        # Time the resident model once more: detach() gave it freshly allocated weights, like the engine's own
+        # buffers. On a shared CPU the weights allocated at model build are sometimes markedly slower, and
+        # ratios below 1.00x would credit the engine with an effect of memory placement, not of streaming.
+        again, _ = time_forwards(lambda: net(*dev_inputs), iters, device, warmup)
+        rows[0].ms_per_forward = ms_res = min(ms_res, again)
+    for row in rows[1:]:
+        row.ratio = row.ms_per_forward / ms_res if ms_res > 0 else None
     return rows, info
 
 
