@@ -3,7 +3,7 @@ safetensors file through bounce buffers filled by a read-ahead thread.
 
 Checked: tiers in the report, one read per disk unit per forward, parameters that view the file's mmap
 between forwards (no RAM copy), bitwise outputs, a model built on the meta device, corrupt or mismatched files
-refused before anything is attached, and reads that really happen ahead of the unit that needs them.
+refused before anything is offload, and reads that really happen ahead of the unit that needs them.
 """
 from __future__ import annotations
 
@@ -75,24 +75,6 @@ def _disk_indices(h):
     return [i for i, b in enumerate(h.report().blocks) if b.tier == "disk"]
 
 
-@pytest.fixture
-def attached():
-    handles = []
-
-    def attach(model, cfg, **kw):
-        kw.setdefault("budget", VramBudget(None))
-        h = offload_module(model, cfg, **kw)
-        handles.append(h)
-        return h
-
-    yield attach
-    for h in handles:
-        try:
-            h.detach()
-        except Exception:
-            pass
-
-
 def _param_storage_is_file(p, path):
     """The parameter's storage is the whole file, mapped: same size, same first bytes (the header length)."""
     st = p.untyped_storage()
@@ -111,13 +93,13 @@ def _param_storage_is_file(p, path):
 
 @pytest.mark.parametrize("prefix", ["model.", "", "diffusion_model.model."])
 @pytest.mark.parametrize("prefetch", [1, 3])
-def test_disk_tier_end_to_end(tmp_path, attached, prefix, prefetch):
+def test_disk_tier_end_to_end(tmp_path, offload, prefix, prefetch):
     model = _model()
     x = _x()
     ref = run(model, (x,))
     units = list(model.layers)
     path = _save(model, tmp_path / "m.safetensors", prefix=prefix)
-    h = attached(model, _cfg(path, ram_units=2, prefetch=prefetch))
+    h = offload(model, _cfg(path, ram_units=2, prefetch=prefetch))
     tiers = [b.tier for b in h.report().blocks]
     disk = _disk_indices(h)
     # two blocks' worth of RAM (one, if the weights outside the blocks count against it too)
@@ -145,13 +127,13 @@ def test_disk_tier_end_to_end(tmp_path, attached, prefix, prefetch):
     assert torch.equal(run(model, (x,)), ref)
 
 
-def test_disk_params_view_the_file_mmap_between_forwards(tmp_path, attached):
+def test_disk_params_view_the_file_mmap_between_forwards(tmp_path, offload):
     model = _model()
     x = _x()
     ref = run(model, (x,))
     orig = {n: p.detach().clone() for n, p in model.named_parameters()}
     path = _save(model, tmp_path / "m.safetensors")
-    h = attached(model, _cfg(path, ram_units=1))
+    h = offload(model, _cfg(path, ram_units=1))
     disk = _disk_indices(h)
     assert disk
     ram_bufs = [u.staging.host for u in h.streamer.units if u.staging.host is not None]
@@ -199,13 +181,13 @@ def test_disk_params_view_the_file_mmap_between_forwards(tmp_path, attached):
     assert torch.equal(run(model, (x,)), ref)
 
 
-def test_resident_disk_units_are_read_once(tmp_path, attached):
+def test_resident_disk_units_are_read_once(tmp_path, offload):
     """Disk-tier units that end up resident in VRAM are read once, not every forward."""
     model = _model()
     x = _x()
     ref = run(model, (x,))
     path = _save(model, tmp_path / "m.safetensors")
-    h = attached(model, _cfg(path, ram_units=0, preset="auto", prefetch=1))
+    h = offload(model, _cfg(path, ram_units=0, preset="auto", prefetch=1))
     for _ in range(3):
         assert torch.equal(run(model, (x,)), ref)
     assert len(h.resident_unit_modules()) == DEPTH
@@ -218,18 +200,18 @@ def test_resident_disk_units_are_read_once(tmp_path, attached):
     assert (h.streamer.reader.bytes_read if h.streamer.reader is not None else 0) == nbytes
 
 
-def test_no_disk_when_the_preset_forbids_it(tmp_path, attached):
+def test_no_disk_when_the_preset_forbids_it(tmp_path, offload):
     model = _model()
     x = _x()
     ref = run(model, (x,))
     path = _save(model, tmp_path / "m.safetensors")
-    h = attached(model, _cfg(path, ram_units=1, preset="high_end"))
+    h = offload(model, _cfg(path, ram_units=1, preset="high_end"))
     assert "disk" not in [b.tier for b in h.report().blocks]
     assert torch.equal(run(model, (x,)), ref)
 
 
 @pytest.mark.parametrize("ram_units", [0, 3, None])
-def test_meta_model_offloaded_from_the_file(tmp_path, attached, ram_units):
+def test_meta_model_offloaded_from_the_file(tmp_path, offload, ram_units):
     ref_model = _model()
     x = _x()
     ref = run(ref_model, (x,))
@@ -240,7 +222,7 @@ def test_meta_model_offloaded_from_the_file(tmp_path, attached, ram_units):
     cfg = _cfg(path, ram_units=ram_units or 0, prefetch=2)
     if ram_units is None:
         cfg = cfg.replace(ram_budget_bytes=None)
-    h = attached(model, cfg)
+    h = offload(model, cfg)
     assert not any(p.is_meta for p in model.parameters()), "every weight comes from the file"
     tiers = [b.tier for b in h.report().blocks]
     if ram_units == 0:
@@ -386,7 +368,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, attached, monkeypatch, prefetch):
+def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, offload, monkeypatch, prefetch):
     """Every disk unit is fully read before its forward begins.
 
     A pre-hook PREPENDED to each unit runs before the engine's own pre-hook, i.e. before the engine could
@@ -402,7 +384,7 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, attached, monke
     path = _save(model, tmp_path / "m.safetensors")
     cfg = _cfg(path, ram_units=0, prefetch=prefetch, sim_capacity_bytes=_private_capacity(),
                sim_latency_us=500.0, sim_bandwidth_gbps=4.0)
-    h = attached(model, cfg)
+    h = offload(model, cfg)
     disk = _disk_indices(h)
     assert disk == list(range(DEPTH)), "a zero RAM budget puts every block on disk"
     assert h.resident_unit_modules() == []
@@ -468,14 +450,14 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, attached, monke
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_disk_units_partly_resident(tmp_path, attached):
+def test_disk_units_partly_resident(tmp_path, offload):
     """A VRAM budget that holds some blocks: resident disk units are read once, streamed ones once a forward."""
     model = _model()
     x = _x()
     ref = run(model, (x,))
     rest = aligned_bytes(model) - DEPTH * BLK
     path = _save(model, tmp_path / "m.safetensors")
-    h = attached(model, _cfg(path, ram_units=0, preset="auto", prefetch=1, vram_budget_bytes=rest + 5 * BLK))
+    h = offload(model, _cfg(path, ram_units=0, preset="auto", prefetch=1, vram_budget_bytes=rest + 5 * BLK))
     assert torch.equal(run(model, (x,)), ref)
     resident = {i for i, u in enumerate(h.streamer.units) if model.layers[i] in h.resident_unit_modules()}
     streamed = set(range(DEPTH)) - resident
