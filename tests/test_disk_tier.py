@@ -3,7 +3,7 @@ safetensors file through bounce buffers filled by a read-ahead thread.
 
 Checked: tiers in the report, one read per disk unit per forward, parameters that view the file's mmap
 between forwards (no RAM copy), bitwise outputs, a model built on the meta device, corrupt or mismatched files
-refused before anything is offload, and reads that really happen ahead of the unit that needs them.
+refused before anything is attached, and reads that really happen ahead of the unit that needs them.
 """
 from __future__ import annotations
 
