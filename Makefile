@@ -2,6 +2,7 @@
 #
 #   make demo     python -m offload demo   (CUDA when present, the simulated device otherwise)
 #   make test     python -m pytest -q      (tests/)
+#   make test-comfy  the ComfyUI tests against COMFYUI_PATH (skipped by make test without it)
 #   make bench    benchmarks/bench_offload.py on the scaled-down shapes (BENCH_ARGS="..." to change)
 #
 # Environment: a .venv is created when missing. torch is never a project dependency; it is installed
@@ -28,7 +29,7 @@ else
 STAMP := .make/installed-$(subst /,_,$(PY))
 endif
 
-.PHONY: env demo test bench bench-deps clean
+.PHONY: env demo test test-comfy bench bench-deps clean
 
 env: $(STAMP)
 
@@ -70,6 +71,13 @@ test: env
 	@set +e; $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[make] ERROR: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
+
+# The ComfyUI tests need a ComfyUI checkout and a Python that can run it (see README, "Running the ComfyUI
+# tests"): COMFYUI_PATH=/path/to/ComfyUI PY=/path/to/comfy/venv/bin/python make test-comfy
+test-comfy:
+	@if [ -z "$$COMFYUI_PATH" ]; then \
+	  echo "[make] set COMFYUI_PATH to a ComfyUI checkout (and PY to a python that runs it)" >&2; exit 2; fi
+	$(PY) -m pytest tests/comfyui $(PYTEST_ARGS)
 
 $(STAMP)-bench: $(STAMP)
 	@set -e; before=$$($(PY) -c "import torch; print(torch.__version__)"); \
