@@ -8,7 +8,7 @@ import psutil
 import torch
 import torch.nn as nn
 
-from .backends import get_backend, resolve_device
+from .backends import get_backend
 from .blocks import find_units
 from .budget import VramBudget, default_budget
 from .config import OffloadConfig
@@ -36,7 +36,6 @@ class OffloadHandle:
         self.priority = int(priority)
         self.model = model
         self.backend = get_backend(config)
-        self.device = resolve_device(config.device)
         free, total = self.backend.mem_get_info()
         if config.vram_budget_bytes is not None and config.vram_budget_bytes > total:
             raise ValueError(f"vram_budget_bytes={config.vram_budget_bytes} is larger than the device "

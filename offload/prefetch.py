@@ -98,6 +98,3 @@ class PrefetchWorker:
             slot, after = self.free.popleft()
             self.inflight.appendleft((unit, slot, self._issue(unit, slot, after)))
         log.debug("prefetch resync at unit %d (%d so far)", unit, self.resyncs)
-
-    def idle(self) -> bool:
-        return not self.inflight

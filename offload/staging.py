@@ -8,7 +8,7 @@ their scale tensors are never upcast.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -59,7 +59,6 @@ class TensorLayout:
     leaves: list[Leaf]
     entries: list[Entry]
     nbytes: int
-    dtypes: set = field(default_factory=set)
 
     def version(self) -> int:
         """Sum of the version counters of the tensors bound now: changes whenever one is written in place."""
@@ -198,7 +197,7 @@ def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> tupl
             by_id[id(t)] = entry
             entries.append(entry)
         entry.locations.append((sub, name, kind))
-    layout = TensorLayout(leaves, entries, max(offset[0], ALIGN), {leaf.dtype for leaf in leaves})
+    layout = TensorLayout(leaves, entries, max(offset[0], ALIGN))
     return layout, sources
 
 

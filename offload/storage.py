@@ -285,9 +285,6 @@ class DiskSource:
     def issue(self, backend: Any, dst: torch.Tensor, after: Any) -> DeferredCopy:
         return self.reader.submit(self._fill, self.layout.nbytes, dst, after)
 
-    def master_views(self) -> torch.Tensor | None:
-        return None
-
 
 class PageableSource:
     """A pageable-RAM unit on a device with pinned memory: bounced through a pinned buffer to stay async."""

@@ -140,6 +140,7 @@ class ModelStreamer:
         self.active: tuple[int, int, Any, Any, Any] | None = None  # (unit, slot, copy, ready, start)
         self._resident_start: dict[int, Any] = {}
         self.slots: list[torch.Tensor] = []
+        self._slot_ptrs: list[int] = []
         self.slot_bytes = 0
         self.depth = 0
         self._seen: list[int] = []
@@ -149,6 +150,7 @@ class ModelStreamer:
         self.metrics = MetricsCollector(backend, len(units), profile)
         self.peak_device_bytes = 0
         self.resident_set: set[int] = set()
+        self._n_slots = 0  # slots the current plan asks for
 
         self.file = file
         self.reader: BounceReader | None = None
@@ -348,8 +350,7 @@ class ModelStreamer:
                 self.metrics.add(index, None, None, start, self.backend.record(), 0)
             return None
         if self.active is not None and self.active[0] == index:
-            slot_storage = self.slots[self.active[1]].untyped_storage().data_ptr()
-            replaced = _unalias(output, slot_storage)
+            replaced = _unalias(output, self._slot_ptrs[self.active[1]])
             self._finish_active()
             if torch.is_grad_enabled():
                 replaced = _guard_backward(output if replaced is None else replaced, u.name)
@@ -461,14 +462,11 @@ class ModelStreamer:
             n_slots = min(n_slots, n_streamed) if n_streamed else 0
             if n_streamed and n_slots < 1:
                 n_slots = 1
-            changed = resident != self.resident_set or n_slots != self._planned_slots()
+            changed = resident != self.resident_set or n_slots != self._n_slots
             self.resident_set = set(resident)
             self._n_slots = n_slots
             if changed and self.loaded:
                 self._apply()
-
-    def _planned_slots(self) -> int:
-        return getattr(self, "_n_slots", len(self.slots))
 
     def ensure_loaded(self) -> None:
         with self._lock:
@@ -486,7 +484,7 @@ class ModelStreamer:
         self._quiesce()  # nothing in flight may touch memory we are about to free
         streamed = self.streamed()
         slot_bytes = max((self.units[i].nbytes for i in streamed), default=0)
-        n_slots = self._planned_slots() if streamed else 0
+        n_slots = self._n_slots if streamed else 0
         # release first, so what we allocate next fits
         for u in self.units:
             if u.resident_buf is not None and u.index not in self.resident_set:
@@ -506,6 +504,7 @@ class ModelStreamer:
                 self.slot_bytes = slot_bytes
                 for _ in range(n_slots):
                     self.slots.append(self.backend.alloc(slot_bytes))
+                self._slot_ptrs = [s.untyped_storage().data_ptr() for s in self.slots]  # read in every post hook
         except torch.OutOfMemoryError:
             self._free_slots()
             raise
@@ -533,6 +532,7 @@ class ModelStreamer:
         for s in self.slots:
             self.backend.release(s)
         self.slots = []
+        self._slot_ptrs = []
         self.slot_bytes = 0
         self.worker.configure([], 0)
 
