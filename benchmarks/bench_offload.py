@@ -61,7 +61,7 @@ def build_model(name: str, width_div: int, depth_div: int, dtype: torch.dtype, i
                 txt_tokens: int | None, seed: int) -> tuple[nn.Module, list[torch.Tensor], nn.Module,
                                                           list[torch.Tensor], str]:
     """Model, its CPU inputs, one representative block with its inputs, and a one-line description."""
-    from offload.reference_models import build_decoder_7b_like, build_flux_like
+    from offload.demo.reference_models import build_decoder_7b_like, build_flux_like
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)

@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:  # bad device / preset / size: a message, not a traceback
             print(f"python -m offload demo: error: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print("python -m offload demo: interrupted", file=sys.stderr)
+            return 130
     parser.error(f"unknown command {args.command!r}")
     return 2
 

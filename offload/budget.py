@@ -43,12 +43,22 @@ def _validate_total(total: object) -> None:
     check_bytes("VRAM budget", total)
 
 
+class BudgetError(ValueError):
+    """A budget total that cannot work: names the limit, where the budget came from and how to change it."""
+
+
+HOW_TO_CHANGE = ("it is process-wide and stays until changed: set another total with a VRAM Budget node in "
+                 "ComfyUI, or default_budget().set_total(nbytes) in Python")
+
+
 class VramBudget:
     """A device-memory budget in bytes shared by several models; `total_bytes=None` sizes itself on first use."""
 
-    def __init__(self, total_bytes: int | None = None) -> None:
+    def __init__(self, total_bytes: int | None = None, origin: str | None = None) -> None:
         _validate_total(total_bytes)
         self._total = None if total_bytes is None else int(total_bytes)
+        self.origin = origin or ("sized from free device memory when the first model joins" if total_bytes is None
+                                 else f"given as VramBudget({int(total_bytes)})")
         self.auto_sized = False  # sized from free device memory rather than by the user
         self._sized_from: object = None  # the backend a self-sized total was read from
         self._lock = threading.RLock()
@@ -82,8 +92,12 @@ class VramBudget:
         with self._lock:
             return list(self._members)
 
-    def set_total(self, total_bytes: int, device_total: int | None = None) -> None:
-        """Change the total; members over their new share are shrunk now if idle, else at their next forward."""
+    def set_total(self, total_bytes: int, device_total: int | None = None, origin: str | None = None) -> None:
+        """Change the total; members over their new share are shrunk now if idle, else at their next forward.
+
+        Refused (BudgetError, the old total kept) when larger than the device or smaller than what one registered
+        model needs to run at all (its non-block weights plus one slot): the message names the limit.
+        """
         _validate_total(total_bytes)
         if total_bytes is None:
             raise ValueError("set_total needs a number of bytes")
@@ -92,10 +106,33 @@ class VramBudget:
                 totals = [t for t in (m.device_total() for m in self._members) if t is not None]
                 device_total = min(totals) if totals else None
             self._check_device(int(total_bytes), device_total)
+            self.check_floor(int(total_bytes))
             self._total = int(total_bytes)
+            self.origin = origin or f"set with set_total({int(total_bytes)})"
             self.auto_sized = False
             self._caps.clear()
             self.rebalance()
+
+    def minimum_bytes(self) -> int:
+        """The least total that lets every registered model run (each one alone, the others streamed out)."""
+        with self._lock:
+            return max((min(m.floor_bytes(), m.want_bytes()) for m in self._members), default=0)
+
+    def check_floor(self, total: int) -> None:
+        """Refuse a total below what one registered model needs: its non-block weights plus one slot."""
+        with self._lock:
+            for m in self._members:
+                need = min(m.floor_bytes(), m.want_bytes())
+                if total < need:
+                    raise BudgetError(
+                        f"VRAM budget {total / (1 << 30):.3f} GiB ({total} bytes) cannot run {m.name!r}: it needs at "
+                        f"least {need} bytes ({need / (1 << 30):.3f} GiB: its weights outside the blocks plus one slot "
+                        f"for its largest block); the minimum for the models loaded now is {self.minimum_bytes()} bytes")
+
+    def explain(self) -> str:
+        """Where this budget's total came from and how to change it (for error messages)."""
+        total = "not sized yet" if self._total is None else f"{self._total / (1 << 30):.3f} GiB ({self._total} bytes)"
+        return f"The VRAM budget is {total}, {self.origin}; {HOW_TO_CHANGE}"
 
     def resolve_total(self, default: int, device: object = None) -> None:
         """Size a budget created without a total (the process-wide default) from the device a model is on.
@@ -117,6 +154,7 @@ class VramBudget:
                 return
             self.auto_sized = True
             self._sized_from = device
+            self.origin = "sized from free device memory minus an activation reserve (the default budget)"
             log.info("VRAM budget set to %.2f GiB from free device memory", self._total / (1 << 30))
 
     def adjust_total(self, delta: int, device_total: int | None) -> None:
@@ -136,7 +174,7 @@ class VramBudget:
 
     def _check_device(self, total: int, device_total: int | None) -> None:
         if device_total is not None and total > device_total:
-            raise ValueError(f"VRAM budget {total / (1 << 30):.2f} GiB ({total} bytes) is larger than the device "
+            raise BudgetError(f"VRAM budget {total / (1 << 30):.2f} GiB ({total} bytes) is larger than the device "
                              f"({device_total / (1 << 30):.2f} GiB, {device_total} bytes); the limit is "
                              f"{device_total} bytes")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -15,27 +15,58 @@ _DEVICE_RE = re.compile(r"^(auto|sim|cuda(:\d+)?)$")
 
 @dataclass(frozen=True)
 class PresetPolicy:
-    """What a preset means: how much of the free VRAM a model may keep, its lookahead, whether disk is allowed."""
+    """Everything a preset means, in one place: the engine, the nodes' dropdowns and tooltips, the VRAM Budget
+    node and the README table all read it from here."""
 
-    description: str
-    vram_fraction: float  # share of (free VRAM - activation reserve) the model may hold; 0 = ring only
+    description: str  # one line: the tooltip and the README's "what stays resident"
+    vram_fraction: float  # share of the budget the model may keep resident; 1 = all that fits, 0 = ring only
+    budget_fraction: float  # VRAM Budget node: share of the device's total memory for all models together
     prefetch: int  # lookahead in streamed units
     allow_disk: bool  # may units whose bytes do not fit the RAM budget stay on disk
-    suits: str  # the cards it is meant for (README table)
+    suits: str  # the cards it is meant for
 
 
 PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
-    "auto": PresetPolicy("measure free VRAM and RAM; keep as much resident as fits after the activation reserve",
-                         vram_fraction=1.0, prefetch=2, allow_disk=True, suits="any card (default)"),
-    "high_end": PresetPolicy("keep nearly everything resident; stream only what does not fit",
-                             vram_fraction=0.9, prefetch=1, allow_disk=False, suits="24 GB and larger"),
-    "mid_range": PresetPolicy("keep about two thirds resident, stream the rest with a 2-unit lookahead",
-                              vram_fraction=0.65, prefetch=2, allow_disk=False, suits="12-16 GB"),
-    "consumer": PresetPolicy("keep about a third resident, stream the rest with a 3-unit lookahead",
-                             vram_fraction=0.35, prefetch=3, allow_disk=True, suits="8-12 GB"),
-    "budget": PresetPolicy("stream every block through a small slot ring; the least VRAM, the most headroom",
-                           vram_fraction=0.0, prefetch=2, allow_disk=True, suits="4-8 GB, or huge models"),
+    "auto": PresetPolicy("as much as fits the budget after the activation reserve",
+                         vram_fraction=1.0, budget_fraction=0.85, prefetch=2, allow_disk=True, suits="any card"),
+    "high_end": PresetPolicy("up to 90% of the budget: nearly everything; streams only what does not fit",
+                             vram_fraction=0.9, budget_fraction=0.9, prefetch=1, allow_disk=False,
+                             suits="24 GB and larger"),
+    "mid_range": PresetPolicy("up to 65% of the budget; the rest streams with a 2-block lookahead",
+                              vram_fraction=0.65, budget_fraction=0.65, prefetch=2, allow_disk=False,
+                              suits="12-16 GB"),
+    "consumer": PresetPolicy("up to 35% of the budget; the rest streams with a 3-block lookahead",
+                             vram_fraction=0.35, budget_fraction=0.4, prefetch=3, allow_disk=True, suits="8-12 GB"),
+    "budget": PresetPolicy("nothing but the non-block weights; every block streams through the slot ring",
+                           vram_fraction=0.0, budget_fraction=0.2, prefetch=2, allow_disk=True,
+                           suits="4-8 GB, or models far larger than the card"),
 })
+DEFAULT_PRESET = "auto"
+
+
+def preset_tooltip() -> str:
+    """The preset dropdown's tooltip: one line per preset."""
+    return "How much of the model stays in VRAM. " + "; ".join(
+        f"{name}: {p.description} ({p.suits})" for name, p in PRESETS.items()) + "."
+
+
+def budget_preset_tooltip() -> str:
+    """The VRAM Budget node's preset tooltip: the share of the device each preset gives all models."""
+    parts = [f"{name} {p.budget_fraction:.0%}" for name, p in PRESETS.items()]
+    return ("Used when budget_gb is 0: the budget for all offloaded models together, as a share of the device's "
+            "total memory (auto also leaves ComfyUI's inference reserve free): " + ", ".join(parts) + ".")
+
+
+def presets_markdown_table() -> str:
+    """The README's presets table, generated from PRESETS (a test keeps the README equal to it)."""
+    lines = ["| preset | what stays resident | lookahead (streamed blocks) | disk tier allowed | "
+             "VRAM Budget node share | suits |",
+             "|---|---|---|---|---|---|"]
+    for name, p in PRESETS.items():
+        label = f"`{name}` (default)" if name == DEFAULT_PRESET else f"`{name}`"
+        lines.append(f"| {label} | {p.description} | {p.prefetch} | {'yes' if p.allow_disk else 'no'} | "
+                     f"{p.budget_fraction:.0%} of the device | {p.suits} |")
+    return "\n".join(lines)
 
 
 def check_bytes(name: str, value: Any, allow_none: bool = True) -> None:
@@ -68,7 +99,6 @@ class OffloadConfig:
     sim_capacity_bytes: int | None = None
     sim_bandwidth_gbps: float | None = None
     sim_latency_us: float = 0.0
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
@@ -109,10 +139,6 @@ class OffloadConfig:
     def replace(self, **changes: Any) -> "OffloadConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-    @property
-    def policy(self) -> PresetPolicy | None:
-        return PRESETS.get(self.preset) if self.preset else None
 
 
 def _unknown_preset(name: Any) -> str:

@@ -1,8 +1,14 @@
-"""`offload_module` and the handle it returns: one offloaded model, a member of a VramBudget."""
+"""`offload_module` and the handle it returns: one offloaded model, a member of a VramBudget.
+
+The model keeps its handle alive (it is stored on the model); the handle refers to the model weakly. The handle
+is the streamer's pass listener: at the start of every pass it asks the budget for its allowance and re-plans.
+"""
 from __future__ import annotations
 
 import logging
-from typing import Callable
+import math
+import weakref
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -12,13 +18,20 @@ from .backends import get_backend
 from .blocks import find_units
 from .budget import VramBudget, default_budget
 from .config import OffloadConfig
-from .metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
-from .planner import GIB, MIB, HostPlan, PlanError, UnitPlan, estimate_reserve, plan_host, plan_units, read_host_memory
-from .staging import unit_tensors
+from .layout import unit_tensors
+from .metrics import OffloadReport, effective_gbps, overlap_ratio
+from .planner import GIB, MIB, PlanError, UnitPlan, estimate_reserve, plan_host, plan_units, read_host_memory, ring_slots
+from .staging import stage_model
 from .storage import SafetensorsFile
 from .streamer import DeviceMemoryError, ModelStreamer
 
 log = logging.getLogger(__name__)
+
+HANDLE_ATTR = "_layer_offload_handle"
+
+
+class DetachedError(RuntimeError):
+    """A handle was used after `detach()`: offload the model again to stream it."""
 
 
 class OffloadHandle:
@@ -29,12 +42,12 @@ class OffloadHandle:
                  progress: Callable[[int, int], None] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_module needs an nn.Module, got {type(model).__name__}")
-        if getattr(model, "_layer_offload_handle", None) is not None:
+        if getattr(model, HANDLE_ATTR, None) is not None:
             raise ValueError(f"{name!r} is already offloaded; detach() its handle first")
         self.config = config
         self.name = name
-        self.priority = int(priority)
-        self.model = model
+        self.priority = _check_priority(priority)
+        self._model = weakref.ref(model)
         self.backend = get_backend(config)
         free, total = self.backend.mem_get_info()
         if config.vram_budget_bytes is not None and config.vram_budget_bytes > total:
@@ -46,37 +59,67 @@ class OffloadHandle:
                    else estimate_reserve(model, total, self.backend.name))
         self.budget.resolve_total(max(0, min(free, total) - reserve), self.backend)
         self.budget.check_device(total)  # before staging: a refused model is left exactly as it was
-        self.file = SafetensorsFile(config.disk_path) if config.disk_path else None
         self.reserve_bytes = reserve
-        self.host_plan: HostPlan | None = None
+        self._notices: dict[str, str] = {}
         self._in_ram = sum(t.numel() * t.element_size() for u in found for _, _, _, t in unit_tensors(u.module)
                            if t.device.type == "cpu")
+        file = SafetensorsFile(config.disk_path) if config.disk_path else None
+        self._file_path = str(file.path) if file is not None else None
         try:
-            self.streamer = ModelStreamer(model, found, self.backend, config.pin_memory, config.profile,
-                                          on_forward_start=self._on_forward_start, progress=progress,
-                                          prefetch=config.prefetch, file=self.file, host_plan=self._plan_host)
-        except Exception:
-            if self.file is not None:
-                self.file.close()
+            staged = stage_model(model, found, self.backend, config.pin_memory, self._host_tiers, file,
+                                 config.prefetch, progress)
+        except BaseException:
+            if file is not None:
+                file.close()
             raise
-        self.streamer.on_forward_end = self._on_forward_end
-        self.streamer.on_forward_begin = self._warn_grad
-        self._measured_reserve = False
+        self.streamer = ModelStreamer(model, staged, self.backend, self, config.pin_memory, config.profile)
         self._sizes = [u.nbytes for u in self.streamer.units]
-        self._names = [u.name for u in self.streamer.units]
+        self._names = [u.staged.name for u in self.streamer.units]
         self._plan: UnitPlan | None = None
         self._allowance: int | None = None
-        self._oom_said = False
-        model._layer_offload_handle = self
+        self._oom_free: int | None = None  # free device bytes after an out-of-memory shrink; None: not capped
+        self._measured_reserve = False
+        self._grad_said = False
+        self._final_report: OffloadReport | None = None
+        self._reads_base: dict[int, int] = {}
+        self._disk_read_base = 0
+        if config.pin_memory and self.backend.supports_pinned_host and any(
+                u.master.host is not None and not u.master.pinned for u in staged.units):
+            self._notice("pinned_fallback", "pinning was refused or over the pin limit: some blocks stream from "
+                                            "pageable memory through a bounce buffer (slower copies)")
+        disk = sum(1 for u in staged.units if u.master.host is None)
+        if disk:
+            self._notice("disk_tier", f"{disk} block(s) stream from {self._file_path}: host RAM is short")
+        setattr(model, HANDLE_ATTR, self)  # the model keeps its engine alive; the engine refers back weakly
         try:
             self.budget.register(self)
             self._replan(self.budget.allowance(self))
-        except Exception:
-            self._undo()
+        except BaseException:
+            self.budget.unregister(self)
+            self.streamer.detach()
+            model.__dict__.pop(HANDLE_ATTR, None)
             raise
         log.info("offloaded %s: %d units (%s), %s", name, len(found), self.backend.describe(), self.plan_summary())
 
-    def _plan_host(self, sizes: list[int]) -> dict[int, str]:
+    @property
+    def model(self) -> nn.Module | None:
+        """The offloaded model (None once it was garbage collected)."""
+        return self._model()
+
+    @property
+    def attached(self) -> bool:
+        return self._final_report is None
+
+    def _check_attached(self, what: str) -> None:
+        if not self.attached:
+            raise DetachedError(f"{self.name}: {what}() after detach(); the model is an ordinary module again "
+                                f"(call offload_module() to stream it again)")
+
+    def _notice(self, kind: str, message: str) -> None:
+        if kind not in self._notices:
+            self._notices[kind] = message
+
+    def _host_tiers(self, sizes: list[int]) -> dict[int, str]:
         """Tiers for the units' host masters: pinned RAM, pageable RAM, or the disk file."""
         cfg = self.config
         mem = read_host_memory()
@@ -85,21 +128,30 @@ class OffloadHandle:
         else:
             margin = min(4 * GIB, int(psutil.virtual_memory().total * 0.1))
             ram_budget = max(0, mem.available + self._in_ram - margin)
-        allow_disk = cfg.allow_disk and self.file is not None
+        allow_disk = cfg.allow_disk and cfg.disk_path is not None
         pin = cfg.pin_memory and self.backend.supports_pinned_host
         plan = plan_host(sizes, ram_budget, mem.pin_limit if pin else 0, allow_disk, pin)
-        self.host_plan = plan
         if plan.ram_bytes > ram_budget:
             log.warning("%s needs %.2f GiB of host RAM for its blocks but about %.2f GiB is available; "
                         "give disk_path (its safetensors file) to stream the rest from disk", self.name,
                         plan.ram_bytes / GIB, ram_budget / GIB)
         disk = sum(1 for t in plan.tiers.values() if t == "disk")
         if disk:
-            log.info("%s: %d unit(s) stream from %s (RAM budget %.1f MB)", self.name, disk, self.file.path,
+            log.info("%s: %d unit(s) stream from %s (RAM budget %.1f MB)", self.name, disk, cfg.disk_path,
                      ram_budget / MIB)
         return dict(plan.tiers)
 
-    def _on_forward_end(self) -> None:
+    # pass listener ------------------------------------------------------------------
+    def before_pass(self) -> None:
+        """The safe point before a forward: take this model's share of the budget, growing back after an OOM."""
+        self._warn_grad()
+        if not self._measured_reserve:
+            self.backend.reset_peak_allocated()
+        allowance = self.budget.allowance(self)
+        if allowance != self._allowance or not self.streamer.loaded or self._may_grow_back(allowance):
+            self._replan(allowance, place=True)
+
+    def after_pass(self) -> None:
         """After the first forward: correct the activation reserve of a self-sized budget from the real peak."""
         if self._measured_reserve:
             return
@@ -114,21 +166,24 @@ class OffloadHandle:
                      self.reserve_bytes / GIB, measured / GIB)
             self.reserve_bytes = measured
 
-    def _undo(self) -> None:
-        self.budget.unregister(self)
-        self.streamer.detach()
-        self.model.__dict__.pop("_layer_offload_handle", None)
-        if self.file is not None:
-            self.file.close()
+    def _warn_grad(self) -> None:
+        if self._grad_said or not torch.is_grad_enabled():
+            return
+        model = self.model
+        if model is not None and any(p.requires_grad for p in model.parameters()):
+            self._grad_said = True
+            log.warning("%s: running with gradients enabled; backward through streamed blocks raises "
+                        "(their slots are reused), so use torch.no_grad() for inference", self.name)
 
-    # budget member --------------------------------------------------------------
+    # budget member --------------------------------------------------------------------
     def floor_bytes(self) -> int:
+        """The least this model can run in: the non-block weights plus one slot of its largest unit."""
         return self.streamer.rest_bytes + max(self._sizes)
 
     def want_bytes(self) -> int:
         cfg = self.config
         everything = self.streamer.rest_bytes + sum(self._sizes)
-        ring = self.streamer.rest_bytes + min(cfg.prefetch + 1, len(self._sizes)) * max(self._sizes)
+        ring = self.streamer.rest_bytes + ring_slots(cfg.prefetch, len(self._sizes)) * max(self._sizes)
         if cfg.vram_fraction <= 0:
             want = ring
         elif cfg.vram_fraction < 1 and self.budget.total_bytes is not None:
@@ -140,82 +195,97 @@ class OffloadHandle:
         return want
 
     def device_bytes(self) -> int:
-        return self.streamer.device_bytes()
+        """Device bytes this model holds now (resident units, the slot ring, the non-block weights)."""
+        return self.streamer.device_bytes() if self.attached else 0
 
     def is_busy(self) -> bool:
-        return self.streamer.depth > 0
+        return self.attached and self.streamer.is_busy()
 
     def device_total(self) -> int | None:
         return self.backend.mem_get_info()[1]
 
     def shrink_to(self, nbytes: int) -> int:
         """Called by the budget while this model is idle: hold at most `nbytes` from now on."""
-        before = self.device_bytes()
-        if before <= nbytes:
+        if not self.attached:
             return 0
-        if nbytes < self.floor_bytes():
-            self.streamer.unload()
-            self._allowance = None  # replan at the next forward
-        else:
-            self._replan(nbytes)
-        return before - self.device_bytes()
+        with self.streamer.exclusive(blocking=False) as idle:
+            if not idle or self.streamer.is_busy():
+                return 0  # a pass is running (maybe on another thread): it re-plans at its next start
+            before = self.device_bytes()
+            if before <= nbytes:
+                return 0
+            if nbytes < self.floor_bytes():
+                self.streamer.unload()
+                self._allowance = None  # replan at the next forward
+            else:
+                self._replan(nbytes)
+            return before - self.device_bytes()
 
-    # planning -------------------------------------------------------------------
-    def _on_forward_start(self) -> None:
-        allowance = self.budget.allowance(self)
-        if allowance != self._allowance or not self.streamer.loaded:
-            self._replan(allowance, place=True)
-
-    def _warn_grad(self) -> None:
-        if torch.is_grad_enabled() and not getattr(self, "_grad_said", False):
-            if any(p.requires_grad for p in self.model.parameters()):
-                self._grad_said = True
-                log.warning("%s: running with gradients enabled; backward through streamed blocks raises "
-                            "(their slots are reused), so use torch.no_grad() for inference", self.name)
-
+    # planning -----------------------------------------------------------------------------
     def _make_plan(self, allowance: int) -> UnitPlan:
         try:
             return plan_units(self._sizes, self._names, self.streamer.rest_bytes, allowance, self.config.prefetch,
                               stream_all=self.config.vram_fraction <= 0)
         except PlanError as exc:
-            raise DeviceMemoryError(f"{self.name}: {exc}") from None
+            raise DeviceMemoryError(f"{self.name}: {exc}. {self.budget.explain()}") from None
+
+    def _may_grow_back(self, allowance: int) -> bool:
+        """After an out-of-memory shrink: whether the device has room again for the plan the budget allows."""
+        if self._oom_free is None:
+            return False
+        free, _ = self.backend.mem_get_info()
+        if free <= self._oom_free:
+            return False  # nothing came free since the shrink: do not thrash
+        want = self._make_plan(allowance).device_bytes
+        return free >= want - self.streamer.device_bytes()
 
     def _replan(self, allowance: int, place: bool = False) -> None:
         """Plan for `allowance` bytes; place it now when asked or when the model is on the device already.
 
         An out-of-memory error while placing (the device holds more than the budget knows of) shrinks the
-        resident set and retries, with one log line; a plan that cannot even hold one slot is an error naming
-        the unit and its size.
+        resident set and retries, with one log line; the resident set grows back at a later pass start once the
+        device has room again. A plan that cannot even hold one slot is an error naming the unit and its size.
         """
         plan = self._make_plan(allowance)
         if plan.shrunk_lookahead and (self._plan is None or not self._plan.shrunk_lookahead):
             for note in plan.notes:
                 log.warning("%s: %s", self.name, note)
+                self._notice("lookahead_shrunk", note)
         self._allowance = allowance
         self._plan = plan
         if not (place or self.streamer.loaded):
             self.streamer.set_plan(plan.resident, plan.n_slots)
             return
+        shrunk = False
         while True:
             try:
                 self.streamer.set_plan(plan.resident, plan.n_slots)
                 self.streamer.ensure_loaded()
-                return
+                break
             except torch.OutOfMemoryError as exc:
                 self.streamer.unload()
                 free, _ = self.backend.mem_get_info()
                 smaller = min(plan.device_bytes - 1, free)
-                if not self._oom_said:
-                    self._oom_said = True
-                    log.warning("%s: device out of memory while placing blocks (%s); shrinking the resident set",
-                                self.name, str(exc).splitlines()[0])
+                if not shrunk:
+                    log.warning("%s: device out of memory while placing blocks (%s); shrinking the resident set "
+                                "until memory frees up", self.name, str(exc).splitlines()[0])
+                    self._notice("oom_shrink", "the device ran out of memory while placing blocks: fewer blocks "
+                                               "stay resident until memory frees up")
+                shrunk = True
                 try:
                     plan = plan_units(self._sizes, self._names, self.streamer.rest_bytes, smaller,
                                       self.config.prefetch, stream_all=self.config.vram_fraction <= 0)
                 except PlanError as err:
                     raise DeviceMemoryError(f"{self.name}: out of device memory: {err}") from None
                 self._plan = plan
+        if shrunk:
+            self._oom_free = self.backend.mem_get_info()[0]
+        elif self._oom_free is not None:
+            self._oom_free = None
+            log.info("%s: device memory is free again; the resident set grew back (%s)", self.name,
+                     self.plan_summary())
 
+    # sizes ---------------------------------------------------------------------------------
     def unit_bytes(self) -> dict[str, int]:
         """Each unit's size as it moves (aligned layout): what slots and resident units really take."""
         return dict(zip(self._names, self._sizes))
@@ -231,14 +301,18 @@ class OffloadHandle:
         sizes = sorted(self._sizes, reverse=True)
         resident = sizes[:resident_units]
         streamed = sizes[resident_units:]
-        ring = min(prefetch + 1, len(streamed)) * max(streamed) if streamed else 0
+        ring = ring_slots(prefetch, len(streamed)) * max(streamed) if streamed else 0
         return self.streamer.rest_bytes + sum(resident) + ring
 
     def planned_device_bytes(self) -> int:
-        """Device bytes the current plan holds when placed (what a host application should reserve for it)."""
-        if self._plan is None or self._allowance is None:
-            return self._make_plan(self.budget.allowance(self)).device_bytes
-        return self._plan.device_bytes
+        """Device bytes the plan for this model's current share of the budget holds when placed."""
+        if not self.attached:
+            return 0
+        share = self.budget.targets().get(id(self))
+        allowance = self._allowance if share is None else min(share, self.want_bytes())
+        if allowance is None:
+            allowance = self.budget.allowance(self)
+        return self._make_plan(max(allowance, min(self.floor_bytes(), self.want_bytes()))).device_bytes
 
     def plan_summary(self) -> str:
         p = self._plan
@@ -247,15 +321,22 @@ class OffloadHandle:
         return (f"{len(p.resident)} resident, {len(self._sizes) - len(p.resident)} streamed, "
                 f"{p.n_slots} slot(s) of {p.slot_bytes / 1e6:.1f} MB, plan {p.device_bytes / 1e6:.1f} MB")
 
-    # public API -----------------------------------------------------------------
+    # public API -------------------------------------------------------------------------------
     def load(self) -> None:
         """Place the resident set and the slot ring now instead of at the next forward."""
-        self._on_forward_start()
-        self.streamer.ensure_loaded()
+        self._check_attached("load")
+        with self.streamer.exclusive():
+            self.before_pass()
+            self.streamer.ensure_loaded()
 
     def unload(self, nbytes: int | None = None) -> int:
         """Free at least `nbytes` device bytes (None: all); returns the bytes freed."""
-        freed = self.streamer.unload(nbytes)
+        self._check_attached("unload")
+        if nbytes is not None:
+            if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0 or \
+                    not math.isfinite(nbytes):
+                raise ValueError(f"unload(nbytes) takes a number of bytes >= 0 or None (everything), got {nbytes!r}")
+        freed = self.streamer.unload(None if nbytes is None else int(nbytes))
         self._allowance = None
         return freed
 
@@ -264,55 +345,77 @@ class OffloadHandle:
 
         `load_state_dict`, `param.copy_()` and other in-place writes on the parameters are noticed on their own.
         """
+        self._check_attached("refresh")
         self.streamer.refresh()
 
     def set_priority(self, priority: int) -> None:
-        self.priority = int(priority)
+        """Change this model's priority in its budget; takes effect at its next forward."""
+        self._check_attached("set_priority")
+        self.priority = _check_priority(priority)
         self.budget.priority_changed(self)
 
     def prioritize(self) -> None:
+        """Give this model the highest priority in its budget and clear its watermark."""
+        self._check_attached("prioritize")
         self.budget.prioritize(self)
 
     def reset_stats(self) -> None:
-        self.streamer.metrics.harvest(block=True)
-        self.streamer.metrics.reset()
-        self.streamer.peak_device_bytes = self.device_bytes()
-        if hasattr(self.backend, "reset_peak"):
-            self.backend.reset_peak()
-
-    def streamed_unit_modules(self) -> list[nn.Module]:
-        return [u.module for u in self.streamer.units if u.resident_buf is None and
-                u.index not in self.streamer.resident_set]
-
-    def resident_unit_modules(self) -> list[nn.Module]:
-        return [u.module for u in self.streamer.units if u.index in self.streamer.resident_set]
+        """Start the report afresh (what the next runs do, not every run since setup)."""
+        self._check_attached("reset_stats")
+        s = self.streamer
+        if s.staged.reader is not None:
+            s.staged.reader.drain()
+        s.metrics.reset()
+        s.peak_device_bytes = s.device_bytes()
+        self.backend.reset_peak()
+        self._reads_base = {id(src): src.reads for src in s.sources}
+        self._disk_read_base = s.staged.reader.counters.bytes_read if s.staged.reader is not None else 0
 
     def report(self) -> OffloadReport:
+        """Per-unit and total figures since setup or the last `reset_stats()` (the last report after detach)."""
+        if self._final_report is not None:
+            return self._final_report
         s = self.streamer
-        m = s.metrics
-        m.harvest(block=True)
-        blocks = [BlockReport(u.name, "vram" if u.index in s.resident_set else u.host_tier, u.nbytes,
-                              m.h2d_ms[u.index], m.compute_ms[u.index], m.stall_ms[u.index], m.calls[u.index],
-                              m.bytes_streamed[u.index]) for u in s.units]
-        h2d, compute, stall, nbytes = m.totals()
+        reader = s.staged.reader
+        if reader is not None:
+            reader.drain()
+        blocks = s.block_reports()
+        for b, src in zip(blocks, s.sources):
+            b.reads = max(0, b.reads - self._reads_base.get(id(src), 0))
+        h2d, compute, stall, nbytes = s.metrics.totals()
         return OffloadReport(
             name=self.name, device=self.backend.describe(), preset=self.config.preset, priority=self.priority,
             blocks=blocks, total_bytes_streamed=nbytes, overlap_ratio=overlap_ratio(h2d, stall),
             effective_gbps=effective_gbps(nbytes, h2d),
             resident_bytes=s.rest_bytes + sum(u.nbytes for u in s.units if u.index in s.resident_set),
             peak_device_bytes=max(s.peak_device_bytes, s.device_bytes()), device_bytes=s.device_bytes(),
-            slot_bytes=s.slot_bytes, slots=len(s.slots), forwards=m.forwards, stall_ms=stall, h2d_ms=h2d,
-            compute_ms=compute, timeline=list(m.timeline))
+            slot_bytes=s.slot_bytes, slots=len(s.slots), forwards=s.metrics.forwards, stall_ms=stall, h2d_ms=h2d,
+            compute_ms=compute,
+            disk_bytes_read=(reader.counters.bytes_read - self._disk_read_base) if reader is not None else 0,
+            notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
+            timeline=list(s.metrics.timeline))
 
     def detach(self) -> None:
-        """Remove every hook; every weight becomes an ordinary tensor with its original values."""
-        if getattr(self.model, "_layer_offload_handle", None) is not self:
+        """Remove every hook; every weight becomes an ordinary tensor with its original values.
+
+        Raises SourceChangedError (and changes nothing) when blocks live only in a file that changed on disk.
+        """
+        if not self.attached:
             return
-        self.budget.unregister(self)
+        final = self.report()
         self.streamer.detach()
-        self.model.__dict__.pop("_layer_offload_handle", None)
-        if self.file is not None:
-            self.file.close()
+        self.budget.unregister(self)
+        model = self.model
+        if model is not None and model.__dict__.get(HANDLE_ATTR) is self:
+            del model.__dict__[HANDLE_ATTR]
+        self._final_report = final
+
+
+def _check_priority(priority: Any) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority) \
+            or int(priority) != priority:
+        raise ValueError(f"priority must be a whole number (higher keeps more blocks resident), got {priority!r}")
+    return int(priority)
 
 
 def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: str | None = None,
@@ -320,5 +423,7 @@ def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: 
                    progress: Callable[[int, int], None] | None = None) -> OffloadHandle:
     """Stream `model`'s blocks from host memory to the device from now on; returns the handle."""
     config = config if config is not None else OffloadConfig.from_preset("auto")
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an OffloadConfig (OffloadConfig.from_preset(...)), got {type(config).__name__}")
     with torch.inference_mode(False):  # our buffers and views must serve grad-mode and inference-mode calls
         return OffloadHandle(model, config, name or type(model).__name__, priority, budget, units, progress)

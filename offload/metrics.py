@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,11 +23,16 @@ class BlockReport:
     stall_ms: float = 0.0
     calls: int = 0
     bytes_streamed: int = 0
+    reads: int = 0  # times its bytes went through a bounce buffer (read from disk, or bounced pageable RAM)
+
+
+TIERS = ("vram", "pinned", "pageable", "disk")
 
 
 @dataclass
 class OffloadReport:
-    """The last runs of one offloaded model, per unit and in total; `to_dict` is JSON-ready."""
+    """The last runs of one offloaded model, per unit and in total; `to_dict` is THE report shape (JSON-ready)
+    that the ComfyUI node, the HTTP route and the panel show."""
 
     name: str
     device: str
@@ -45,26 +51,47 @@ class OffloadReport:
     stall_ms: float
     h2d_ms: float
     compute_ms: float
+    disk_bytes_read: int = 0  # bytes read from the disk-tier file since the last reset
+    notices: list[dict[str, str]] = field(default_factory=list)  # {kind, message}: fallbacks, shrinks, disk in use
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def streamed_bytes(self) -> int:
         return sum(b.bytes for b in self.blocks if b.tier != "vram")
 
+    @property
+    def tiers(self) -> dict[str, int]:
+        """Blocks per tier: vram (resident), pinned / pageable RAM, disk."""
+        return {t: sum(1 for b in self.blocks if b.tier == t) for t in TIERS}
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        tiers = self.tiers
+        d["tiers"] = tiers
+        d["tier_bytes"] = {t: sum(b.bytes for b in self.blocks if b.tier == t) for t in TIERS}
         d["streamed_bytes"] = self.streamed_bytes
-        d["tiers"] = {t: sum(1 for b in self.blocks if b.tier == t) for t in ("vram", "pinned", "pageable", "disk")}
+        d["resident_blocks"] = tiers["vram"]
+        d["streamed_blocks"] = len(self.blocks) - tiers["vram"]
         return d
 
     def summary(self) -> str:
         """A few readable lines for logs and UIs."""
-        tiers = self.to_dict()["tiers"]
-        return (f"{self.name} on {self.device}: {tiers['vram']} resident / "
-                f"{tiers['pinned'] + tiers['pageable']} streamed from RAM / {tiers['disk']} from disk; "
-                f"{self.total_bytes_streamed / 1e6:.1f} MB streamed in {self.forwards} forward(s), "
-                f"overlap {self.overlap_ratio:.2f}, {self.effective_gbps:.2f} GB/s, stall {self.stall_ms:.1f} ms, "
-                f"device {self.device_bytes / 1e6:.1f} MB (peak {self.peak_device_bytes / 1e6:.1f} MB)")
+        return summarize(self.to_dict())
+
+
+def summarize(d: dict[str, Any]) -> str:
+    """Two readable lines for one model's report dict (`OffloadReport.to_dict()`): the one summary everywhere."""
+    tiers = d["tiers"]
+    mb = 1 << 20
+    head = f"{d['name']}"
+    if d.get("kind"):
+        head += f" [{d['kind']}]"
+    head += (f" on {d['device']} (preset {d.get('preset')}, priority {d.get('priority')}): {tiers['vram']} resident / "
+             f"{tiers['pinned'] + tiers['pageable']} streamed from RAM / {tiers['disk']} from disk blocks; "
+             f"device {d['device_bytes'] / mb:.1f} MB (peak {d['peak_device_bytes'] / mb:.1f} MB)")
+    runs = (f"  last runs: {d['forwards']} forward(s), {d['total_bytes_streamed'] / mb:.1f} MB streamed, "
+            f"overlap {d['overlap_ratio']:.2f}, {d['effective_gbps']:.2f} GB/s, stall {d['stall_ms']:.1f} ms")
+    return head + "\n" + runs
 
 
 @dataclass
@@ -84,11 +111,17 @@ class MetricsCollector:
         self.backend = backend
         self.profile = profile
         self._pending: list[_Record] = []
-        self.reset(n_units)
+        self.lock = threading.Lock()  # a report read from another thread (a UI route) while a pass runs
+        self.n_units = n_units
+        self._zero()
 
-    def reset(self, n_units: int | None = None) -> None:
-        if n_units is not None:
-            self.n_units = n_units
+    def reset(self) -> None:
+        """Start counting afresh: records not yet harvested are waited for and dropped."""
+        with self.lock:
+            self._harvest(block=True)
+            self._zero()
+
+    def _zero(self) -> None:
         self.h2d_ms = [0.0] * self.n_units
         self.compute_ms = [0.0] * self.n_units
         self.stall_ms = [0.0] * self.n_units
@@ -99,8 +132,10 @@ class MetricsCollector:
         self._pending.clear()
 
     def add(self, unit: int, copy: Any, ready: Any, start: Any, end: Any, nbytes: int) -> None:
-        self._pending.append(_Record(unit, copy, ready, start, end, nbytes))
-        if len(self._pending) > MAX_PENDING:
+        with self.lock:
+            self._pending.append(_Record(unit, copy, ready, start, end, nbytes))
+            full = len(self._pending) > MAX_PENDING
+        if full:
             self.harvest(block=True)
 
     def forward_started(self) -> None:
@@ -108,6 +143,10 @@ class MetricsCollector:
 
     def harvest(self, block: bool = False) -> None:
         """Fold completed records into the totals; with `block`, wait for all of them first."""
+        with self.lock:
+            self._harvest(block)
+
+    def _harvest(self, block: bool) -> None:
         b = self.backend
         done = 0
         for rec in self._pending:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -33,6 +33,16 @@ class UnitPlan:
     device_bytes: int
     shrunk_lookahead: bool = False
     notes: list[str] = field(default_factory=list)
+
+
+def ring_slots(prefetch: int, n_streamed: int) -> int:
+    """Slots the ring wants: the unit computing plus `prefetch` on their way, never more than units streamed."""
+    return max(0, min(prefetch + 1, n_streamed))
+
+
+def bounce_buffers(prefetch: int) -> int:
+    """Pinned bounce buffers the read-ahead thread cycles: one per slot of the ring plus one being filled."""
+    return prefetch + 2
 
 
 def spread(n: int, k: int) -> list[int]:
@@ -61,7 +71,7 @@ def plan_units(sizes: list[int], names: list[str], rest_bytes: int, allowance: i
         return UnitPlan(set(range(n)), 0, 0, rest_bytes + sum(sizes))
     biggest = max(range(n), key=lambda i: sizes[i])
     slot = sizes[biggest]
-    want_slots = min(prefetch + 1, n)
+    want_slots = ring_slots(prefetch, n)
     k = want_slots
     while k > 1 and k * slot > avail:
         k -= 1

@@ -3,37 +3,44 @@
 Lookahead is counted in streamed units: whenever a slot is freed (its unit finished), the next streamed unit
 in the predicted order is queued into it, wrapping into the next forward. A unit that arrives out of order
 (an interrupted forward, a different call order) resyncs the pipeline instead of computing on stale bytes.
+The worker refers to the sources and the slots, never back to the streamer that owns it.
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Sequence
 
-from .storage import resolve
+import torch
+
+from .storage import UnitSource, resolve
 
 log = logging.getLogger(__name__)
-
-IssueFn = Callable[[int, int, Any], Any]  # (unit, slot, after_event) -> copy event
 
 
 class PrefetchWorker:
     """Orders copies into the slot ring; the copies themselves run on the backend's transfer stream."""
 
-    def __init__(self, issue: IssueFn) -> None:
-        self._issue = issue
+    def __init__(self) -> None:
         self.order: list[int] = []
+        self.sources: Sequence[UnitSource] = ()
+        self.slots: Sequence[torch.Tensor] = ()
         self.inflight: deque[tuple[int, int, Any]] = deque()  # (unit, slot, copy event), oldest first
         self.free: deque[tuple[int, Any]] = deque()  # (slot, event after which it may be overwritten)
         self.next_pos = 0
         self.resyncs = 0
 
-    def configure(self, order: list[int], n_slots: int) -> None:
-        """New plan: predicted order of streamed units and the number of slots (nothing may be in flight)."""
+    def configure(self, order: list[int], slots: Sequence[torch.Tensor], sources: Sequence[UnitSource]) -> None:
+        """New plan: predicted order of streamed units, the slot buffers and every unit's source (nothing in flight)."""
         self.order = list(order)
+        self.slots = slots
+        self.sources = sources
         self.inflight.clear()
-        self.free = deque((s, None) for s in range(n_slots))
+        self.free = deque((s, None) for s in range(len(slots)))
         self.next_pos = 0
+
+    def _issue(self, unit: int, slot: int, after: Any) -> Any:
+        return self.sources[unit].issue(self.slots[slot], after)
 
     def set_order(self, order: list[int]) -> None:
         """Adopt an observed execution order; takes effect from the next resync or fill."""
@@ -50,7 +57,12 @@ class PrefetchWorker:
             slot, after = self.free.popleft()
             unit = self.order[self.next_pos % len(self.order)]
             self.next_pos = (self.next_pos + 1) % len(self.order)
-            self.inflight.append((unit, slot, self._issue(unit, slot, after)))
+            try:
+                copy = self._issue(unit, slot, after)
+            except BaseException:
+                self.free.appendleft((slot, after))
+                raise
+            self.inflight.append((unit, slot, copy))
 
     def take(self, unit: int) -> tuple[int, Any]:
         """The slot holding `unit`'s bytes and the event its copy completes on."""
@@ -63,6 +75,10 @@ class PrefetchWorker:
         """A unit finished with `slot` (event `after`); reuse it for the next unit in line."""
         self.free.append((slot, after))
         self.fill()
+
+    def give_back(self, slot: int, after: Any = None) -> None:
+        """A taken slot whose unit never ran (its copy failed): free it without queueing anything."""
+        self.free.appendleft((slot, after))
 
     def restart(self) -> None:
         """Drop queued copies (their bytes are stale) and start again from the next predicted unit."""
@@ -96,5 +112,10 @@ class PrefetchWorker:
         if not (self.inflight and self.inflight[0][0] == unit):  # not predicted at all: fetch it directly
             self._cancel_inflight()
             slot, after = self.free.popleft()
-            self.inflight.appendleft((unit, slot, self._issue(unit, slot, after)))
+            try:
+                copy = self._issue(unit, slot, after)
+            except BaseException:
+                self.free.appendleft((slot, after))
+                raise
+            self.inflight.appendleft((unit, slot, copy))
         log.debug("prefetch resync at unit %d (%d so far)", unit, self.resyncs)

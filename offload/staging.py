@@ -1,9 +1,10 @@
-"""Host staging: one flat buffer per unit, every tensor of the unit a view into it.
+"""Host staging: every unit's tensors become views of one flat host buffer (or of the model's file), once.
 
-The unit's parameters and buffers (and the inner tensors of tensor subclasses, through
-`__tensor_flatten__`) are laid out at 512-byte aligned offsets, so one copy moves the whole unit and the
-same layout, applied to a device slot, gives the device-side views. Bytes move as stored: float8 weights and
-their scale tensors are never upcast.
+`stage_model` is the whole setup of a model's host side: it lays out each unit, decides its host tier (pinned
+RAM, pageable RAM, the safetensors file), matches it against the file, sizes the bounce buffers, and stages the
+units ONE AT A TIME, releasing each unit's original storage as soon as its flat buffer holds the bytes. Peak host
+memory while offloading is therefore the model plus about one unit, not two copies of the model. A failure half
+way gives the staged units back as ordinary tensors, so the model is left as it was.
 """
 from __future__ import annotations
 
@@ -14,191 +15,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .blocks import Unit
+from .layout import Binding, TensorLayout, plan_layout, unit_tensors
+from .planner import bounce_buffers
+from .storage import BouncedSource, BounceReader, DiskSource, HostSource, SafetensorsFile, UnitSource
+
 log = logging.getLogger(__name__)
-
-ALIGN = 512
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def is_subclass_tensor(t: torch.Tensor) -> bool:
-    """A tensor subclass that describes its inner tensors (quantized weights and the like)."""
-    return type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__") and \
-        type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
-
-
-@dataclass
-class Leaf:
-    """One plain tensor's place in the flat buffer."""
-
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...] | None  # None: contiguous; else the original strides over a span of memory
-
-
-@dataclass
-class Entry:
-    """One distinct tensor of the unit and every (module, name) that refers to it."""
-
-    locations: list[tuple[nn.Module, str, str]]  # (module, attribute, "param" | "buffer")
-    recipe: Any  # int (leaf index) or (cls, ctx, {name: recipe}, outer_size, outer_stride)
-    plain_param: bool  # a plain nn.Parameter: swapped with `.data =` so its identity never changes
-    requires_grad: bool
-    device: torch.device
-    original: torch.Tensor | None = None  # subclass tensors keep their identity: inner tensors are re-pointed
-
-
-@dataclass
-class TensorLayout:
-    """How a unit's tensors map onto a flat buffer, and how to rebuild them from any such buffer."""
-
-    leaves: list[Leaf]
-    entries: list[Entry]
-    nbytes: int
-
-    def version(self) -> int:
-        """Sum of the version counters of the tensors bound now: changes whenever one is written in place."""
-        total = 0
-        for entry in self.entries:
-            module, attr, kind = entry.locations[0]
-            t = (module._parameters if kind == "param" else module._buffers).get(attr)
-            if t is not None and not t.is_inference():  # inference tensors have no version counter
-                total += t._version
-        return total
-
-    def leaf_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        views = []
-        for leaf in self.leaves:
-            raw = buf[leaf.offset:leaf.offset + leaf.nbytes].view(leaf.dtype)
-            if leaf.stride is not None:
-                views.append(raw.as_strided(leaf.shape, leaf.stride))
-            else:
-                views.append(raw.view(leaf.shape))
-        return views
-
-    def build(self, buf: torch.Tensor, master: bool = False) -> "Binding":
-        """Tensors viewing `buf`, ready to be swapped into the unit's modules.
-
-        With `master`, tensor subclasses are not rebuilt: the original objects get their inner tensors
-        re-pointed at `buf`, so the module keeps the very objects it had between forwards.
-        """
-        return self.bind(self.leaf_views(buf), buf, master)
-
-    def bind(self, views: list[torch.Tensor], buf: torch.Tensor | None, master: bool = False) -> "Binding":
-        """Like `build`, from per-leaf tensors (a file's mmap views for the disk tier)."""
-
-        def make(recipe: Any) -> torch.Tensor:
-            if isinstance(recipe, int):
-                return views[recipe]
-            cls, ctx, inner, outer_size, outer_stride = recipe
-            return cls.__tensor_unflatten__({k: make(r) for k, r in inner.items()}, ctx, outer_size, outer_stride)
-
-        data_swaps: list[tuple[nn.Parameter, torch.Tensor]] = []
-        dict_sets: list[tuple[dict, str, torch.Tensor]] = []
-        for entry in self.entries:
-            if master and entry.original is not None:
-                _repoint(entry.original, entry.recipe, views.__getitem__)
-                for module, attr, kind in entry.locations:
-                    dict_sets.append((module._parameters if kind == "param" else module._buffers, attr,
-                                      entry.original))
-                continue
-            value = make(entry.recipe)
-            if entry.plain_param:
-                data_swaps.append((entry.locations[0][0]._parameters[entry.locations[0][1]], value))
-                continue
-            value_p = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
-                kind == "param" for _, _, kind in entry.locations) else None
-            for module, attr, kind in entry.locations:
-                if kind == "param":
-                    dict_sets.append((module._parameters, attr, value_p))
-                else:
-                    dict_sets.append((module._buffers, attr, value))
-        return Binding(buf, data_swaps, dict_sets)
-
-
-def _repoint(obj: torch.Tensor, recipe: Any, leaf: Callable[[int], torch.Tensor]) -> None:
-    """Point a tensor subclass's inner tensors at `leaf(i)` (recursively), keeping the object itself."""
-    _, _, inner, _, _ = recipe
-    for name, r in inner.items():
-        if isinstance(r, int):
-            setattr(obj, name, leaf(r))
-        else:
-            _repoint(getattr(obj, name), r, leaf)
-
-
-@dataclass
-class Binding:
-    """A unit's tensors bound to one buffer (host master or a device slot); `apply` swaps them in."""
-
-    buf: torch.Tensor | None
-    data_swaps: list[tuple[nn.Parameter, torch.Tensor]]
-    dict_sets: list[tuple[dict, str, torch.Tensor]]
-
-    def apply(self) -> None:
-        for param, value in self.data_swaps:
-            param.data = value
-        for d, key, value in self.dict_sets:
-            d[key] = value
-
-
-def _flatten(t: torch.Tensor, leaves: list[Leaf], sources: list[torch.Tensor], offset: list[int]) -> Any:
-    if is_subclass_tensor(t):
-        names, ctx = t.__tensor_flatten__()
-        inner = {name: _flatten(getattr(t, name), leaves, sources, offset) for name in names}
-        return (type(t), ctx, inner, tuple(t.size()), tuple(t.stride()))
-    plain = t.detach()
-    if type(plain) is not torch.Tensor:
-        plain = plain.as_subclass(torch.Tensor)
-    stride = None
-    span = plain.numel()
-    if not plain.is_contiguous() and plain.numel() > 0 and all(st > 0 for st in plain.stride()):
-        # keep the original strides (kernels, and so outputs, can depend on them) over the memory they span
-        stride = tuple(plain.stride())
-        span = 1 + sum((n - 1) * st for n, st in zip(plain.shape, stride))
-    nbytes = span * plain.element_size()
-    leaves.append(Leaf(offset[0], nbytes, plain.dtype, tuple(plain.shape), stride))
-    sources.append(plain)
-    offset[0] = _align(offset[0] + nbytes)
-    return len(leaves) - 1
-
-
-def unit_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
-    """Every (owner module, name, kind, tensor) under `module`, parameters first."""
-    found = []
-    for sub in module.modules():
-        for name, p in sub._parameters.items():
-            if p is not None:
-                found.append((sub, name, "param", p))
-        for name, b in sub._buffers.items():
-            if b is not None:
-                found.append((sub, name, "buffer", b))
-    return found
-
-
-def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> tuple[TensorLayout, list[torch.Tensor]]:
-    """Lay out distinct tensors (a tensor met twice is laid out once); returns the source tensors too."""
-    by_id: dict[int, Entry] = {}
-    leaves: list[Leaf] = []
-    sources: list[torch.Tensor] = []
-    offset = [0]
-    entries: list[Entry] = []
-    for sub, name, kind, t in tensors:
-        entry = by_id.get(id(t))
-        if entry is None:
-            recipe = _flatten(t, leaves, sources, offset)
-            plain_param = kind == "param" and not is_subclass_tensor(t)
-            home = torch.device("cpu") if t.is_meta else t.device  # a meta weight comes home from disk to RAM
-            entry = Entry([], recipe, plain_param, bool(t.requires_grad), home,
-                          t if not isinstance(recipe, int) else None)
-            by_id[id(t)] = entry
-            entries.append(entry)
-        entry.locations.append((sub, name, kind))
-    layout = TensorLayout(leaves, entries, max(offset[0], ALIGN))
-    return layout, sources
 
 
 class PinFallbackNotice:
@@ -216,87 +38,220 @@ class PinFallbackNotice:
 
 @dataclass
 class StagingBuffer:
-    """A unit's host master: one flat buffer (pinned where allowed) that all its tensors view."""
+    """A unit's host master: one flat RAM buffer (pinned where allowed), or per-tensor views of the file."""
 
     layout: TensorLayout
-    host: torch.Tensor | None
+    host: torch.Tensor | None  # None: the disk tier (the master is the file)
     pinned: bool
     host_binding: Binding
-
-    master_views: list[torch.Tensor] | None = None  # disk tier: per-leaf views of the file's mmap
-
-    @staticmethod
-    def _unmeta(layout: TensorLayout, views: list[torch.Tensor]) -> None:
-        """Meta or inference-mode parameters cannot take `.data` from our buffers: give them new objects."""
-        for entry in layout.entries:
-            module, attr, kind = entry.locations[0]
-            current = module._parameters[attr] if entry.plain_param else None
-            if current is not None and (current.is_meta or current.is_inference()):
-                param = nn.Parameter(views[entry.recipe], requires_grad=entry.requires_grad)
-                for mod, name, k in entry.locations:
-                    (mod._parameters if k == "param" else mod._buffers)[name] = param
+    file: SafetensorsFile | None = None  # disk tier: the file and each leaf's key in it
+    keys: list[str] | None = None
 
     @classmethod
-    def create(cls, layout: TensorLayout, sources: list[torch.Tensor],
-               alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
-               fill_meta: Callable[[int], torch.Tensor] | None = None,
+    def in_ram(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
+               file: SafetensorsFile | None = None, keys: list[str] | None = None,
                notice_level: int = logging.WARNING) -> "StagingBuffer":
-        """Copy the tensors into one host buffer and point their modules at views of it.
+        """Copy the unit's tensors into one host buffer and point the modules at views of it.
 
-        `fill_meta(i)` supplies leaf i when the module holds only a meta tensor (weights still on disk).
+        Leaves still on the meta device are read from `file` (`keys` names them). Once the binding is applied the
+        module no longer refers to the original tensors, so their storage is released here.
         """
         host, pinned = alloc_host(layout.nbytes, pin)
         if pin and not pinned:
             PinFallbackNotice.say("the allocator refused or this torch has no accelerator", notice_level)
         views = layout.leaf_views(host)
         with torch.no_grad():
-            for i, (view, src) in enumerate(zip(views, sources)):
+            for i, (view, src) in enumerate(zip(views, layout.sources())):
                 if src.is_meta:
-                    if fill_meta is None:
-                        raise ValueError(f"a {tuple(src.shape)} {src.dtype} tensor is on the meta device and no "
-                                         f"disk_path was given to read it from")
-                    src = fill_meta(i)
+                    src = file.read_tensor(keys[i])  # validated before staging began
                 view.copy_(src)
-        cls._unmeta(layout, views)
+                del src
+        layout.rebind_fresh(views)
         binding = layout.build(host, master=True)
-        binding.apply()  # the originals are now unreferenced by the module: their storage is released
+        binding.apply()
         return cls(layout, host, pinned, binding)
 
     @classmethod
-    def from_file(cls, layout: TensorLayout, views: list[torch.Tensor]) -> "StagingBuffer":
-        """A disk-tier master: the module views the file's mmap; no RAM copy is made."""
-        cls._unmeta(layout, views)
+    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str]) -> "StagingBuffer":
+        """A disk-tier master: the module views the file's private map between forwards; no RAM copy."""
+        views = [file.view(k) for k in keys]
+        layout.rebind_fresh(views)
         binding = layout.bind(views, None, master=True)
         binding.apply()
-        return cls(layout, None, False, binding, views)
+        return cls(layout, None, False, binding, file, keys)
+
+    def leaf_copy(self, i: int, device: torch.device) -> torch.Tensor:
+        """Leaf i as an ordinary, independent tensor (from the file by positioned read for the disk tier)."""
+        if self.host is None:
+            return self.file.read_tensor(self.keys[i]).to(device)
+        return self.layout.leaf_views(self.host)[i].to(device=device, copy=True)
 
     def restore_ordinary(self) -> None:
         """Give every tensor back as an ordinary, independent tensor on its original device."""
-        layout = self.layout
-        views = self.master_views if self.host is None else layout.leaf_views(self.host)
+        views = self.layout.leaf_views(self.host) if self.host is not None else None
+        if views is not None:
+            self.layout.restore(lambda i, d: views[i].to(device=d, copy=True))
+        else:
+            self.layout.restore(self.leaf_copy)
 
-        def make(recipe: Any, device: torch.device) -> torch.Tensor:
-            if isinstance(recipe, int):
-                return views[recipe].to(device=device, copy=True)
-            cls_, ctx, inner, outer_size, outer_stride = recipe
-            return cls_.__tensor_unflatten__({k: make(r, device) for k, r in inner.items()}, ctx, outer_size,
-                                             outer_stride)
 
-        for entry in layout.entries:
-            if entry.original is not None:
-                _repoint(entry.original, entry.recipe, lambda i: views[i].to(device=entry.device, copy=True))
-                for module, attr, kind in entry.locations:
-                    (module._parameters if kind == "param" else module._buffers)[attr] = entry.original
-                continue
-            value = make(entry.recipe, entry.device)
-            if entry.plain_param:
-                module, attr, _ = entry.locations[0]
-                module._parameters[attr].data = value
-                continue
-            param = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
-                k == "param" for _, _, k in entry.locations) else None
-            for module, attr, kind in entry.locations:
-                if kind == "param":
-                    module._parameters[attr] = param
-                else:
-                    module._buffers[attr] = value
+@dataclass
+class StagedUnit:
+    """One unit after staging: its module, layout, host master and where its bytes stream from."""
+
+    index: int
+    name: str
+    module: nn.Module
+    master: StagingBuffer
+    source: UnitSource
+
+    @property
+    def layout(self) -> TensorLayout:
+        return self.master.layout
+
+    @property
+    def nbytes(self) -> int:
+        return self.master.layout.nbytes
+
+
+@dataclass
+class StagedModel:
+    """A model's host side: its staged units, the non-block tensors (always resident), the read-ahead thread."""
+
+    units: list[StagedUnit]
+    rest: StagingBuffer
+    rest_bytes: int
+    reader: BounceReader | None
+    file: SafetensorsFile | None
+
+    def check_sources(self) -> None:
+        """Raise SourceChangedError if the file behind the disk tier changed since setup."""
+        if self.file is not None and any(u.master.host is None for u in self.units):
+            self.file.check_unchanged()
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def shared_tensor_ids(model: nn.Module, units: list[Unit]) -> set[int]:
+    """Tensors used by more than one unit, or by a unit and the rest: kept resident with the rest."""
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for i, unit in enumerate(units):
+        for _, _, _, t in unit_tensors(unit.module):
+            if owner.setdefault(id(t), i) != i:
+                shared.add(id(t))
+    unit_mods = {id(m) for u in units for m in u.module.modules()}
+    for sub in model.modules():
+        if id(sub) in unit_mods:
+            continue
+        for t in list(sub._parameters.values()) + list(sub._buffers.values()):
+            if t is not None and id(t) in owner:
+                shared.add(id(t))
+    if shared:
+        log.info("%d tensor(s) are shared between units or with the rest of the model; kept resident", len(shared))
+    return shared
+
+
+def _key_namer(model: nn.Module) -> Callable[[nn.Module, str], str]:
+    paths: dict[int, str] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(mod), path)
+
+    def key_of(sub: nn.Module, name: str) -> str:
+        return f"{paths[id(sub)]}.{name}" if paths.get(id(sub)) else name
+
+    return key_of
+
+
+def _file_keys(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str]) -> list[str]:
+    return file.match([key_of(*e.locations[0][:2]) for e in layout.entries], layout.leaves)
+
+
+def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
+                host_tiers: Callable[[list[int]], dict[int, str]], file: SafetensorsFile | None, prefetch: int,
+                progress: Callable[[int, int], None] | None = None) -> StagedModel:
+    """Stage `model`'s units on the host (see the module docstring); raises before touching the model on bad input."""
+    # 1. plan every layout and check the file: nothing is touched until the whole model is known to work
+    shared = shared_tensor_ids(model, units)
+    layouts: list[TensorLayout] = []
+    in_units: set[tuple[int, str, str]] = set()
+    for unit in units:
+        tensors = [t for t in unit_tensors(unit.module) if id(t[3]) not in shared]
+        in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
+        layouts.append(plan_layout(tensors))
+        del tensors
+    rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
+                               if (id(sub), name, kind) not in in_units])
+    tiers = host_tiers([layout.nbytes for layout in layouts])
+    key_of = _key_namer(model)
+    keys: dict[int, list[str]] = {}
+    for i, layout in enumerate(layouts):
+        needs_file = tiers.get(i) == "disk" or any(leaf.meta for leaf in layout.leaves)
+        if tiers.get(i) == "disk" and not (layout.plain and file is not None):
+            tiers[i] = "pageable"
+        if needs_file:
+            if file is None or not layout.plain:
+                _refuse_meta(units[i].name, layout, file)
+            keys[i] = _file_keys(file, layout, key_of)
+            if tiers.get(i) == "disk" and not all(file.aligned(k) for k in keys[i]):
+                tiers[i] = "pageable"  # a misaligned tensor cannot be viewed in place: keep it in RAM
+    rest_keys = None
+    if any(leaf.meta for leaf in rest_layout.leaves):
+        if file is None or not rest_layout.plain:
+            _refuse_meta("the weights outside the blocks", rest_layout, file)
+        rest_keys = _file_keys(file, rest_layout, key_of)
+
+    # 2. stage one unit at a time: each unit's originals are released before the next unit's buffer exists
+    masters: list[StagingBuffer] = []
+    total = len(units) + 1
+    notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
+    reader = rest = None
+    try:
+        for i, layout in enumerate(layouts):
+            if tiers.get(i) == "disk":
+                masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
+            else:
+                masters.append(StagingBuffer.in_ram(layout, backend.alloc_host, pin and tiers.get(i) != "pageable",
+                                                    file, keys.get(i), notice))
+            if progress:
+                progress(i + 1, total)
+        # Non-block tensors: always resident; the host copy stays the master for unload and detach.
+        rest = StagingBuffer.in_ram(rest_layout, backend.alloc_host, False, file, rest_keys)
+        # 3. the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
+        # pinning refused) on a device with pinned memory, whose straight copies would block the forward
+        bounced = [m.layout.nbytes for m in masters if m.host is None or
+                   (not m.pinned and backend.supports_pinned_host)]
+        if bounced:
+            reader = BounceReader(backend, max(bounced), bounce_buffers(prefetch))
+    except BaseException:
+        for m in reversed(masters + ([rest] if rest is not None else [])):
+            m.restore_ordinary()
+        raise
+    staged = []
+    for i, (unit, master) in enumerate(zip(units, masters)):
+        source: UnitSource = (DiskSource(file, keys[i], master.layout.leaves, master.layout.nbytes, reader)
+                              if master.host is None else make_ram_source(master, backend, reader))
+        staged.append(StagedUnit(i, unit.name, unit.module, master, source))
+    if progress:
+        progress(total, total)
+    rest_bytes = rest_layout.nbytes if rest_layout.entries else 0
+    return StagedModel(staged, rest, rest_bytes, reader, file)
+
+
+def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:
+    """The source for a RAM master: straight copies when pinned (or no pinned memory exists), else bounced."""
+    if not master.pinned and backend.supports_pinned_host and reader is not None:
+        return BouncedSource(master.host, reader)
+    return HostSource(master.host, master.pinned, backend)
+
+
+def _refuse_meta(what: str, layout: TensorLayout, file: SafetensorsFile | None) -> None:
+    leaf = next(leaf for leaf in layout.leaves if leaf.meta)
+    if file is None:
+        raise ValueError(f"{what}: a {tuple(leaf.shape)} {leaf.dtype} tensor is on the meta device and no "
+                         f"disk_path was given to read it from")
+    raise ValueError(f"{what}: holds meta tensors that {file.path} cannot fill (tensor subclasses or non-contiguous "
+                     f"layouts cannot be read from a safetensors file)")

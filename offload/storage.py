@@ -1,13 +1,20 @@
-"""Where a unit's host bytes come from when they are not in a pinned buffer: a safetensors file or pageable RAM.
+"""Where a unit's bytes come from when they move to the device: one `UnitSource` protocol, three sources.
 
-The disk tier reads a unit's tensors straight from the model's safetensors file (through a private mmap, no
-second copy in RAM) into a pinned bounce buffer on a read-ahead thread, then queues the bounce-to-device copy;
-the unit's parameters view that mapping between forwards. Pageable RAM goes through the same
-bounce path on devices with pinned memory, so its copies stay asynchronous.
+- `HostSource`: the unit's flat host buffer (pinned, or pageable where the device has no pinned memory), copied
+  straight to the slot on the transfer stream.
+- `BouncedSource`: a pageable host buffer on a device with pinned memory, copied into a pinned bounce buffer on
+  the read-ahead thread first, so the copy to the device stays asynchronous.
+- `DiskSource`: the unit's tensors read from the model's safetensors file into a bounce buffer.
+
+File reads are positioned reads on the file descriptor, never loads through a memory map: a file truncated
+while a model streams from it gives a clear error naming it instead of killing the process with SIGBUS. The
+file's size and modification time are checked before each pass and after each read, so a file rewritten in
+place is refused, never silently streamed. The mapping exists only so that a disk-tier unit's parameters can
+view their bytes between forwards without a copy in RAM.
 """
 from __future__ import annotations
 
-import atexit
+import ctypes
 import json
 import logging
 import mmap
@@ -18,11 +25,11 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-from .staging import TensorLayout
+from .layout import Leaf
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,10 @@ class CorruptFileError(ValueError):
     """A safetensors file that is truncated, corrupt or does not match the model: names the file."""
 
 
+class SourceChangedError(RuntimeError):
+    """The file a model streams from changed on disk (truncated, rewritten) after it was offloaded."""
+
+
 @dataclass(frozen=True)
 class FileTensor:
     dtype: torch.dtype
@@ -46,15 +57,23 @@ class FileTensor:
     end: int
 
 
+def _writable_bytes(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (no numpy needed)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
 class SafetensorsFile:
-    """A validated safetensors header plus positional reads and a read-only mmap of the data."""
+    """A validated safetensors header, positioned reads, and a private map for zero-copy parameter views."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.tensors = self._read_header()
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._identity = self._stat()
         self._mmap: mmap.mmap | None = None
         self._flat: torch.Tensor | None = None
+        self._seek_lock = threading.Lock()  # only where os.preadv is missing (Windows)
 
     def _fail(self, why: str) -> CorruptFileError:
         return CorruptFileError(f"{self.path}: truncated or corrupt safetensors file ({why})")
@@ -98,7 +117,31 @@ class SafetensorsFile:
             out[key] = FileTensor(dtype, shape, base + begin, base + end)
         return out
 
-    def match(self, names: list[str], tensors: list[torch.Tensor]) -> list[str]:
+    # identity -------------------------------------------------------------------
+    def _stat(self) -> tuple[int, int]:
+        st = os.fstat(self._fd)
+        return st.st_size, st.st_mtime_ns
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChangedError if the file was truncated or rewritten since it was opened.
+
+        The open descriptor follows the file itself: a file deleted or replaced by rename keeps serving the
+        bytes it had, so only writes into this very file count as a change.
+        """
+        if self._fd < 0:
+            raise SourceChangedError(f"{self.path}: the file was closed (the model was detached)")
+        now = self._stat()
+        if now != self._identity:
+            was_size, _ = self._identity
+            size, _ = now
+            what = (f"truncated from {was_size} to {size} bytes" if size < was_size else
+                    f"rewritten ({was_size} -> {size} bytes, modification time changed)")
+            raise SourceChangedError(
+                f"{self.path}: the model's weights file was {what} while the model streams from it; its "
+                f"blocks can no longer be read as they were. Restore the file, or load the model again")
+
+    # matching -------------------------------------------------------------------
+    def match(self, names: list[str], leaves: list[Leaf]) -> list[str]:
         """The file keys for the model's tensor names (a common key prefix is detected); checks dtype/shape."""
         if not names:
             return []
@@ -112,11 +155,11 @@ class SafetensorsFile:
             raise CorruptFileError(f"{self.path}: does not hold the model's weights; missing e.g. "
                                    f"{missing[:3]} (file has e.g. {list(self.tensors)[:3]})")
         keys = [prefix + n for n in names]
-        for key, t in zip(keys, tensors):
+        for key, leaf in zip(keys, leaves):
             ft = self.tensors[key]
-            if ft.dtype != t.dtype or tuple(ft.shape) != tuple(t.shape):
+            if ft.dtype != leaf.dtype or tuple(ft.shape) != tuple(leaf.shape):
                 raise CorruptFileError(f"{self.path}: {key!r} is {tuple(ft.shape)} {ft.dtype} in the file but "
-                                       f"{tuple(t.shape)} {t.dtype} in the model; bytes stream as stored, so "
+                                       f"{tuple(leaf.shape)} {leaf.dtype} in the model; bytes stream as stored, so "
                                        f"the file must match the model's dtype")
         return keys
 
@@ -127,45 +170,61 @@ class SafetensorsFile:
                 found.append(key[: -len(name)])
         return found
 
-    def flat(self) -> torch.Tensor:
-        """The whole file as a uint8 tensor backed by a private mmap (page cache, not process RAM)."""
-        if self._flat is None:
-            # Private copy-on-write mapping: a write through a parameter view (load_state_dict) lands in
-            # process memory instead of crashing on a read-only page, and the file is never modified.
-            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
-            self._flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        return self._flat
-
     def aligned(self, key: str) -> bool:
         """Whether a tensor's offset allows a zero-copy view of its dtype."""
         ft = self.tensors[key]
         return ft.start % ft.dtype.itemsize == 0
 
-    def view(self, key: str) -> torch.Tensor:
-        """A zero-copy view of one tensor (a private copy if its offset is misaligned for the dtype)."""
-        ft = self.tensors[key]
-        raw = self.flat()[ft.start:ft.end]
-        if ft.start % ft.dtype.itemsize:
-            raw = raw.clone()
-        return raw.view(ft.dtype).view(ft.shape)
+    # reading --------------------------------------------------------------------
+    def _read_at(self, dst: torch.Tensor, offset: int) -> None:
+        """Fill a contiguous uint8 CPU tensor from `offset` with positioned reads; short reads are errors."""
+        view = _writable_bytes(dst)
+        done = 0
+        while done < len(view):
+            if hasattr(os, "preadv"):
+                n = os.preadv(self._fd, [view[done:]], offset + done)
+            else:  # pragma: no cover - Windows
+                with self._seek_lock:
+                    os.lseek(self._fd, offset + done, os.SEEK_SET)
+                    chunk = os.read(self._fd, len(view) - done)
+                    view[done:done + len(chunk)] = chunk
+                    n = len(chunk)
+            if n <= 0:
+                self.check_unchanged()
+                raise SourceChangedError(f"{self.path}: read {done} of {len(view)} bytes at offset {offset}: the "
+                                         f"file ends early (was it truncated?)")
+            done += n
 
     def read_into(self, dst: torch.Tensor, pieces: list[tuple[str, int]]) -> int:
-        """Copy (key, dst_offset) tensors from the mapping into a flat uint8 `dst`; returns bytes read.
-
-        Reading through the mapping (not the file descriptor) means bytes written in place through a
-        parameter view (copy-on-write pages) are what streams next.
-        """
-        flat = self.flat()
+        """Read (key, dst_offset) tensors into a flat uint8 `dst`; returns bytes read. Raises if the file changed."""
         total = 0
         for key, off in pieces:
             ft = self.tensors[key]
             n = ft.end - ft.start
-            if self._mmap is not None and hasattr(self._mmap, "madvise"):
-                start = ft.start // mmap.PAGESIZE * mmap.PAGESIZE
-                self._mmap.madvise(mmap.MADV_WILLNEED, start, ft.end - start)
-            dst[off:off + n].copy_(flat[ft.start:ft.end])
+            self._read_at(dst[off:off + n], ft.start)
             total += n
+        self.check_unchanged()  # a write that raced the read must not pass as the original bytes
         return total
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """One tensor as an ordinary, independent CPU tensor (read from the descriptor, not the map)."""
+        ft = self.tensors[key]
+        buf = torch.empty(ft.end - ft.start, dtype=torch.uint8)
+        self._read_at(buf, ft.start)
+        self.check_unchanged()
+        return buf.view(ft.dtype).view(ft.shape)
+
+    def view(self, key: str) -> torch.Tensor:
+        """A zero-copy view of one tensor in the private map (a copy read from the file if misaligned)."""
+        ft = self.tensors[key]
+        if ft.start % ft.dtype.itemsize:
+            return self.read_tensor(key)
+        if self._flat is None:
+            # Private copy-on-write mapping: a write through a parameter view lands in process memory (the unit
+            # then leaves the disk tier) and the file is never modified.
+            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            self._flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return self._flat[ft.start:ft.end].view(ft.dtype).view(ft.shape)
 
     def close(self) -> None:
         self._flat = None
@@ -180,14 +239,9 @@ class SafetensorsFile:
             self._fd = -1
 
 
-_live_readers: "weakref.WeakSet[BounceReader]" = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_readers() -> None:
-    # A daemon thread killed in the middle of a copy at interpreter exit aborts the process.
-    for reader in list(_live_readers):
-        reader.close()
+# ----------------------------------------------------------------------------------------------------------------
+# the read-ahead thread
+# ----------------------------------------------------------------------------------------------------------------
 
 
 class DeferredCopy:
@@ -207,12 +261,62 @@ class DeferredCopy:
         return self.event
 
 
+def resolve(copy: Any) -> Any:
+    """The device event behind a copy, waiting for the read-ahead thread when it is deferred."""
+    return copy.resolve() if isinstance(copy, DeferredCopy) else copy
+
+
+class ReadCounters:
+    """What the read-ahead thread did: bounce fills and bytes read from files."""
+
+    __slots__ = ("reads", "bytes_read")
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.bytes_read = 0
+
+
+def _read_ahead(jobs: queue.Queue, free: queue.Queue, backend: Any, counters: ReadCounters) -> None:
+    # The thread holds only the queues, never the reader: dropping a model stops it (see BounceReader).
+    while True:
+        item = jobs.get()
+        if item is None:
+            jobs.task_done()
+            return
+        fill, nbytes, dst, after, job = item
+        try:
+            buf, last = free.get()
+            try:
+                if last is not None:
+                    backend.event_synchronize(last)  # its previous copy must have left the bounce buffer
+                counters.bytes_read += fill(buf)
+                counters.reads += 1
+                event = backend.copy_h2d(dst[:nbytes], buf[:nbytes], after)
+            except BaseException:
+                free.put((buf, None))
+                raise
+            free.put((buf, event))
+            job.event = event
+        except BaseException as exc:  # surfaced to the forward that waits for this unit
+            job.error = exc
+        finally:
+            job._done.set()
+            del item, fill, dst, after, job  # the idle thread must not keep the last buffers alive
+            jobs.task_done()
+
+
+def _stop_read_ahead(jobs: queue.Queue, thread: threading.Thread) -> None:
+    jobs.put(None)
+    if thread is not threading.current_thread():
+        thread.join()  # a daemon thread killed in the middle of a copy at interpreter exit aborts the process
+
+
 class BounceReader:
     """Read-ahead thread: fills pinned bounce buffers (from disk or pageable RAM) and queues their copies."""
 
     def __init__(self, backend: Any, bounce_bytes: int, count: int) -> None:
-        self.backend = backend
         self.bounce_bytes = bounce_bytes
+        self.counters = ReadCounters()
         self._free: queue.Queue = queue.Queue()
         self.pinned = True
         for _ in range(max(1, count)):
@@ -220,49 +324,75 @@ class BounceReader:
             self.pinned &= pinned
             self._free.put((buf, None))
         self._jobs: queue.Queue = queue.Queue()
-        self.bytes_read = 0
-        self.reads = 0
-        self._thread = threading.Thread(target=self._run, name="offload-read-ahead", daemon=True)
-        self._thread.start()
-        _live_readers.add(self)
+        thread = threading.Thread(target=_read_ahead, args=(self._jobs, self._free, backend, self.counters),
+                                  name="offload-read-ahead", daemon=True)
+        thread.start()
+        self._stop = weakref.finalize(self, _stop_read_ahead, self._jobs, thread)  # also runs at exit
 
     def submit(self, fill: Callable[[torch.Tensor], int], nbytes: int, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        if not self._stop.alive:
+            raise RuntimeError("the read-ahead thread was stopped (the model was detached)")
         job = DeferredCopy()
         self._jobs.put((fill, nbytes, dst, after, job))
         return job
-
-    def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                self._jobs.task_done()
-                return
-            fill, nbytes, dst, after, job = item
-            try:
-                buf, last = self._free.get()
-                if last is not None:
-                    self.backend.event_synchronize(last)  # its previous copy must have left the bounce
-                self.bytes_read += fill(buf)
-                self.reads += 1
-                event = self.backend.copy_h2d(dst[:nbytes], buf[:nbytes], after)
-                self._free.put((buf, event))
-                job.event = event
-            except BaseException as exc:  # surfaced to the forward that waits for this unit
-                job.error = exc
-            finally:
-                job._done.set()
-                del item, fill, dst, after, job  # the idle thread must not keep the last buffers alive
-                self._jobs.task_done()
 
     def drain(self) -> None:
         """Wait until every submitted read has been done and its copy queued."""
         self._jobs.join()
 
     def close(self) -> None:
-        """Finish queued reads and stop the thread (nothing may read a mapping after it is closed)."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
+        """Finish queued reads and stop the thread (nothing may read a file after it is closed)."""
+        self._stop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# unit sources
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class UnitSource(Protocol):
+    """Where one unit's bytes come from; `issue` queues their copy into a device buffer after event `after`."""
+
+    tier: str  # pinned | pageable | disk
+    nbytes: int
+    reads: int  # times the bytes were read into a bounce buffer (disk, bounced pageable RAM)
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any: ...
+
+
+class HostSource:
+    """A host buffer copied straight to the device (pinned; or pageable where the device has no pinned memory)."""
+
+    reads = 0
+
+    def __init__(self, host: torch.Tensor, pinned: bool, backend: Any) -> None:
+        self.host = host
+        self.nbytes = host.numel()
+        self.tier = "pinned" if pinned else "pageable"
+        self.backend = backend
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        return self.backend.copy_h2d(dst[:self.nbytes], self.host, after)
+
+
+class BouncedSource:
+    """Pageable RAM on a device with pinned memory: bounced through a pinned buffer so the copy stays async."""
+
+    tier = "pageable"
+
+    def __init__(self, host: torch.Tensor, reader: BounceReader) -> None:
+        self.host = host
+        self.nbytes = host.numel()
+        self.reader = reader
+        self.reads = 0
+
+    def _fill(self, buf: torch.Tensor) -> int:
+        self.reads += 1
+        buf[:self.nbytes].copy_(self.host)
+        return 0
+
+    def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        return self.reader.submit(self._fill, self.nbytes, dst, after)
 
 
 class DiskSource:
@@ -270,39 +400,17 @@ class DiskSource:
 
     tier = "disk"
 
-    def __init__(self, file: SafetensorsFile, layout: TensorLayout, keys: list[str], reader: BounceReader) -> None:
+    def __init__(self, file: SafetensorsFile, keys: list[str], leaves: list[Leaf], nbytes: int,
+                 reader: BounceReader) -> None:
         self.file = file
-        self.layout = layout
         self.reader = reader
-        self.pieces = [(k, leaf.offset) for k, leaf in zip(keys, layout.leaves)]
-        self.keys = keys
+        self.nbytes = nbytes
+        self.pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
         self.reads = 0
 
     def _fill(self, buf: torch.Tensor) -> int:
         self.reads += 1
         return self.file.read_into(buf, self.pieces)
 
-    def issue(self, backend: Any, dst: torch.Tensor, after: Any) -> DeferredCopy:
-        return self.reader.submit(self._fill, self.layout.nbytes, dst, after)
-
-
-class PageableSource:
-    """A pageable-RAM unit on a device with pinned memory: bounced through a pinned buffer to stay async."""
-
-    tier = "pageable"
-
-    def __init__(self, host: torch.Tensor, reader: BounceReader) -> None:
-        self.host = host
-        self.reader = reader
-
-    def _fill(self, buf: torch.Tensor) -> int:
-        buf[:self.host.numel()].copy_(self.host)
-        return 0
-
-    def issue(self, backend: Any, dst: torch.Tensor, after: Any) -> DeferredCopy:
-        return self.reader.submit(self._fill, self.host.numel(), dst, after)
-
-
-def resolve(copy: Any) -> Any:
-    """The device event behind a copy, waiting for the read-ahead thread when it is deferred."""
-    return copy.resolve() if isinstance(copy, DeferredCopy) else copy
+    def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        return self.reader.submit(self._fill, self.nbytes, dst, after)

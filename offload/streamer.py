@@ -4,27 +4,44 @@ Before a streamed unit runs, the compute stream waits (GPU-side) for its copy an
 to views of the slot; after it runs, they are swapped back to the host master and the slot is handed to the
 prefetch worker for the next streamed unit. Resident units live in their own device buffer. Nothing is ever
 copied device-to-host: the host buffer is the truth and a slot is just reused.
+
+Ownership runs one way: the model keeps its engine alive (through the handle stored on it), and the hooks and
+the streamer refer back to the model and to the pass listener only weakly, so dropping a model frees its host
+and device memory at once, with or without the cycle collector.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.nn as nn
 
 from .backends.base import Backend
-from .blocks import Unit
-from .metrics import MetricsCollector
+from .layout import Binding
+from .metrics import BlockReport, MetricsCollector
 from .prefetch import PrefetchWorker
-from .staging import Binding, StagingBuffer, plan_layout, unit_tensors
-from .storage import BounceReader, DiskSource, PageableSource, SafetensorsFile, resolve
+from .staging import StagedModel, StagedUnit, StagingBuffer, make_ram_source
+from .storage import HostSource, resolve
 
 log = logging.getLogger(__name__)
+
+
+class DeviceMemoryError(ValueError):
+    """Even the smallest plan (one slot) does not fit: names the unit and its size."""
+
+
+class PassListener(Protocol):
+    """Told when a pass over the model starts and ends (the safe points for the budget and planner)."""
+
+    def before_pass(self) -> None: ...
+
+    def after_pass(self) -> None: ...
 
 
 _UNCHANGED = object()
@@ -51,6 +68,12 @@ def _unalias_walk(obj: Any, storage_ptr: int) -> Any:
                 new[k] = v
         return new
     return _UNCHANGED
+
+
+def _unalias(output: Any, storage_ptr: int) -> Any:
+    """An output that views the slot (a unit returning its own weight) is cloned: the slot is about to be reused."""
+    result = _unalias_walk(output, storage_ptr)
+    return None if result is _UNCHANGED else result
 
 
 class _StreamedBackwardGuard(torch.autograd.Function):
@@ -84,194 +107,116 @@ def _guard_backward(obj: Any, name: str) -> Any:
     return obj
 
 
-def _unalias(output: Any, storage_ptr: int) -> Any:
-    """An output that views the slot (a unit returning its own weight) is cloned: the slot is about to be reused."""
-    result = _unalias_walk(output, storage_ptr)
-    return None if result is _UNCHANGED else result
+class _WeakHook:
+    """A forward (pre-)hook that calls a streamer method through a weak reference (no model -> engine -> model cycle)."""
+
+    __slots__ = ("_ref", "_fn", "_index")
+
+    def __init__(self, streamer: "ModelStreamer", fn: Any, index: int | None = None) -> None:
+        self._ref = weakref.ref(streamer)
+        self._fn = fn
+        self._index = index
+
+    def __call__(self, *args: Any) -> Any:
+        s = self._ref()
+        if s is None:
+            return None
+        return self._fn(s, *args) if self._index is None else self._fn(s, self._index, *args)
 
 
-class DeviceMemoryError(ValueError):
-    """Even the smallest plan (one slot) does not fit: names the unit and its size."""
+@dataclass
+class ActiveUnit:
+    """The streamed unit computing now, in its slot."""
+
+    index: int
+    slot: int
+    copy: Any  # event its copy completed on
+    ready: Any  # compute stream reached the unit (before waiting for the copy)
+    start: Any  # compute started (after the wait)
+    holds_lock: bool = False  # entered outside a root pass: the unit holds the pass lock until it finishes
 
 
 @dataclass
 class UnitState:
-    """One unit's host master, its current tier and its device-side bindings."""
+    """One unit's device side: its resident copy or slot bindings, and what changed since it was placed."""
 
-    index: int
-    name: str
-    module: nn.Module
-    staging: StagingBuffer
-    nbytes: int
+    staged: StagedUnit
     resident_buf: torch.Tensor | None = None
     slot_bindings: dict[int, Binding] = field(default_factory=dict)
-    source: Any = None  # where the prefetch copy reads from (host buffer, or a disk reader)
     mark: int = 0  # version of the tensors bound between forwards, when last seen
     device_newer: bool = False  # a resident copy was written in place: the host master must catch up
 
     @property
-    def host_tier(self) -> str:
-        if getattr(self.source, "tier", None) == "disk":
-            return "disk"
-        return "pinned" if self.staging.pinned else "pageable"
+    def index(self) -> int:
+        return self.staged.index
+
+    @property
+    def nbytes(self) -> int:
+        return self.staged.nbytes
+
+    @property
+    def master(self) -> StagingBuffer:
+        return self.staged.master
 
     @property
     def tier(self) -> str:
-        return "vram" if self.resident_buf is not None else self.host_tier
+        return "vram" if self.resident_buf is not None else self.staged.source.tier
 
 
 class ModelStreamer:
-    """Stages a model's units on the host, installs the hooks and runs the slot ring."""
+    """Installs the hooks on a staged model and runs its slot ring and device memory."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], backend: Backend, pin_memory: bool,
-                 profile: bool = False, on_forward_start: Callable[[], None] | None = None,
-                 progress: Callable[[int, int], None] | None = None, prefetch: int = 2,
-                 file: SafetensorsFile | None = None,
-                 host_plan: Callable[[list[int]], dict[int, str]] | None = None) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, staged: StagedModel, backend: Backend, listener: PassListener,
+                 pin_memory: bool, profile: bool = False) -> None:
+        self._model = weakref.ref(model)
+        self.staged = staged
         self.backend = backend
-        self.on_forward_start = on_forward_start
-        self.on_forward_end: Callable[[], None] | None = None
-        self.on_forward_begin: Callable[[], None] | None = None
-        self._implicit_last: int | None = None
-        self._lock = threading.RLock()
-        self.units: list[UnitState] = []
-        self._hooks: list[Any] = []
-        self.active: tuple[int, int, Any, Any, Any] | None = None  # (unit, slot, copy, ready, start)
-        self._resident_start: dict[int, Any] = {}
+        self._listener = weakref.ref(listener)
+        self.pin_memory = pin_memory
+        self.units = [UnitState(s, mark=s.layout.version()) for s in staged.units]
+        self.sources = [s.source for s in staged.units]  # shared with the worker: a promoted unit's source swaps here
+        self.rest_source = HostSource(staged.rest.host, False, backend)
+        self.rest_buf: torch.Tensor | None = None
+        self.rest_mark = staged.rest.layout.version()
+        self.rest_device_newer = False
+        self.worker = PrefetchWorker()
+        self.metrics = MetricsCollector(backend, len(self.units), profile)
         self.slots: list[torch.Tensor] = []
         self._slot_ptrs: list[int] = []
         self.slot_bytes = 0
-        self.depth = 0
-        self._seen: list[int] = []
-        self.order_learned = False
-        self.loaded = False
-        self.worker = PrefetchWorker(self._issue)
-        self.metrics = MetricsCollector(backend, len(units), profile)
-        self.peak_device_bytes = 0
         self.resident_set: set[int] = set()
         self._n_slots = 0  # slots the current plan asks for
+        self.loaded = False
+        self.order_learned = False
+        self.peak_device_bytes = 0
+        self.active: ActiveUnit | None = None
+        self._resident_start: dict[int, tuple[Any, bool]] = {}
+        self._seen: list[int] = []
+        self._lock = threading.RLock()  # one pass at a time; device memory changes hands only under it
+        self._root_calls = 0  # root-module forwards in progress on the owning thread (nested calls count)
+        self._pass_owner: int | None = None
+        self._last_unit_outside_root: int | None = None
+        self._hooks: list[Any] = []
+        self._install_hooks(model)
 
-        self.file = file
-        self.reader: BounceReader | None = None
-        paths: dict[int, str] = {}
-        for path, mod in model.named_modules(remove_duplicate=False):
-            paths.setdefault(id(mod), path)
-
-        def key_of(sub: nn.Module, name: str) -> str:
-            return f"{paths[id(sub)]}.{name}" if paths.get(id(sub)) else name
-
-        # 1. plan every layout and check the file before touching the model (nothing half-attached on error)
-        shared = self._shared_tensor_ids(model, units)
-        planned = []
-        in_units: set[tuple[int, str, str]] = set()
-        for unit in units:
-            tensors = [t for t in unit_tensors(unit.module) if id(t[3]) not in shared]
-            in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
-            planned.append(plan_layout(tensors) + (tensors,))
-        rest = [(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
-                if (id(sub), name, kind) not in in_units]
-        rest_layout, rest_sources = plan_layout(rest)
-        sizes = [layout.nbytes for layout, _, _ in planned]
-        tiers = host_plan(sizes) if host_plan is not None else {}
-        keys: dict[int, list[str]] = {}
-        for i, (layout, sources, _) in enumerate(planned):
-            plain = all(isinstance(e.recipe, int) for e in layout.entries) and \
-                all(leaf.stride is None for leaf in layout.leaves)  # the file stores tensors contiguous
-            needs_file = tiers.get(i) == "disk" or any(src.is_meta for src in sources)
-            if tiers.get(i) == "disk" and not (plain and file is not None):
-                tiers[i] = "pageable"
-            if needs_file and file is not None and plain:
-                keys[i] = file.match([key_of(*e.locations[0][:2]) for e in layout.entries], sources)
-                if tiers.get(i) == "disk" and not all(file.aligned(k) for k in keys[i]):
-                    tiers[i] = "pageable"  # a misaligned tensor cannot be viewed in place: keep it in RAM
-        rest_keys = None
-        if file is not None and any(src.is_meta for src in rest_sources):
-            rest_keys = file.match([key_of(*e.locations[0][:2]) for e in rest_layout.entries], rest_sources)
-
-        # 2. stage: one host buffer per RAM unit, file views for disk units
-        total = len(units) + 1
-        disk = [i for i in range(len(units)) if tiers.get(i) == "disk"]
-        if disk:
-            self.reader = BounceReader(backend, max(sizes[i] for i in disk), prefetch + 2)
-        for i, (unit, (layout, sources, _)) in enumerate(zip(units, planned)):
-            tier = tiers.get(i)
-            if tier == "disk":
-                views = [file.view(k) for k in keys[i]]
-                staging = StagingBuffer.from_file(layout, views)
-                source: Any = DiskSource(file, layout, keys[i], self.reader)
-            else:
-                fill = (lambda j, k=keys.get(i): file.view(k[j])) if i in keys else None
-                staging = StagingBuffer.create(layout, sources, backend.alloc_host,
-                                               pin_memory and tier != "pageable", fill,
-                                               # the simulated device needs no pinning: say it quietly there
-                                               logging.WARNING if backend.supports_pinned_host else logging.INFO)
-                source = staging.host
-            self.units.append(UnitState(i, unit.name, unit.module, staging, staging.layout.nbytes, source=source))
-            if progress:
-                progress(i + 1, total)
-        # Pageable units (planned so, or pinning refused) on a device with pinned memory go through a pinned
-        # bounce buffer on the read-ahead thread: a copy straight from pageable memory would block the forward.
-        pageable = [u for u in self.units if isinstance(u.source, torch.Tensor) and not u.staging.pinned]
-        if pageable and backend.supports_pinned_host:
-            if self.reader is None:
-                self.reader = BounceReader(backend, max(u.nbytes for u in pageable), prefetch + 2)
-            elif max(u.nbytes for u in pageable) > self.reader.bounce_bytes:
-                self.reader.close()
-                self.reader = BounceReader(backend, max(sizes), prefetch + 2)
-                for u in self.units:
-                    if isinstance(u.source, DiskSource):
-                        u.source.reader = self.reader
-            for u in pageable:
-                u.source = PageableSource(u.staging.host, self.reader)
-        # Non-block tensors: always resident; the host copy stays as the master for detach.
-        fill = (lambda j: file.view(rest_keys[j])) if rest_keys else None
-        self.rest = StagingBuffer.create(rest_layout, rest_sources, backend.alloc_host, False, fill)
-        self.rest_buf: torch.Tensor | None = None
-        self.rest_bytes = self.rest.layout.nbytes if rest else 0
-        self.rest_mark = self.rest.layout.version()
-        self.rest_device_newer = False
-        for u in self.units:
-            u.mark = u.staging.layout.version()
-        if progress:
-            progress(total, total)
-        self._install_hooks()
-
-    @staticmethod
-    def _shared_tensor_ids(model: nn.Module, units: list[Unit]) -> set[int]:
-        """Tensors used by more than one unit, or by a unit and the rest: kept resident with the rest."""
-        owner: dict[int, int] = {}
-        shared: set[int] = set()
-        for i, unit in enumerate(units):
-            for _, _, _, t in unit_tensors(unit.module):
-                if owner.setdefault(id(t), i) != i:
-                    shared.add(id(t))
-        unit_mods = {id(m) for u in units for m in u.module.modules()}
-        for sub in model.modules():
-            if id(sub) in unit_mods:
-                continue
-            for t in list(sub._parameters.values()) + list(sub._buffers.values()):
-                if t is not None and id(t) in owner:
-                    shared.add(id(t))
-        if shared:
-            log.info("%d tensor(s) are shared between units or with the rest of the model; kept resident",
-                     len(shared))
-        return shared
+    @property
+    def rest_bytes(self) -> int:
+        return self.staged.rest_bytes
 
     # hooks ----------------------------------------------------------------------
-    def _install_hooks(self) -> None:
-        self._hooks.append(self.model.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._hooks.append(self.model.register_forward_hook(self._root_post, always_call=True))
+    def _install_hooks(self, model: nn.Module) -> None:
+        cls = type(self)
+        self._hooks.append(model.register_forward_pre_hook(_WeakHook(self, cls._root_pre), prepend=True))
+        self._hooks.append(model.register_forward_hook(_WeakHook(self, cls._root_post), always_call=True))
         for u in self.units:
+            module = u.staged.module
             # prepend: hooks the user registered earlier must already see the unit's device weights
-            self._hooks.append(u.module.register_forward_pre_hook(functools.partial(self._pre, u.index),
-                                                                   prepend=True))
-            self._hooks.append(u.module.register_forward_hook(functools.partial(self._post, u.index),
-                                                              always_call=True))
+            self._hooks.append(module.register_forward_pre_hook(_WeakHook(self, cls._pre, u.index), prepend=True))
+            self._hooks.append(module.register_forward_hook(_WeakHook(self, cls._post, u.index), always_call=True))
             # Some models never call the block container itself (ComfyUI's UNet iterates a
             # TimestepEmbedSequential and calls its layers): the first child to run brings the unit in.
-            for child in u.module.children():
-                self._hooks.append(child.register_forward_pre_hook(functools.partial(self._child_pre, u.index),
+            for child in module.children():
+                self._hooks.append(child.register_forward_pre_hook(_WeakHook(self, cls._child_pre, u.index),
                                                                    prepend=True))
 
     def remove_hooks(self) -> None:
@@ -279,23 +224,54 @@ class ModelStreamer:
             h.remove()
         self._hooks.clear()
 
+    def is_busy(self) -> bool:
+        """A pass (or a unit outside one) is running."""
+        return self._root_calls > 0 or self.active is not None
+
+    @contextlib.contextmanager
+    def exclusive(self, blocking: bool = True) -> Iterator[bool]:
+        """Hold the pass lock (no forward runs meanwhile); yields False when not blocking and a pass is running."""
+        got = self._lock.acquire(blocking)
+        try:
+            yield got and not (self._root_calls > 0 and self._pass_owner != threading.get_ident())
+        finally:
+            if got:
+                self._lock.release()
+
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        self.depth += 1
-        if self.depth > 1:
-            return
-        self._implicit_last = None
-        self._begin_pass()
+        self._lock.acquire()  # another thread's pass over this model finishes first
+        self._pass_owner = threading.get_ident()
+        self._root_calls += 1
+        if self._root_calls == 1:
+            self._last_unit_outside_root = None
+            self._begin_pass()  # if this raises, _root_post (always called) ends the pass and releases
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._root_calls == 0 or self._pass_owner != threading.get_ident():
+            return  # an earlier pre-hook raised before ours ran: this pass never started
+        try:
+            self._root_calls -= 1
+            if self._root_calls == 0:
+                if self.active is not None:  # a unit raised: give its slot back
+                    self._finish_active()
+                listener = self._listener()
+                if listener is not None:
+                    listener.after_pass()
+        finally:
+            if self._root_calls == 0:
+                self._pass_owner = None
+            self._lock.release()
 
     def _begin_pass(self) -> None:
-        """A safe point before a forward: rebalance, notice in-place writes, learn the order, start prefetching."""
+        """A safe point before a forward: check sources and writes, rebalance, learn the order, start prefetching."""
         if self.active is not None:
             self._finish_active()
-        if self.on_forward_begin is not None:
-            self.on_forward_begin()
+        self.staged.check_sources()
         self.metrics.harvest()
         self._check_writes()
-        if self.on_forward_start is not None:
-            self.on_forward_start()
+        listener = self._listener()
+        if listener is not None:
+            listener.before_pass()
         self.ensure_loaded()
         if self._seen and not self.order_learned:
             self.order_learned = True
@@ -304,84 +280,109 @@ class ModelStreamer:
         self.metrics.forward_started()
         self.worker.fill()
 
-    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.depth = max(0, self.depth - 1)
-        if self.depth == 0:
-            if self.active is not None:  # a unit raised: give its slot back
-                self._finish_active()
-            if self.on_forward_end is not None:
-                self.on_forward_end()
+    def _enter_outside_root(self, index: int) -> None:
+        """A unit called without the root module (a text encoder entered through another method): a unit at or
+        before the last one seen starts a new pass, which gets the same safe point as a root forward."""
+        if self._last_unit_outside_root is None or index <= self._last_unit_outside_root:
+            self._begin_pass()
+        self._last_unit_outside_root = index
 
     def _pre(self, index: int, module: nn.Module, args: Any) -> None:
-        if self.depth == 0:
-            # Units called without the root module (a text encoder entered through another method): a unit at
-            # or before the last one seen starts a new pass, which gets the same safe point as a root forward.
-            if self._implicit_last is None or index <= self._implicit_last:
-                self._begin_pass()
-            self._implicit_last = index
-        if self.active is not None:
-            self._finish_active()
-        if not self.loaded:
-            self.ensure_loaded()
-        u = self.units[index]
-        if u.resident_buf is not None:
-            self._resident_start[index] = self.backend.record()
-            return
-        self._seen.append(index)
-        slot, copy = self.worker.take(index)
-        ready = self.backend.record()
-        copy = resolve(copy)
-        self.backend.wait(copy)
-        start = self.backend.record()
-        self._binding(u, slot).apply()
-        self.active = (index, slot, copy, ready, start)
+        outside = self._root_calls == 0 or self._pass_owner != threading.get_ident()
+        if outside:
+            self._lock.acquire()
+        try:
+            if outside:
+                self._enter_outside_root(index)
+            if self.active is not None:
+                self._finish_active()
+            if not self.loaded:
+                self.ensure_loaded()
+            u = self.units[index]
+            if u.resident_buf is not None:
+                self._resident_start[index] = (self.backend.record(), outside)
+                return
+            self._seen.append(index)
+            slot, copy_event = self.worker.take(index)
+            try:
+                ready = self.backend.record()
+                copy_event = resolve(copy_event)
+                self.backend.wait(copy_event)
+            except BaseException:
+                self.worker.give_back(slot)  # the failed copy's slot is free again, never lost to the ring
+                raise
+            start = self.backend.record()
+            self._binding(u, slot).apply()
+            self.active = ActiveUnit(index, slot, copy_event, ready, start, outside)
+        except BaseException:
+            if outside:
+                self._lock.release()
+            raise
 
     def _child_pre(self, index: int, module: nn.Module, args: Any) -> None:
         active = self.active
-        if (active is not None and active[0] == index) or self.units[index].resident_buf is not None:
+        if (active is not None and active.index == index) or self.units[index].resident_buf is not None:
             return
         self._pre(index, module, args)  # stays in until the next unit comes in or the forward ends
 
     def _post(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
         u = self.units[index]
         if u.resident_buf is not None:
-            start = self._resident_start.pop(index, None)
-            if start is not None:
-                self.metrics.add(index, None, None, start, self.backend.record(), 0)
+            started = self._resident_start.pop(index, None)
+            if started is not None:
+                self.metrics.add(index, None, None, started[0], self.backend.record(), 0)
+                if started[1]:
+                    self._lock.release()
             return None
-        if self.active is not None and self.active[0] == index:
-            replaced = _unalias(output, self._slot_ptrs[self.active[1]])
+        active = self.active
+        if active is not None and active.index == index:
+            replaced = _unalias(output, self._slot_ptrs[active.slot])
             self._finish_active()
             if torch.is_grad_enabled():
-                replaced = _guard_backward(output if replaced is None else replaced, u.name)
+                replaced = _guard_backward(output if replaced is None else replaced, u.staged.name)
             return replaced
         return None
 
     def _finish_active(self) -> None:
-        index, slot, copy, ready, start = self.active
-        self.active = None
-        u = self.units[index]
-        u.staging.host_binding.apply()
-        free = self.backend.record()
-        self.metrics.add(index, copy, ready, start, free, u.nbytes)
-        self.worker.release(slot, free)
+        active, self.active = self.active, None
+        u = self.units[active.index]
+        try:
+            u.master.host_binding.apply()
+            free = self.backend.record()
+            self.metrics.add(active.index, active.copy, active.ready, active.start, free, u.nbytes)
+            self.worker.release(active.slot, free)
+        finally:
+            if active.holds_lock:
+                self._lock.release()
 
+    def _binding(self, u: UnitState, slot: int) -> Binding:
+        binding = u.slot_bindings.get(slot)
+        if binding is None:
+            with torch.inference_mode(False):  # views made under inference_mode could not serve autograd later
+                binding = u.staged.layout.build(self.slots[slot])
+            u.slot_bindings[slot] = binding
+        return binding
+
+    # writes between forwards ------------------------------------------------------
     def _check_writes(self) -> None:
         """Notice weights written in place between forwards (load_state_dict, a merged patch).
 
         A streamed unit's host master changed: copies already queued for it are stale, so the lookahead is
-        restarted. A resident unit's device copy changed: the host master catches up when it is evicted.
+        restarted. A disk-tier unit written in place leaves the disk tier (its bytes now differ from the file).
+        A resident unit's device copy changed: the host master catches up when it is evicted.
         """
         stale = False
         for u in self.units:
-            v = u.staging.layout.version()
+            v = u.staged.layout.version()
             if v != u.mark:
                 u.mark = v
                 if u.resident_buf is not None:
                     u.device_newer = True
                 else:
+                    if u.master.host is None:
+                        self._promote_to_ram(u)
                     stale = True
-        v = self.rest.layout.version()
+        v = self.staged.rest.layout.version()
         if v != self.rest_mark:
             self.rest_mark = v
             self.rest_device_newer = self.rest_buf is not None
@@ -393,54 +394,52 @@ class ModelStreamer:
         """Weights were written in a way version counters miss (through `.data`): treat everything as changed."""
         with self._lock:
             for u in self.units:
-                u.mark = u.staging.layout.version()
-                u.device_newer = u.resident_buf is not None
+                u.mark = u.staged.layout.version()
+                if u.resident_buf is not None:
+                    u.device_newer = True
+                elif u.master.host is None and self._differs_from_file(u):
+                    self._promote_to_ram(u)
             self.rest_device_newer = self.rest_buf is not None
-            self.rest_mark = self.rest.layout.version()
+            self.rest_mark = self.staged.rest.layout.version()
             if self.active is None:
                 self.worker.restart()
 
-    def _evict(self, u: UnitState) -> None:
-        """Drop a resident unit's device copy (catching the host master up first if it was written)."""
-        if u.device_newer:
-            self._copy_back(u.staging, u.resident_buf, u.name)
-            u.device_newer = False
-        u.staging.host_binding.apply()
-        self.backend.release(u.resident_buf)
-        u.resident_buf = None
-        u.mark = u.staging.layout.version()
+    def _differs_from_file(self, u: UnitState) -> bool:
+        """Whether a disk-tier unit's views hold other bytes than its file (a write through `.data`)."""
+        master = u.master
+        master.file.check_unchanged()  # reading the map of a truncated file would be fatal
+        for entry, key in zip(master.layout.entries, master.keys):  # disk layouts are plain: one leaf per entry
+            t = entry.current()
+            if t is None or not torch.equal(t.detach().reshape(-1).view(torch.uint8),
+                                            master.file.read_tensor(key).reshape(-1).view(torch.uint8)):
+                return True
+        return False
 
-    def _copy_back(self, staging: StagingBuffer, device_buf: torch.Tensor, name: str) -> None:
-        # The only device-to-host copy in the engine, and only for bytes the user wrote on the device.
-        if staging.host is None:
-            log.warning("%s was changed in place on the device but its master is a read-only file; the change "
-                        "is dropped when it leaves the device", name)
-            return
-        self.backend.synchronize()
-        staging.host.copy_(device_buf)
+    def _promote_to_ram(self, u: UnitState, device_copy: torch.Tensor | None = None) -> None:
+        """A disk-tier unit whose bytes were written in place gets a RAM master (from the written views, or from
+        its device copy) and streams from RAM from now on: pread would return the file's, not the written, bytes."""
+        old = u.master
+        layout = old.layout
+        host, pinned = self.backend.alloc_host(layout.nbytes, self.pin_memory)
+        with torch.no_grad():
+            if device_copy is not None:
+                self.backend.synchronize()
+                host.copy_(device_copy)
+            else:
+                old.file.check_unchanged()
+                for view, entry in zip(layout.leaf_views(host), layout.entries):
+                    view.copy_(entry.current().detach())
+        binding = layout.build(host, master=True)
+        master = StagingBuffer(layout, host, pinned, binding)
+        if u.resident_buf is None:
+            binding.apply()
+        u.staged.master = master
+        u.staged.source = self.sources[u.index] = make_ram_source(master, self.backend, self.staged.reader)
+        u.mark = layout.version()
+        log.info("%s was written in place; it streams from RAM from now on instead of %s", u.staged.name,
+                 old.file.path if old.file is not None else "its file")
 
-    def _quiesce(self) -> None:
-        """Wait for every queued read and copy: nothing in flight may touch memory about to change hands."""
-        if self.reader is not None:
-            self.reader.drain()
-        self.backend.synchronize()
-
-    def _binding(self, u: UnitState, slot: int) -> Binding:
-        binding = u.slot_bindings.get(slot)
-        if binding is None:
-            with torch.inference_mode(False):  # views made under inference_mode could not serve autograd later
-                binding = u.staging.layout.build(self.slots[slot])
-            u.slot_bindings[slot] = binding
-        return binding
-
-    def _issue(self, unit: int, slot: int, after: Any) -> Any:
-        u = self.units[unit]
-        src = u.source
-        if hasattr(src, "issue"):
-            return src.issue(self.backend, self.slots[slot], after)
-        return self.backend.copy_h2d(self.slots[slot][:u.nbytes], src, after)
-
-    # plan ----------------------------------------------------------------------
+    # device memory -------------------------------------------------------------------
     def streamed(self) -> list[int]:
         return [u.index for u in self.units if u.index not in self.resident_set]
 
@@ -449,11 +448,6 @@ class ModelStreamer:
         return ((self.rest_bytes if self.rest_buf is not None else 0)
                 + sum(u.nbytes for u in self.units if u.resident_buf is not None)
                 + len(self.slots) * self.slot_bytes)
-
-    def planned_bytes(self, resident: set[int], n_slots: int) -> int:
-        streamed = [u.nbytes for u in self.units if u.index not in resident]
-        slot = max(streamed) if streamed else 0
-        return self.rest_bytes + sum(self.units[i].nbytes for i in resident) + n_slots * slot
 
     def set_plan(self, resident: set[int], n_slots: int) -> None:
         """Adopt a resident set and slot count (at a safe point); takes effect now if loaded, else on load."""
@@ -478,6 +472,12 @@ class ModelStreamer:
         with torch.inference_mode(False), torch.no_grad():
             self._apply_plan()
 
+    def _quiesce(self) -> None:
+        """Wait for every queued read and copy: nothing in flight may touch memory about to change hands."""
+        if self.staged.reader is not None:
+            self.staged.reader.drain()
+        self.backend.synchronize()
+
     def _apply_plan(self) -> None:
         if self.active is not None:
             self._finish_active()
@@ -493,13 +493,13 @@ class ModelStreamer:
             self._free_slots()
         try:
             if self.rest_buf is None and self.rest_bytes:
-                self.rest_buf = self._to_device(self.rest)
-                self.rest_mark = self.rest.layout.version()
+                self.rest_buf = self._to_device(self.rest_source, self.staged.rest)
+                self.rest_mark = self.staged.rest.layout.version()
             for i in sorted(self.resident_set):
                 u = self.units[i]
                 if u.resident_buf is None:
-                    u.resident_buf = self._to_device(u.staging, u)
-                    u.mark = u.staging.layout.version()
+                    u.resident_buf = self._to_device(self.sources[i], u.master)
+                    u.mark = u.staged.layout.version()
             if not self.slots and n_slots:
                 self.slot_bytes = slot_bytes
                 for _ in range(n_slots):
@@ -508,23 +508,39 @@ class ModelStreamer:
         except torch.OutOfMemoryError:
             self._free_slots()
             raise
-        self.worker.configure(streamed, len(self.slots))
+        self.worker.configure(streamed, self.slots, self.sources)
         self.order_learned = False  # the streamed set may have changed: learn the call order again
         self._seen = []
         self.loaded = True
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
 
-    def _to_device(self, staging: StagingBuffer, unit: UnitState | None = None) -> torch.Tensor:
-        nbytes = staging.layout.nbytes
-        buf = self.backend.alloc(nbytes)
-        src = unit.source if unit is not None else staging.host
-        if hasattr(src, "issue"):
-            event = resolve(src.issue(self.backend, buf, None))
-        else:
-            event = self.backend.copy_h2d(buf, src, None)
-        self.backend.wait(event)
-        staging.layout.build(buf).apply()
+    def _to_device(self, source: Any, master: StagingBuffer) -> torch.Tensor:
+        buf = self.backend.alloc(master.layout.nbytes)
+        try:
+            self.backend.wait(resolve(source.issue(buf, None)))
+        except BaseException:
+            self.backend.release(buf)
+            raise
+        master.layout.build(buf).apply()
         return buf
+
+    def _evict(self, u: UnitState) -> None:
+        """Drop a resident unit's device copy (catching the host master up first if it was written)."""
+        if u.device_newer:
+            self._copy_back(u)
+            u.device_newer = False
+        u.master.host_binding.apply()
+        self.backend.release(u.resident_buf)
+        u.resident_buf = None
+        u.mark = u.staged.layout.version()
+
+    def _copy_back(self, u: UnitState) -> None:
+        # The only device-to-host copy in the engine, and only for bytes the user wrote on the device.
+        if u.master.host is None:
+            self._promote_to_ram(u, device_copy=u.resident_buf)
+            return
+        self.backend.synchronize()
+        u.master.host.copy_(u.resident_buf)
 
     def _free_slots(self) -> None:
         for u in self.units:
@@ -534,7 +550,7 @@ class ModelStreamer:
         self.slots = []
         self._slot_ptrs = []
         self.slot_bytes = 0
-        self.worker.configure([], 0)
+        self.worker.configure([], [], self.sources)
 
     def unload(self, nbytes: int | None = None) -> int:
         """Free at least `nbytes` device bytes (None: everything); the next forward re-acquires what it may."""
@@ -553,27 +569,43 @@ class ModelStreamer:
                 self._free_slots()
             if self.device_bytes() > target and self.rest_buf is not None:
                 if self.rest_device_newer:
-                    self._copy_back(self.rest, self.rest_buf, "non-block weights")
+                    self.backend.synchronize()
+                    self.staged.rest.host.copy_(self.rest_buf)
                     self.rest_device_newer = False
-                self.rest.host_binding.apply()
+                self.staged.rest.host_binding.apply()
                 self.backend.release(self.rest_buf)
                 self.rest_buf = None
             self.loaded = False
             self.resident_set = {u.index for u in self.units if u.resident_buf is not None}
             return before - self.device_bytes()
 
+    # reporting -----------------------------------------------------------------------
+    def block_reports(self) -> list[BlockReport]:
+        """Per-unit figures since the last reset (waits for the timing events recorded so far)."""
+        m = self.metrics
+        with m.lock:
+            m._harvest(block=True)
+            return [BlockReport(u.staged.name, u.tier, u.nbytes, m.h2d_ms[u.index], m.compute_ms[u.index],
+                                m.stall_ms[u.index], m.calls[u.index], m.bytes_streamed[u.index],
+                                self.sources[u.index].reads) for u in self.units]
+
+    # detach ----------------------------------------------------------------------------
     def detach(self) -> None:
         """Remove the hooks and give every tensor back as an ordinary host tensor."""
         with self._lock:
+            if any(u.master.host is None for u in self.units):
+                self.staged.check_sources()  # refuse before touching anything: the file no longer has the weights
+            self._check_writes()  # disk units written in place take their written bytes along
             self.remove_hooks()
             self.unload()
             self.metrics.harvest(block=True)
-            for u in self.units:
-                u.staging.restore_ordinary()
+            self.worker.configure([], [], [])
+            for i, u in enumerate(self.units):
+                u.master.restore_ordinary()
+                # drop every reference to the unit's host buffer now, so detaching peaks at one unit, not two models
                 u.slot_bindings.clear()
-            self.rest.restore_ordinary()
+                u.staged.master = u.staged.source = self.sources[i] = None
+            self.staged.rest.restore_ordinary()
             self.units = []
-            if self.reader is not None:
-                self.reader.close()
-                self.reader = None
-            self.worker.configure([], 0)
+            self.sources = []
+            self.staged.close()

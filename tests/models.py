@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from offload.reference_models import DecoderStack, DiTStack, TransformerStack  # noqa: F401 (re-exported)
+from offload.demo.reference_models import DecoderStack, DiTStack, TransformerStack  # noqa: F401 (re-exported)
 
 
 def seeded(fn, *args, seed: int = 0, **kwargs):
@@ -784,3 +784,15 @@ def streaming_budget(case_model: nn.Module, blocks: list[nn.Module], slots: int)
     block_bytes = sum(aligned_bytes(b) for b in blocks)
     rest = aligned_bytes(case_model) - block_bytes
     return max(rest, 0) + slots * max(aligned_bytes(b) for b in blocks) + 4 * ALIGN
+
+
+def resident_modules(handle) -> list[nn.Module]:
+    """The modules of the units the report shows resident in VRAM (what tests assert through the public report)."""
+    model = handle.model
+    return [model.get_submodule(b.name) for b in handle.report().blocks if b.tier == "vram"]
+
+
+def streamed_modules(handle) -> list[nn.Module]:
+    """The modules of the units the report shows streamed (from pinned / pageable RAM or disk)."""
+    model = handle.model
+    return [model.get_submodule(b.name) for b in handle.report().blocks if b.tier != "vram"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from offload import DeviceMemoryError, OffloadConfig, VramBudget, default_budget, offload_module
-from tests.models import LayersModel, aligned_bytes, run, seeded
+from tests.models import LayersModel, aligned_bytes, resident_modules, run, seeded, streamed_modules
 
 DEPTH = 6
 _caps = itertools.count(1)
@@ -105,7 +105,7 @@ class Fleet:
         return y
 
     def resident(self, name):
-        return len(self.handles[name].resident_unit_modules())
+        return len(resident_modules(self.handles[name]))
 
     def close(self):
         for h in self._hooks:
@@ -246,7 +246,7 @@ def test_two_models_priority_decides_residency(fleet_factory):
     assert f.resident("high") == DEPTH
     assert f.resident("low") < f.resident("high")
     assert high.report().resident_bytes > low.report().resident_bytes
-    assert low.streamed_unit_modules(), "the low-priority model must stream"
+    assert streamed_modules(low), "the low-priority model must stream"
     assert low.device_bytes() + high.device_bytes() <= budget.total_bytes
     # the sum of their peaks stays within the budget (no priority change happened here)
     assert low.report().peak_device_bytes + high.report().peak_device_bytes <= budget.total_bytes
@@ -425,15 +425,15 @@ def test_rebalancing_waits_for_a_safe_point(fleet_factory):
         # b is busy: lower it and raise a; b must keep its resident set until its forward ends
         b.set_priority(-5)
         a.prioritize()
-        seen.append(("changed", b.device_bytes(), frozenset(map(id, b.resident_unit_modules()))))
+        seen.append(("changed", b.device_bytes(), frozenset(map(id, resident_modules(b)))))
 
     def watch(m, args):
-        seen.append(("after", b.device_bytes(), frozenset(map(id, b.resident_unit_modules()))))
+        seen.append(("after", b.device_bytes(), frozenset(map(id, resident_modules(b)))))
 
     h1 = f.models["b"].layers[2].register_forward_pre_hook(during)
     hooks = [f.models["b"].layers[i].register_forward_pre_hook(watch) for i in range(3, DEPTH)]
     try:
-        before = (b.device_bytes(), frozenset(map(id, b.resident_unit_modules())))
+        before = (b.device_bytes(), frozenset(map(id, resident_modules(b))))
         f.fwd("b")
     finally:
         h1.remove()
@@ -535,7 +535,7 @@ def test_oom_while_growing_shrinks_and_retries_with_one_log_line(caplog):
                 assert torch.equal(run(b, (_x(),)), rb)
                 assert hb.backend.used_bytes <= cap
         assert hb.backend.peak_bytes <= cap
-        assert hb.streamed_unit_modules(), "b cannot be fully resident beside a"
+        assert streamed_modules(hb), "b cannot be fully resident beside a"
         assert ha.device_bytes() == FULL, "a's allocations (another budget) are not b's to take"
         oom = _oom_records(caplog)
         assert len(oom) == 1, f"expected one log line about the shrink, got {[r.getMessage() for r in oom]}"
@@ -566,7 +566,7 @@ def test_oom_on_first_load_shrinks_and_retries(caplog):
                 assert torch.equal(run(b, (_x(),)), rb)
                 assert hb.backend.used_bytes <= cap
         assert hb.backend.peak_bytes <= cap
-        assert hb.streamed_unit_modules()
+        assert streamed_modules(hb)
         assert 0 < hb.device_bytes() <= cap - FULL
         assert len(_oom_records(caplog)) == 1, [r.getMessage() for r in _oom_records(caplog)]
         assert torch.equal(run(a, (_x(),)), ra)

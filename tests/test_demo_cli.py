@@ -52,11 +52,11 @@ def test_demo_table_in_process(capsys):
 
 
 def test_demo_exit_code_nonzero_when_outputs_differ(monkeypatch, capsys):
-    import offload.demo as demo
+    import offload.demo.measure as measure
     from offload.__main__ import main
 
-    real = demo.bitwise_equal
-    monkeypatch.setattr(demo, "bitwise_equal", lambda a, b: False if a.dim() else real(a, b))
+    real = measure.bitwise_equal
+    monkeypatch.setattr(measure, "bitwise_equal", lambda a, b: False if a.dim() else real(a, b))
     rc = main(["demo", *SMALL, "--presets", "budget"])
     out = capsys.readouterr().out
     assert rc == 1
@@ -67,6 +67,45 @@ def test_demo_rejects_unknown_preset():
     proc = _run(*SMALL, "--presets", "nonsense")
     assert proc.returncode != 0
     assert "nonsense" in proc.stderr and "budget" in proc.stderr  # the valid presets are listed
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--depth", "0"], ["--depth", "at least 2"]),
+    (["--dim", "0"], ["--dim", "at least 8"]),
+    (["--presets", ""], ["no preset to run", "budget"]),
+    (["--presets", " , "], ["no preset to run"]),
+    (["--iters", "x"], ["--iters", "whole number"]),
+    (["--sim-gbps", "-1"], ["--sim-gbps", "> 0"]),
+    (["--budget-frac", "nan"], ["--budget-frac", "> 0"]),
+])
+def test_demo_usage_errors_are_messages_not_tracebacks(args, words):
+    proc = _run(*SMALL, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "OK" not in proc.stdout, "a run that compared nothing must not say OK"
+    for w in words:
+        assert w in proc.stderr, proc.stderr
+
+
+def test_demo_with_nothing_offloaded_fails(monkeypatch, capsys):
+    """Even when run_demo is asked for no preset (bypassing the CLI's check), it refuses instead of 'OK'."""
+    from offload.demo import run_demo
+
+    with pytest.raises(ValueError, match="no preset"):
+        run_demo(device="sim", dim=64, depth=2, tokens=4, iters=1, warmup=0, presets=())
+
+
+def test_demo_ctrl_c_ends_quietly(monkeypatch, capsys):
+    import offload.demo.cli as cli
+    from offload.__main__ import main
+
+    def interrupted(**kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_demo", interrupted)
+    rc = main(["demo", *SMALL])
+    err = capsys.readouterr().err
+    assert rc == 130 and "interrupted" in err and "Traceback" not in err
 
 
 @pytest.mark.cuda

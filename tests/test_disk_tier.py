@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from offload import OffloadConfig, VramBudget, offload_module
-from tests.models import LayersModel, aligned_bytes, raw_bytes, run, seeded
+from tests.models import LayersModel, aligned_bytes, raw_bytes, resident_modules, run, seeded
 
 DEPTH = 6
 _caps = itertools.count(1)
@@ -57,18 +57,10 @@ def _cfg(path, ram_units=2, preset="budget", **kw):
     return OffloadConfig.from_preset(preset, disk_path=str(path), ram_budget_bytes=ram_units * BLK, **kw)
 
 
-def _settle(reader, quiet_s=0.05, limit_s=5.0):
-    """Wait until the read-ahead thread has finished what was queued (its count stops moving)."""
-    import time
-
-    end = time.monotonic() + limit_s
-    last = -1
-    while time.monotonic() < end:
-        now = (reader.reads, reader.bytes_read)
-        if now == last:
-            return
-        last = now
-        time.sleep(quiet_s)
+def _reads(h):
+    """Per-unit bounce reads and the disk bytes read so far (the report waits for queued reads first)."""
+    rep = h.report()
+    return [b.reads for b in rep.blocks], rep.disk_bytes_read
 
 
 def _disk_indices(h):
@@ -105,21 +97,18 @@ def test_disk_tier_end_to_end(tmp_path, offload, prefix, prefetch):
     # two blocks' worth of RAM (one, if the weights outside the blocks count against it too)
     assert DEPTH - 2 <= len(disk) <= DEPTH - 1, f"two blocks fit the RAM budget, the rest stream from disk: {tiers}"
     assert all(tiers[i] in ("pinned", "pageable") for i in range(DEPTH) if i not in disk), tiers
-    srcs = {i: h.streamer.units[i].source for i in disk}
-    reader = h.streamer.reader
     per_forward = sum(raw_bytes(units[i]) for i in disk)
 
     assert torch.equal(run(model, (x,)), ref)  # first forward: the read-ahead learns the order
-    _settle(reader)
-    reads = {i: s.reads for i, s in srcs.items()}
+    all_reads, nbytes = _reads(h)
+    reads = {i: all_reads[i] for i in disk}
     assert all(r >= 1 for r in reads.values()), reads
-    nbytes = reader.bytes_read
     for k in range(1, 4):
         assert torch.equal(run(model, (x,)), ref)
-        _settle(reader)
-        now = {i: s.reads for i, s in srcs.items()}
-        assert now == {i: reads[i] + k for i in srcs}, f"forward {k}: reads {now}, expected one more each"
-        assert reader.bytes_read - nbytes == k * per_forward, "each disk unit's bytes are read once a forward"
+        all_now, now_bytes = _reads(h)
+        now = {i: all_now[i] for i in disk}
+        assert now == {i: reads[i] + k for i in disk}, f"forward {k}: reads {now}, expected one more each"
+        assert now_bytes - nbytes == k * per_forward, "each disk unit's bytes are read once a forward"
     rep = h.report()
     assert [b.tier for b in rep.blocks] == tiers
     assert all(rep.blocks[i].bytes > 0 for i in disk)
@@ -136,12 +125,12 @@ def test_disk_params_view_the_file_mmap_between_forwards(tmp_path, offload):
     h = offload(model, _cfg(path, ram_units=1))
     disk = _disk_indices(h)
     assert disk
-    ram_bufs = [u.staging.host for u in h.streamer.units if u.staging.host is not None]
-    ram_bufs.append(h.streamer.rest.host)
+    ram_params = [p for i in range(DEPTH) if i not in disk for p in model.layers[i].parameters()]
+    ram_params += list(model.inp.parameters()) + list(model.out.parameters())
+    ram_storages = {p.untyped_storage().data_ptr() for p in ram_params}
 
     def in_ram_buffer(t):
-        ptr = t.data_ptr()
-        return any(b is not None and b.data_ptr() <= ptr < b.data_ptr() + b.numel() for b in ram_bufs)
+        return t.untyped_storage().data_ptr() in ram_storages
 
     seen = {}
 
@@ -190,14 +179,11 @@ def test_resident_disk_units_are_read_once(tmp_path, offload):
     h = offload(model, _cfg(path, ram_units=0, preset="auto", prefetch=1))
     for _ in range(3):
         assert torch.equal(run(model, (x,)), ref)
-    assert len(h.resident_unit_modules()) == DEPTH
-    reads = [getattr(u.source, "reads", None) for u in h.streamer.units]
-    nbytes = h.streamer.reader.bytes_read if h.streamer.reader is not None else 0
+    assert len(resident_modules(h)) == DEPTH
+    reads = _reads(h)
     for _ in range(2):
         assert torch.equal(run(model, (x,)), ref)
-    h.backend.synchronize()
-    assert [getattr(u.source, "reads", None) for u in h.streamer.units] == reads
-    assert (h.streamer.reader.bytes_read if h.streamer.reader is not None else 0) == nbytes
+    assert _reads(h) == reads
 
 
 def test_no_disk_when_the_preset_forbids_it(tmp_path, offload):
@@ -387,28 +373,31 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, offload, monkey
     h = offload(model, cfg)
     disk = _disk_indices(h)
     assert disk == list(range(DEPTH)), "a zero RAM budget puts every block on disk"
-    assert h.resident_unit_modules() == []
-    srcs = [h.streamer.units[i].source for i in range(DEPTH)]
-    reader = h.streamer.reader
+    assert resident_modules(h) == []
+    # which thread reads the file, and how many unit reads have finished when: wrap the file's reader
+    from offload.storage import SafetensorsFile
 
-    # which thread reads the file: wrap this handle's file reader (instance attribute, nothing global)
     main = threading.get_ident()
     read_threads = []
-    file = h.file
-    real_read_into = file.read_into
+    finished = [0] * DEPTH  # unit reads the read-ahead thread has completed, by unit (pieces identify the unit)
+    unit_of = {}
+    real_read_into = SafetensorsFile.read_into
 
-    def read_into(*a, **kw):
+    def read_into(file, dst, pieces):
         read_threads.append(threading.get_ident())
-        return real_read_into(*a, **kw)
+        n = real_read_into(file, dst, pieces)
+        unit = unit_of.setdefault(pieces[0][0], len(unit_of))
+        finished[unit] += 1
+        return n
 
-    monkeypatch.setattr(file, "read_into", read_into)
-
-    base_reads = reader.reads
-    base_unit = [s.reads for s in srcs]
+    monkeypatch.setattr(SafetensorsFile, "read_into", read_into)
     assert torch.equal(run(model, (x,)), ref)  # warm-up: the order is learned, the pipeline wraps around
     # the warm-up forward has no slow compute, so let the reads it queued for the next forward finish
-    reader.drain()
-    h.backend.synchronize()
+    _reads(h)
+    names = sorted(unit_of, key=unit_of.get)
+    assert [n.split("layers.")[1].split(".")[0] for n in names] == [str(i) for i in range(DEPTH)], names
+    base_reads = 0
+    base_unit = [0] * DEPTH
 
     # uses counted from before the warm-up (one use of each unit), so reads it did ahead for the next
     # forward count for the units that will use them
@@ -420,11 +409,11 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, offload, monkey
         def hook(mod, args):
             entered[i] += 1
             uses["n"] += 1
-            done = reader.reads - base_reads  # reads the read-ahead thread has finished
+            done = sum(finished) - base_reads  # reads the read-ahead thread has finished
             if done < uses["n"]:
                 late.append(f"unit {i} use {entered[i]}: {done} reads finished, {uses['n']} needed")
-            if srcs[i].reads - base_unit[i] < 1 + entered[i]:
-                late.append(f"unit {i} use {entered[i]}: its own read had not even started")
+            if finished[i] - base_unit[i] < 1 + entered[i]:
+                late.append(f"unit {i} use {entered[i]}: its own read had not finished")
         return hook
 
     def compute(mod, args, out):
@@ -459,17 +448,15 @@ def test_disk_units_partly_resident(tmp_path, offload):
     path = _save(model, tmp_path / "m.safetensors")
     h = offload(model, _cfg(path, ram_units=0, preset="auto", prefetch=1, vram_budget_bytes=rest + 5 * BLK))
     assert torch.equal(run(model, (x,)), ref)
-    resident = {i for i, u in enumerate(h.streamer.units) if model.layers[i] in h.resident_unit_modules()}
+    resident = {i for i in range(DEPTH) if any(model.layers[i] is m for m in resident_modules(h))}
     streamed = set(range(DEPTH)) - resident
     assert resident and streamed, (resident, streamed)
     tiers = [b.tier for b in h.report().blocks]
     assert all(tiers[i] == "vram" for i in resident) and all(tiers[i] == "disk" for i in streamed), tiers
-    _settle(h.streamer.reader)
-    reads = [h.streamer.units[i].source.reads for i in range(DEPTH)]
+    reads, _ = _reads(h)
     for _ in range(3):
         assert torch.equal(run(model, (x,)), ref)
-    _settle(h.streamer.reader)
-    now = [h.streamer.units[i].source.reads for i in range(DEPTH)]
+    now, _ = _reads(h)
     for i in range(DEPTH):
         assert now[i] - reads[i] == (3 if i in streamed else 0), (i, reads, now)
     assert h.device_bytes() <= rest + 5 * BLK
@@ -495,12 +482,12 @@ def test_disk_models_share_a_budget_and_swap_priority(tmp_path):
             assert torch.equal(run(b, (x,)), rb), f"step {step}: b"
             assert budget.used_bytes <= budget.total_bytes
             if step == 1:
-                assert len(hb.resident_unit_modules()) > len(ha.resident_unit_modules())
+                assert len(resident_modules(hb)) > len(resident_modules(ha))
                 ha.prioritize()
             if step == 3:
-                assert len(ha.resident_unit_modules()) > len(hb.resident_unit_modules())
+                assert len(resident_modules(ha)) > len(resident_modules(hb))
                 hb.prioritize()
-        assert len(hb.resident_unit_modules()) > len(ha.resident_unit_modules())
+        assert len(resident_modules(hb)) > len(resident_modules(ha))
         assert "disk" in [blk.tier for blk in ha.report().blocks]
     finally:
         ha.detach()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import (CASES, DiTStack, module_path, param_inner_tensors, run, same_tensor, seeded, snapshot,
+from tests.models import (resident_modules, streamed_modules, CASES, DiTStack, module_path, param_inner_tensors, run, same_tensor, seeded, snapshot,
                           streaming_budget)
 
 pytestmark = pytest.mark.cuda
@@ -34,7 +34,7 @@ def _cuda_case(name, offload, slots=3, prefetch=2, model=None):
                                        "comfy_unet", "unet", "rope_complex"])
 def test_cuda_outputs_bitwise_equal(case_name, offload):
     case, model, x, ref, handle = _cuda_case(case_name, offload)
-    assert handle.streamed_unit_modules()
+    assert streamed_modules(handle)
     for _ in range(3):
         out = run(model, x)
         assert out.device.type == "cuda"
@@ -43,7 +43,7 @@ def test_cuda_outputs_bitwise_equal(case_name, offload):
 
 def test_cuda_params_pinned_between_and_on_device_during(offload):
     case, model, x, ref, handle = _cuda_case("transformer", offload)
-    streamed = handle.streamed_unit_modules()
+    streamed = streamed_modules(handle)
     unit = streamed[len(streamed) // 2]
     path = module_path(model, unit)
     host = {n: (t.data_ptr(), t.device.type, t.is_pinned()) for n, p in unit.named_parameters()
@@ -77,7 +77,7 @@ def test_cuda_report_and_budget(offload):
     torch.cuda.synchronize()
     rep = handle.report()
     names = {b.name: b for b in rep.blocks}
-    for u in handle.streamed_unit_modules():
+    for u in streamed_modules(handle):
         b = names[module_path(model, u)]
         assert b.tier == "pinned", f"{b.name}: pin_memory=True on a CUDA machine, tier {b.tier}"
         assert b.h2d_ms > 0 and b.bytes > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import (CASES, ReorderStack, ReusedBlockStack, TableStack, TransformerStack, TransposedStack,
+from tests.models import (resident_modules, streamed_modules, CASES, ReorderStack, ReusedBlockStack, TableStack, TransformerStack, TransposedStack,
                           run, seeded, streaming_budget)
 
 CASE_NAMES = list(CASES)
@@ -25,7 +25,7 @@ def test_streamed_outputs_bitwise_equal(case_name, sim_cfg, offload):
     model, inputs, refs = _reference(case)
     budget = streaming_budget(model, case.blocks(model), slots=3)
     handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=2))
-    assert handle.streamed_unit_modules(), "a budget this small must stream some units"
+    assert streamed_modules(handle), "a budget this small must stream some units"
     for rnd in range(2):  # several forwards in a row, and the same inputs again
         for x, ref in zip(inputs, refs):
             out = run(model, x)
@@ -39,7 +39,7 @@ def test_prefetch_depths_bitwise_equal(prefetch, sim_cfg, offload):
     # prefetch=16 asks for more lookahead than there are units: the ring must clamp, not wrap onto itself
     budget = streaming_budget(model, case.blocks(model), slots=min(prefetch, 4) + 1)
     handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=prefetch))
-    assert len(handle.streamed_unit_modules()) >= 2
+    assert len(streamed_modules(handle)) >= 2
     for _ in range(2):
         for x, ref in zip(inputs, refs):
             assert torch.equal(run(model, x), ref)
@@ -186,7 +186,7 @@ def test_unit_called_on_its_own(sim_cfg, offload):
         block_refs = [blk(h) for blk in model.blocks]
         ref = model(x)
     handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
-    streamed = handle.streamed_unit_modules()
+    streamed = streamed_modules(handle)
     assert streamed
     with torch.no_grad():
         for i in (4, 1, 4):
@@ -206,7 +206,7 @@ def test_weights_changed_in_place_are_what_streams(sim_cfg, offload):
     x = case.inputs()
     ref_model, ref_other = run(model, x), run(other, x)
     handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
-    assert handle.streamed_unit_modules()
+    assert streamed_modules(handle)
     assert torch.equal(run(model, x), ref_model)  # lookahead for the next forward is now in flight
     model.load_state_dict(other.state_dict())
     assert torch.equal(run(model, x), ref_other), "stale weights used after load_state_dict"
@@ -252,7 +252,7 @@ def test_weights_written_through_data_are_what_streams(how, sim_cfg, offload):
     x = case.inputs()
     ref_other = run(other, x)
     handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
-    assert handle.streamed_unit_modules()
+    assert streamed_modules(handle)
     run(model, x)  # lookahead for the next forward is now in flight
     new = dict(other.named_parameters())
     with torch.no_grad():
@@ -275,7 +275,7 @@ def test_resident_weights_written_through_data_survive_eviction(sim_cfg, offload
     ref_other = run(other, x)
     handle = offload(model, sim_cfg(prefetch=2))  # roomy: units resident
     run(model, x)
-    assert handle.resident_unit_modules()
+    assert resident_modules(handle)
     new = dict(other.named_parameters())
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from tests.models import (CASES, HintedModel, LayersModel, OddMLP, RepeatedHintModel, SingleLinear,
+from tests.models import (resident_modules, streamed_modules, CASES, HintedModel, LayersModel, OddMLP, RepeatedHintModel, SingleLinear,
                           WeirdListModel, module_path, param_inner_tensors, run, same_tensor, seeded, snapshot,
                           streaming_budget)
 
@@ -87,7 +87,7 @@ def test_device_error_names_valid_choices(offload):
 
 
 def _units(handle):
-    return handle.streamed_unit_modules() + handle.resident_unit_modules()
+    return streamed_modules(handle) + resident_modules(handle)
 
 
 def _assert_units_are_blocks(model, handle, expected):
@@ -121,7 +121,7 @@ def test_block_discovery(build, list_path, sim_cfg, offload):
     expected = [b for p in list_path.split("+") for b in model.get_submodule(p)]
     handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, expected, 3), prefetch=2))
     _assert_units_are_blocks(model, handle, expected)
-    assert handle.streamed_unit_modules()
+    assert streamed_modules(handle)
     for _ in range(2):
         assert torch.equal(run(model, x), ref)
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from tests.models import (ALIGN, CASES, Boom, LayersModel, MLPBlock, RaisingStack, TransformerStack,
+from tests.models import (resident_modules, streamed_modules, ALIGN, CASES, Boom, LayersModel, MLPBlock, RaisingStack, TransformerStack,
                           aligned_bytes, module_path, param_inner_tensors, raw_bytes, run, same_tensor, seeded,
                           snapshot, streaming_budget)
 
@@ -31,7 +31,7 @@ def _attach_streaming(case_name, sim_cfg, offload, slots=3, prefetch=2):
     ref = run(model, x)
     handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), slots),
                                     prefetch=prefetch))
-    streamed = handle.streamed_unit_modules()
+    streamed = streamed_modules(handle)
     assert streamed, "expected streamed units under a tight budget"
     return case, model, x, ref, handle, streamed
 
@@ -99,7 +99,7 @@ def test_host_ram_holds_each_weight_once(sim_cfg, offload):
     # weak handles on every original storage (no strong reference kept)
     weak = [p.untyped_storage()._weak_ref() for p in model.parameters()]
     handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
-    streamed = handle.streamed_unit_modules()
+    streamed = streamed_modules(handle)
     assert len(streamed) >= 2
     run(model, x)
     gc.collect()
@@ -214,7 +214,7 @@ def test_sim_capacity_smaller_than_plan_shrinks(sim_cfg, offload):
     handle.backend.synchronize()
     assert handle.backend.used_bytes <= cap
     assert handle.backend.peak_bytes <= cap
-    assert handle.streamed_unit_modules()
+    assert streamed_modules(handle)
 
 
 def test_sim_capacity_below_one_slot_is_a_clear_error(sim_cfg, offload):
@@ -259,7 +259,7 @@ def test_exception_inside_unit_leaves_model_usable(where, sim_cfg, offload):
     assert handle.device_bytes() == steady_handle
     assert handle.backend.used_bytes == steady_backend
     for b in blocks:  # after a clean forward nothing streamed is left on the device
-        if any(b is s for s in handle.streamed_unit_modules()):
+        if any(b is s for s in streamed_modules(handle)):
             for n, t in _param_tensors(b):
                 assert not handle.backend.owns(t), n
 
@@ -376,7 +376,7 @@ def test_shrinking_the_shared_budget_at_runtime(sim_cfg):
             assert torch.equal(run(model, x), ref)
             assert handle.device_bytes() <= small
             assert shared.used_bytes <= small
-        assert handle.streamed_unit_modules()
+        assert streamed_modules(handle)
         shared.set_total(aligned_bytes(model) * 2)
         handle.prioritize()
         assert torch.equal(run(model, x), ref)
@@ -457,7 +457,7 @@ def test_nested_models_share_a_tight_budget(sim_cfg):
     shared = VramBudget(need_o + need_i)
     ho = offload_module(outer, sim_cfg(prefetch=1), name="outer", budget=shared)
     hi = offload_module(inner, sim_cfg(prefetch=1), name="inner", budget=shared)
-    assert ho.streamed_unit_modules() and hi.streamed_unit_modules(), "the budget should force both to stream"
+    assert streamed_modules(ho) and streamed_modules(hi), "the budget should force both to stream"
     seen = []
     hook = inner.layers[2].register_forward_pre_hook(
         lambda m, a: seen.append(ho.device_bytes() + hi.device_bytes()))
@@ -493,7 +493,7 @@ def test_unit_pre_hook_registered_before_offloading_sees_device_weights(sim_cfg,
         handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3),
                                         prefetch=2))
         backend_ref.append(handle.backend)
-        streamed = handle.streamed_unit_modules()
+        streamed = streamed_modules(handle)
         assert streamed
         assert torch.equal(run(model, x), ref)
         for u in streamed:
@@ -514,7 +514,7 @@ def test_units_whose_children_are_called_directly(sim_cfg, offload):
     ref = run(model, x)
     handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2))
     backend = handle.backend
-    streamed = handle.streamed_unit_modules()
+    streamed = streamed_modules(handle)
     assert streamed
     off_device = []
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.models import (ALIGN, CASES, HeavyStack, aligned_bytes, module_path, raw_bytes, run, seeded,
+from tests.models import (resident_modules, streamed_modules, ALIGN, CASES, HeavyStack, aligned_bytes, module_path, raw_bytes, run, seeded,
                           streaming_budget, unit_tensors)
 
 
@@ -43,8 +43,8 @@ def test_report_tiers_and_bytes(sim_cfg, offload):
     run(model, x)
     rep = handle.report()
     names = _by_name(rep)
-    streamed = handle.streamed_unit_modules()
-    resident = handle.resident_unit_modules()
+    streamed = streamed_modules(handle)
+    resident = resident_modules(handle)
     assert streamed
     assert not ({id(m) for m in streamed} & {id(m) for m in resident}), "a unit is both streamed and resident"
     tiers = set()
@@ -82,7 +82,7 @@ def test_total_bytes_streamed_counts_forwards(prefetch, sim_cfg, offload):
     handle.backend.synchronize()
     handle.reset_stats()
     assert handle.report().total_bytes_streamed == 0
-    streamed = handle.streamed_unit_modules()
+    streamed = streamed_modules(handle)
     assert streamed
     for n in (1, 2, 3):
         assert torch.equal(run(model, x), ref)
@@ -109,7 +109,7 @@ def test_report_to_dict_is_json(sim_cfg, offload):
     assert str(rep.total_bytes_streamed) in text
     for b in rep.blocks:
         assert b.name in text
-    assert len(rep.blocks) >= len(handle.streamed_unit_modules())
+    assert len(rep.blocks) >= len(streamed_modules(handle))
 
 
 def _measure_unit_compute_s(model, x, reps=7):
@@ -139,7 +139,7 @@ def _overlap_run(sim_cfg, offload, prefetch, gbps):
     unit = aligned_bytes(model.blocks[0])
     budget = (prefetch + 1) * unit + 4 * ALIGN
     handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=prefetch, sim_bandwidth_gbps=gbps))
-    assert len(handle.streamed_unit_modules()) >= 4
+    assert len(streamed_modules(handle)) >= 4
     assert torch.equal(run(model, x), ref)  # warm-up
     handle.backend.synchronize()
     handle.reset_stats()
@@ -213,7 +213,7 @@ def test_report_figures_follow_the_simulated_device(sim_cfg, offload):
     handle.backend.synchronize()
     rep = handle.report()
     names = _by_name(rep)
-    for u in handle.streamed_unit_modules():
+    for u in streamed_modules(handle):
         b = names[module_path(model, u)]
         floor_ms = forwards * (b.bytes / (gbps * 1e9) * 1e3 + lat_us / 1e3)
         assert b.h2d_ms >= 0.95 * floor_ms, f"{b.name}: {b.h2d_ms:.2f} ms of copies, physically >= {floor_ms:.2f} ms"
@@ -231,7 +231,7 @@ def test_pageable_tier_when_pinning_is_off(sim_cfg, offload):
                                     pin_memory=False))
     assert torch.equal(run(model, x), ref)
     names = _by_name(handle.report())
-    for u in handle.streamed_unit_modules():
+    for u in streamed_modules(handle):
         assert names[module_path(model, u)].tier == "pageable"
 
 
@@ -247,7 +247,7 @@ def test_profile_mode_keeps_outputs_and_report(sim_cfg, offload):
     d = handle.report().to_dict()
     assert json.loads(json.dumps(d)) == d
     names = _by_name(handle.report())
-    for u in handle.streamed_unit_modules():
+    for u in streamed_modules(handle):
         b = names[module_path(model, u)]
         assert b.h2d_ms > 0 and b.compute_ms > 0
 
@@ -263,7 +263,7 @@ def test_next_forward_is_prefetched_across_the_gap(sim_cfg, offload):
     copy_s = 0.02
     handle = offload(model, sim_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 3), prefetch=2,
                                     sim_bandwidth_gbps=unit / copy_s / 1e9))
-    streamed = handle.streamed_unit_modules()
+    streamed = streamed_modules(handle)
     first = module_path(model, streamed[0])
     run(model, x)
     handle.backend.synchronize()

@@ -6,7 +6,8 @@ import gc
 import torch
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.reference_models import TransformerStack
+from offload.demo.reference_models import TransformerStack
+from tests.models import resident_modules
 
 
 def _cfg(capacity: int) -> OffloadConfig:
@@ -54,12 +55,12 @@ def test_others_grow_into_a_dropped_models_bytes():
     hb = offload_module(b, _cfg(96 << 20 | 5), name="b", priority=0, budget=budget)
     with torch.no_grad():
         a(x), b(x)
-    assert len(hb.resident_unit_modules()) < 6
+    assert len(resident_modules(hb)) < 6
     del a, ha
     gc.collect()
     with torch.no_grad():
         b(x)
-    assert len(hb.resident_unit_modules()) == 6, "b grows into the bytes the dropped model held"
+    assert len(resident_modules(hb)) == 6, "b grows into the bytes the dropped model held"
 
 
 def test_self_sized_budget_follows_its_devices():
@@ -77,7 +78,7 @@ def test_self_sized_budget_follows_its_devices():
     assert budget.total_bytes > 200 << 20, "a model on a bigger device grows a self-sized budget"
     with torch.no_grad():
         assert torch.equal(model(x), ref)
-    assert len(big.resident_unit_modules()) == 6
+    assert len(resident_modules(big)) == 6
     small.detach()
     big.detach()
     offload_module(TransformerStack(dim=32, depth=3), _cfg((2 << 20) + 11), budget=budget).detach()

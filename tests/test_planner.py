@@ -16,7 +16,7 @@ import torch
 
 from offload import PRESETS, OffloadConfig, PlanError, VramBudget, offload_module
 from offload.planner import HostMemory, plan_host, plan_units, read_cgroup_memory, read_host_memory
-from tests.models import LayersModel, aligned_bytes, run, seeded
+from tests.models import LayersModel, aligned_bytes, resident_modules, run, seeded, streamed_modules
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -379,8 +379,8 @@ def test_every_preset_offloads_bitwise(preset):
             assert torch.equal(run(model, (x,)), ref)
             assert budget.used_bytes <= budget.total_bytes
         if preset == "budget":
-            assert h.resident_unit_modules() == [], "the budget preset streams every block"
-            assert len(h.streamed_unit_modules()) == 8
+            assert resident_modules(h) == [], "the budget preset streams every block"
+            assert len(streamed_modules(h)) == 8
             assert all(b.tier != "vram" for b in h.report().blocks)
     finally:
         h.detach()
@@ -397,7 +397,7 @@ def test_high_end_keeps_more_resident_than_consumer():
         h = offload_module(model, OffloadConfig.from_preset(preset, device="sim"), budget=budget)
         try:
             assert torch.equal(run(model, (x,)), ref)
-            resident[preset] = (len(h.resident_unit_modules()), h.report().resident_bytes)
+            resident[preset] = (len(resident_modules(h)), h.report().resident_bytes)
         finally:
             h.detach()
     assert resident["budget"][0] == 0

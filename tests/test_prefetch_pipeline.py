@@ -9,6 +9,24 @@ from offload.prefetch import PrefetchWorker
 from offload.storage import DeferredCopy
 
 
+class _Source:
+    """A unit's source whose copies the test's issue function records (dst is the slot number here)."""
+
+    def __init__(self, unit: int, issue) -> None:
+        self.unit = unit
+        self.fn = issue
+
+    def issue(self, dst, after):
+        return self.fn(self.unit, dst, after)
+
+
+def configured(issue, order, n_slots, n_units=16) -> PrefetchWorker:
+    """A worker over `n_slots` slots (numbered, standing in for device buffers) and recording sources."""
+    w = PrefetchWorker()
+    w.configure(order, list(range(n_slots)), [_Source(u, issue) for u in range(n_units)])
+    return w
+
+
 class Recorder:
     """Stands in for the backend: records every issued copy as (unit, slot, after)."""
 
@@ -22,16 +40,14 @@ class Recorder:
 
 def test_fill_primes_one_copy_per_slot_in_order():
     rec = Recorder()
-    w = PrefetchWorker(rec)
-    w.configure([0, 1, 2, 3, 4], n_slots=3)
+    w = configured(rec, [0, 1, 2, 3, 4], n_slots=3)
     w.fill()
     assert [(u, s) for u, s, _ in rec.issued] == [(0, 0), (1, 1), (2, 2)]
 
 
 def test_released_slot_gets_the_next_unit_after_its_free_event():
     rec = Recorder()
-    w = PrefetchWorker(rec)
-    w.configure([0, 1, 2, 3, 4], n_slots=2)
+    w = configured(rec, [0, 1, 2, 3, 4], n_slots=2)
     w.fill()
     slot, event = w.take(0)
     assert (slot, event) == (0, "copy-1")
@@ -41,9 +57,8 @@ def test_released_slot_gets_the_next_unit_after_its_free_event():
 
 def test_lookahead_wraps_into_the_next_forward():
     rec = Recorder()
-    w = PrefetchWorker(rec)
     order = [3, 5, 7]
-    w.configure(order, n_slots=2)
+    w = configured(rec, order, n_slots=2)
     w.fill()
     for u in order:
         slot, _ = w.take(u)
@@ -56,8 +71,7 @@ def test_lookahead_wraps_into_the_next_forward():
 
 def test_out_of_order_unit_resyncs_instead_of_using_stale_bytes():
     rec = Recorder()
-    w = PrefetchWorker(rec)
-    w.configure([0, 1, 2, 3], n_slots=2)
+    w = configured(rec, [0, 1, 2, 3], n_slots=2)
     w.fill()
     slot, event = w.take(2)  # 0 and 1 were predicted; 2 came first
     assert w.resyncs == 1
@@ -70,8 +84,7 @@ def test_out_of_order_unit_resyncs_instead_of_using_stale_bytes():
 
 def test_unit_not_in_the_order_is_fetched_directly():
     rec = Recorder()
-    w = PrefetchWorker(rec)
-    w.configure([0, 1], n_slots=2)
+    w = configured(rec, [0, 1], n_slots=2)
     w.fill()
     slot, _ = w.take(9)
     assert rec.issued[-1][:2] == (9, slot)
@@ -79,8 +92,7 @@ def test_unit_not_in_the_order_is_fetched_directly():
 
 def test_set_order_adopts_the_observed_order():
     rec = Recorder()
-    w = PrefetchWorker(rec)
-    w.configure([0, 1, 2], n_slots=1)
+    w = configured(rec, [0, 1, 2], n_slots=1)
     w.set_order([2, 0, 1])
     w.fill()
     assert rec.issued[-1][0] == 2
@@ -88,8 +100,7 @@ def test_set_order_adopts_the_observed_order():
 
 def test_restart_requeues_the_same_units():
     rec = Recorder()
-    w = PrefetchWorker(rec)
-    w.configure([0, 1, 2, 3], n_slots=2)
+    w = configured(rec, [0, 1, 2, 3], n_slots=2)
     w.fill()
     w.restart()  # the weights behind the queued copies changed
     w.fill()
@@ -106,8 +117,7 @@ def test_cancelled_deferred_copy_is_resolved_before_its_slot_is_reused():
         issued.append((unit, slot, after))
         return pending if unit == 0 else f"copy-{unit}"
 
-    w = PrefetchWorker(issue)
-    w.configure([0, 1, 2], n_slots=1)
+    w = configured(issue, [0, 1, 2], n_slots=1)
     w.fill()  # unit 0 -> deferred
 
     def reader():
@@ -127,8 +137,7 @@ def test_cancelled_failed_read_frees_the_slot():
     failed.error = OSError("disk gone")
     failed._done.set()
     seq = iter([failed, "copy-b"])
-    w = PrefetchWorker(lambda u, s, a: next(seq))
-    w.configure([0, 1], n_slots=1)
+    w = configured(lambda u, s, a: next(seq), [0, 1], n_slots=1)
     w.fill()
     slot, event = w.take(1)
     assert event == "copy-b"

@@ -42,4 +42,9 @@ def get_backend(config: OffloadConfig) -> Backend:
         return backend
 
 
-__all__ = ["Backend", "SimBackend", "get_backend", "resolve_device"]
+def device_memory(device: str = "auto") -> tuple[int, int]:
+    """(free, total) bytes of an engine device ('sim': the default simulated device; 'auto': CUDA when usable)."""
+    return get_backend(OffloadConfig(device=device)).mem_get_info()
+
+
+__all__ = ["Backend", "SimBackend", "get_backend", "resolve_device", "device_memory"]

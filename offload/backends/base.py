@@ -12,9 +12,7 @@ class Backend(abc.ABC):
 
     name: str = "base"
     device: torch.device
-    supports_pinned_host: bool = False
-    supports_streams: bool = False
-    supports_graph_capture: bool = False
+    supports_pinned_host: bool = False  # host buffers can be pinned (else pageable units copy straight)
 
     @abc.abstractmethod
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -70,6 +68,12 @@ class Backend(abc.ABC):
     def peak_allocated(self) -> int | None:
         """Peak bytes allocated on the device by anything in this process (activations included), if known."""
         return None
+
+    def reset_peak_allocated(self) -> None:
+        """Start measuring `peak_allocated` afresh (before the run whose activation peak is wanted)."""
+
+    def reset_peak(self) -> None:
+        """Start the engine's own peak accounting afresh."""
 
     def event_synchronize(self, event: Any) -> None:
         """Block the host until `event` completes."""

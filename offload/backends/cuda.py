@@ -26,8 +26,6 @@ class CudaBackend(Backend):
 
     name = "cuda"
     supports_pinned_host = True
-    supports_streams = True
-    supports_graph_capture = True
 
     def __init__(self, device: str = "cuda") -> None:
         if not torch.cuda.is_available():
@@ -104,6 +102,9 @@ class CudaBackend(Backend):
 
     def peak_allocated(self) -> int | None:
         return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak_allocated(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def mem_get_info(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(self.device)

@@ -74,8 +74,6 @@ class SimBackend(Backend):
 
     name = "sim"
     supports_pinned_host = False
-    supports_streams = True
-    supports_graph_capture = False
 
     def __init__(self, capacity_bytes: int | None = None, bandwidth_gbps: float | None = None,
                  latency_us: float = 0.0) -> None:

@@ -1,0 +1,259 @@
+"""How a unit's tensors map onto one flat byte buffer, and how to rebind them to any such buffer.
+
+A unit's parameters and buffers (and the inner tensors of tensor subclasses, through `__tensor_flatten__`) are
+laid out at 512-byte aligned offsets, so one copy moves the whole unit and the same layout, applied to a device
+slot, gives the device-side views. Bytes move as stored: float8 weights and their scale tensors are never upcast.
+A layout keeps no reference to the tensors it describes (only to their modules), so planning a whole model
+holds no weight alive.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+ALIGN = 512
+
+
+def align(n: int) -> int:
+    """Round a byte count up to the layout alignment."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def is_subclass_tensor(t: torch.Tensor) -> bool:
+    """A tensor subclass that describes its inner tensors (quantized weights and the like)."""
+    return type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__") and \
+        type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+@dataclass
+class Leaf:
+    """One plain tensor's place in the flat buffer."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None  # None: contiguous; else the original strides over a span of memory
+    meta: bool = False  # on the meta device when planned: its bytes must come from a file
+
+
+@dataclass
+class Entry:
+    """One distinct tensor of the unit and every (module, name) that refers to it."""
+
+    locations: list[tuple[nn.Module, str, str]]  # (module, attribute, "param" | "buffer")
+    recipe: Any  # int (leaf index) or (cls, ctx, {name: recipe}, outer_size, outer_stride)
+    plain_param: bool  # a plain nn.Parameter: swapped with `.data =` so its identity never changes
+    requires_grad: bool
+    device: torch.device
+    original: torch.Tensor | None = None  # subclass tensors keep their identity: inner tensors are re-pointed
+
+    def current(self) -> torch.Tensor | None:
+        """The tensor the module holds under this entry now."""
+        module, attr, kind = self.locations[0]
+        return (module._parameters if kind == "param" else module._buffers).get(attr)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    plain = t.detach()
+    return plain if type(plain) is torch.Tensor else plain.as_subclass(torch.Tensor)
+
+
+@dataclass
+class TensorLayout:
+    """How a unit's tensors map onto a flat buffer, and how to rebuild them from any such buffer."""
+
+    leaves: list[Leaf]
+    entries: list[Entry]
+    nbytes: int
+
+    @property
+    def plain(self) -> bool:
+        """Every entry is one contiguous plain tensor (how a safetensors file stores them)."""
+        return all(isinstance(e.recipe, int) for e in self.entries) and all(l.stride is None for l in self.leaves)
+
+    def version(self) -> int:
+        """Sum of the version counters of the tensors bound now: changes whenever one is written in place."""
+        total = 0
+        for entry in self.entries:
+            t = entry.current()
+            if t is not None and not t.is_inference():  # inference tensors have no version counter
+                total += t._version
+        return total
+
+    def sources(self) -> Iterator[torch.Tensor]:
+        """The leaves' current tensors, read from the modules in layout order (nothing is kept between calls)."""
+        for entry in self.entries:
+            yield from _walk_leaves(entry.original if entry.original is not None else entry.current(), entry.recipe)
+
+    def leaf_views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        views = []
+        for leaf in self.leaves:
+            raw = buf[leaf.offset:leaf.offset + leaf.nbytes].view(leaf.dtype)
+            views.append(raw.as_strided(leaf.shape, leaf.stride) if leaf.stride is not None else raw.view(leaf.shape))
+        return views
+
+    def build(self, buf: torch.Tensor, master: bool = False) -> "Binding":
+        """Tensors viewing `buf`, ready to be swapped into the unit's modules.
+
+        With `master`, tensor subclasses are not rebuilt: the original objects get their inner tensors
+        re-pointed at `buf`, so the module keeps the very objects it had between forwards.
+        """
+        return self.bind(self.leaf_views(buf), buf, master)
+
+    def bind(self, views: list[torch.Tensor], buf: torch.Tensor | None, master: bool = False) -> "Binding":
+        """Like `build`, from per-leaf tensors (a file's mmap views for the disk tier)."""
+        data_swaps: list[tuple[nn.Parameter, torch.Tensor]] = []
+        dict_sets: list[tuple[dict, str, torch.Tensor]] = []
+        for entry in self.entries:
+            if master and entry.original is not None:
+                repoint(entry.original, entry.recipe, views.__getitem__)
+                for module, attr, kind in entry.locations:
+                    dict_sets.append((module._parameters if kind == "param" else module._buffers, attr,
+                                      entry.original))
+                continue
+            value = _assemble(entry.recipe, views.__getitem__)
+            if entry.plain_param:
+                data_swaps.append((entry.locations[0][0]._parameters[entry.locations[0][1]], value))
+                continue
+            value_p = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
+                kind == "param" for _, _, kind in entry.locations) else None
+            for module, attr, kind in entry.locations:
+                if kind == "param":
+                    dict_sets.append((module._parameters, attr, value_p))
+                else:
+                    dict_sets.append((module._buffers, attr, value))
+        return Binding(buf, data_swaps, dict_sets)
+
+    def rebind_fresh(self, views: list[torch.Tensor]) -> None:
+        """Give meta or inference-mode parameters new objects over `views` (they cannot take `.data`)."""
+        for entry in self.entries:
+            current = entry.current() if entry.plain_param else None
+            if current is not None and (current.is_meta or current.is_inference()):
+                param = nn.Parameter(views[entry.recipe], requires_grad=entry.requires_grad)
+                for mod, name, k in entry.locations:
+                    (mod._parameters if k == "param" else mod._buffers)[name] = param
+
+    def restore(self, leaf: Callable[[int, torch.device], torch.Tensor]) -> None:
+        """Give every tensor back as an ordinary tensor made by `leaf(i, device)` (an independent copy)."""
+        for entry in self.entries:
+            on_device = functools.partial(_leaf_on, leaf, entry.device)
+            if entry.original is not None:
+                repoint(entry.original, entry.recipe, on_device)
+                for module, attr, kind in entry.locations:
+                    (module._parameters if kind == "param" else module._buffers)[attr] = entry.original
+                continue
+            value = _assemble(entry.recipe, on_device)
+            if entry.plain_param:
+                module, attr, _ = entry.locations[0]
+                module._parameters[attr].data = value
+                continue
+            param = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
+                k == "param" for _, _, k in entry.locations) else None
+            for module, attr, kind in entry.locations:
+                if kind == "param":
+                    module._parameters[attr] = param
+                else:
+                    module._buffers[attr] = value
+
+
+# The recursive helpers are module-level on purpose: a recursive closure refers to itself through its cell, and
+# that cycle would keep the buffer views it captured alive until the cycle collector runs.
+def _walk_leaves(t: torch.Tensor, recipe: Any) -> Iterator[torch.Tensor]:
+    if isinstance(recipe, int):
+        yield _plain(t)
+        return
+    for name, r in recipe[2].items():
+        yield from _walk_leaves(getattr(t, name), r)
+
+
+def _assemble(recipe: Any, leaf: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The tensor a recipe describes, from its leaves (a tensor subclass is rebuilt by `__tensor_unflatten__`)."""
+    if isinstance(recipe, int):
+        return leaf(recipe)
+    cls, ctx, inner, outer_size, outer_stride = recipe
+    return cls.__tensor_unflatten__({k: _assemble(r, leaf) for k, r in inner.items()}, ctx, outer_size, outer_stride)
+
+
+def _leaf_on(leaf: Callable[[int, torch.device], torch.Tensor], device: torch.device, i: int) -> torch.Tensor:
+    return leaf(i, device)
+
+
+def repoint(obj: torch.Tensor, recipe: Any, leaf: Callable[[int], torch.Tensor]) -> None:
+    """Point a tensor subclass's inner tensors at `leaf(i)` (recursively), keeping the object itself."""
+    _, _, inner, _, _ = recipe
+    for name, r in inner.items():
+        if isinstance(r, int):
+            setattr(obj, name, leaf(r))
+        else:
+            repoint(getattr(obj, name), r, leaf)
+
+
+@dataclass
+class Binding:
+    """A unit's tensors bound to one buffer (host master or a device slot); `apply` swaps them in."""
+
+    buf: torch.Tensor | None
+    data_swaps: list[tuple[nn.Parameter, torch.Tensor]]
+    dict_sets: list[tuple[dict, str, torch.Tensor]]
+
+    def apply(self) -> None:
+        for param, value in self.data_swaps:
+            param.data = value
+        for d, key, value in self.dict_sets:
+            d[key] = value
+
+
+def _flatten(t: torch.Tensor, leaves: list[Leaf], offset: list[int]) -> Any:
+    if is_subclass_tensor(t):
+        names, ctx = t.__tensor_flatten__()
+        inner = {name: _flatten(getattr(t, name), leaves, offset) for name in names}
+        return (type(t), ctx, inner, tuple(t.size()), tuple(t.stride()))
+    plain = _plain(t)
+    stride = None
+    span = plain.numel()
+    if not plain.is_contiguous() and plain.numel() > 0 and all(st > 0 for st in plain.stride()):
+        # keep the original strides (kernels, and so outputs, can depend on them) over the memory they span
+        stride = tuple(plain.stride())
+        span = 1 + sum((n - 1) * st for n, st in zip(plain.shape, stride))
+    nbytes = span * plain.element_size()
+    leaves.append(Leaf(offset[0], nbytes, plain.dtype, tuple(plain.shape), stride, plain.is_meta))
+    offset[0] = align(offset[0] + nbytes)
+    return len(leaves) - 1
+
+
+def unit_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+    """Every (owner module, name, kind, tensor) under `module`, parameters first."""
+    found = []
+    for sub in module.modules():
+        for name, p in sub._parameters.items():
+            if p is not None:
+                found.append((sub, name, "param", p))
+        for name, b in sub._buffers.items():
+            if b is not None:
+                found.append((sub, name, "buffer", b))
+    return found
+
+
+def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> TensorLayout:
+    """Lay out distinct tensors (a tensor met twice is laid out once)."""
+    by_id: dict[int, Entry] = {}
+    leaves: list[Leaf] = []
+    offset = [0]
+    entries: list[Entry] = []
+    for sub, name, kind, t in tensors:
+        entry = by_id.get(id(t))
+        if entry is None:
+            recipe = _flatten(t, leaves, offset)
+            plain_param = kind == "param" and not is_subclass_tensor(t)
+            home = torch.device("cpu") if t.is_meta else t.device  # a meta weight comes home from disk to RAM
+            entry = Entry([], recipe, plain_param, bool(t.requires_grad), home,
+                          t if not isinstance(recipe, int) else None)
+            by_id[id(t)] = entry
+            entries.append(entry)
+        entry.locations.append((sub, name, kind))
+    return TensorLayout(leaves, entries, max(offset[0], ALIGN))
