@@ -21,6 +21,7 @@ import mmap
 import os
 import queue
 import struct
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -57,6 +58,54 @@ class FileTensor:
     end: int
 
 
+class _ModifyWatch:
+    """Linux inotify on one file: sees every write and truncation at once, whatever the timestamp granularity.
+
+    Elsewhere (or when inotify is unavailable) it sees nothing and the size/mtime check alone applies.
+    """
+
+    IN_MODIFY = 0x2
+    IN_NONBLOCK = 0o4000
+    IN_CLOEXEC = 0o2000000
+
+    def __init__(self, path: Path) -> None:
+        self.fd = -1
+        self.seen = False
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(self.IN_NONBLOCK | self.IN_CLOEXEC)
+            if fd < 0:
+                return
+            if libc.inotify_add_watch(fd, os.fsencode(path), self.IN_MODIFY) < 0:
+                os.close(fd)
+                return
+            self.fd = fd
+        except (OSError, AttributeError):  # no libc symbol, or no inotify on this kernel
+            self.fd = -1
+
+    def modified(self) -> bool:
+        """Whether the file was written since the watch began (non-blocking)."""
+        if self.fd >= 0 and not self.seen:
+            try:
+                self.seen = bool(os.read(self.fd, 4096))
+            except BlockingIOError:
+                pass
+            except OSError:
+                return False
+        return self.seen
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def _writable_bytes(t: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes (no numpy needed)."""
     n = t.numel() * t.element_size()
@@ -70,10 +119,13 @@ class SafetensorsFile:
         self.path = Path(path)
         self.tensors = self._read_header()
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._watch = _ModifyWatch(self.path)
         self._identity = self._stat()
         self._mmap: mmap.mmap | None = None
         self._flat: torch.Tensor | None = None
         self._seek_lock = threading.Lock()  # only where os.preadv is missing (Windows)
+        # a model dropped without detach() closes its file too (the mapping goes with the last view of it)
+        self._closer = weakref.finalize(self, _close_fds, self._fd, self._watch.fd)
 
     def _fail(self, why: str) -> CorruptFileError:
         return CorruptFileError(f"{self.path}: truncated or corrupt safetensors file ({why})")
@@ -131,11 +183,11 @@ class SafetensorsFile:
         if self._fd < 0:
             raise SourceChangedError(f"{self.path}: the file was closed (the model was detached)")
         now = self._stat()
-        if now != self._identity:
+        if now != self._identity or self._watch.modified():
             was_size, _ = self._identity
             size, _ = now
             what = (f"truncated from {was_size} to {size} bytes" if size < was_size else
-                    f"rewritten ({was_size} -> {size} bytes, modification time changed)")
+                    f"rewritten in place ({was_size} -> {size} bytes)")
             raise SourceChangedError(
                 f"{self.path}: the model's weights file was {what} while the model streams from it; its "
                 f"blocks can no longer be read as they were. Restore the file, or load the model again")
@@ -234,9 +286,9 @@ class SafetensorsFile:
             except BufferError:  # views still alive; the mapping goes with them
                 pass
             self._mmap = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._closer()
+        self._fd = -1
+        self._watch.fd = -1
 
 
 # ----------------------------------------------------------------------------------------------------------------

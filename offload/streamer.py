@@ -303,14 +303,7 @@ class ModelStreamer:
                 self._resident_start[index] = (self.backend.record(), outside)
                 return
             self._seen.append(index)
-            slot, copy_event = self.worker.take(index)
-            try:
-                ready = self.backend.record()
-                copy_event = resolve(copy_event)
-                self.backend.wait(copy_event)
-            except BaseException:
-                self.worker.give_back(slot)  # the failed copy's slot is free again, never lost to the ring
-                raise
+            slot, copy_event, ready = self._fetch(index)
             start = self.backend.record()
             self._binding(u, slot).apply()
             self.active = ActiveUnit(index, slot, copy_event, ready, start, outside)
@@ -318,6 +311,27 @@ class ModelStreamer:
             if outside:
                 self._lock.release()
             raise
+
+    def _fetch(self, index: int) -> tuple[int, Any, Any]:
+        """The slot holding `index`'s bytes, once its copy is done; a failed copy is retried once into a fresh slot
+        (a transient error is invisible), a second failure raises. No slot is ever lost to the ring."""
+        for attempt in (1, 2):
+            slot, copy_event = self.worker.take(index)
+            try:
+                ready = self.backend.record()
+                copy_event = resolve(copy_event)
+                self.backend.wait(copy_event)
+                return slot, copy_event, ready
+            except Exception as exc:
+                self.worker.give_back(slot)  # the failed copy's slot is free again
+                if attempt == 2:
+                    raise
+                log.warning("copying %s to the device failed (%s); trying once more", self.units[index].staged.name,
+                            exc)
+            except BaseException:
+                self.worker.give_back(slot)
+                raise
+        raise AssertionError("unreachable")
 
     def _child_pre(self, index: int, module: nn.Module, args: Any) -> None:
         active = self.active
