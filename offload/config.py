@@ -90,6 +90,7 @@ class OffloadConfig:
     prefetch: int = 2  # lookahead in streamed units
     pin_memory: bool = True
     disk_path: str | None = None  # safetensors file with the model's weights, for the disk tier
+    disk_optional: bool = False  # True: blocks the file does not hold exactly stay in RAM instead of raising
     profile: bool = False
     ram_budget_bytes: int | None = None  # host bytes for staging; None: planner reads MemAvailable / cgroup
     reserve_bytes: int | None = None  # device bytes kept free for activations; None: planner estimates

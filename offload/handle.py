@@ -67,12 +67,13 @@ class OffloadHandle:
         self._file_path = str(file.path) if file is not None else None
         try:
             staged = stage_model(model, found, self.backend, config.pin_memory, self._host_tiers, file,
-                                 config.prefetch, progress)
+                                 config.prefetch, progress, file_optional=config.disk_optional)
         except BaseException:
             if file is not None:
                 file.close()
             raise
-        self.streamer = ModelStreamer(model, staged, self.backend, self, config.pin_memory, config.profile)
+        self.streamer = ModelStreamer(model, staged, self.backend, self, config.pin_memory, config.prefetch,
+                                      config.profile)
         self._sizes = [u.nbytes for u in self.streamer.units]
         self._names = [u.staged.name for u in self.streamer.units]
         self._plan: UnitPlan | None = None
@@ -338,6 +339,26 @@ class OffloadHandle:
                 raise ValueError(f"unload(nbytes) takes a number of bytes >= 0 or None (everything), got {nbytes!r}")
         freed = self.streamer.unload(None if nbytes is None else int(nbytes))
         self._allowance = None
+        return freed
+
+    def host_memory(self) -> dict[str, int]:
+        """Host bytes this model holds: `ram` (blocks, non-block weights, bounce buffers), of which `pinned`, and
+        `disk` (blocks streamed from the model's file)."""
+        if not self.attached:
+            return {"ram": 0, "pinned": 0, "disk": 0}
+        return self.streamer.host_memory()
+
+    def release_host_memory(self, nbytes: int) -> int:
+        """Give host RAM back: blocks whose exact bytes the model's file (`disk_path`) holds move to the disk tier.
+
+        Returns the bytes freed (0 without a file, or when no block matches it). Streaming goes on, from disk.
+        """
+        self._check_attached("release_host_memory")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0:
+            raise ValueError(f"release_host_memory(nbytes) takes a number of bytes >= 0, got {nbytes!r}")
+        freed = self.streamer.release_host_memory(int(min(nbytes, 1 << 62)))
+        if freed:
+            self._notice("disk_tier", f"blocks stream from {self._file_path}: host RAM was released on request")
         return freed
 
     def refresh(self) -> None:

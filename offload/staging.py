@@ -18,7 +18,8 @@ import torch.nn as nn
 from .blocks import Unit
 from .layout import Binding, TensorLayout, plan_layout, unit_tensors
 from .planner import bounce_buffers
-from .storage import BouncedSource, BounceReader, DiskSource, HostSource, SafetensorsFile, UnitSource
+from .storage import (BouncedSource, BounceReader, CorruptFileError, DiskSource, HostSource, SafetensorsFile,
+                      UnitSource)
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +73,17 @@ class StagingBuffer:
         return cls(layout, host, pinned, binding)
 
     @classmethod
-    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str]) -> "StagingBuffer":
-        """A disk-tier master: the module views the file's private map between forwards; no RAM copy."""
+    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str], apply: bool = True) -> "StagingBuffer":
+        """A disk-tier master: the module views the file's private map between forwards; no RAM copy.
+
+        `apply=False` for a unit resident on the device now: its views are swapped in when it is evicted.
+        """
         views = [file.view(k) for k in keys]
-        layout.rebind_fresh(views)
+        if apply:
+            layout.rebind_fresh(views)
         binding = layout.bind(views, None, master=True)
-        binding.apply()
+        if apply:
+            binding.apply()
         return cls(layout, None, False, binding, file, keys)
 
     def leaf_copy(self, i: int, device: torch.device) -> torch.Tensor:
@@ -123,6 +129,7 @@ class StagedModel:
     rest_bytes: int
     reader: BounceReader | None
     file: SafetensorsFile | None
+    key_of: Callable[[nn.Module, str], str] | None = None  # a tensor's state-dict name (matching units to the file)
 
     def check_sources(self) -> None:
         """Raise SourceChangedError if the file behind the disk tier changed since setup."""
@@ -170,9 +177,27 @@ def _file_keys(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn
     return file.match([key_of(*e.locations[0][:2]) for e in layout.entries], layout.leaves)
 
 
+def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
+                      strict: bool = False) -> list[str] | None:
+    """The file keys of a unit whose current tensors the file holds byte for byte. When it does not (another dtype,
+    keys, or values: ComfyUI may cast or convert weights when it loads a file): CorruptFileError when `strict`,
+    else None (logged), and the unit stays in RAM."""
+    try:
+        keys = _file_keys(file, layout, key_of)
+        for key, src in zip(keys, layout.sources()):
+            if not torch.equal(src.reshape(-1).view(torch.uint8), file.read_tensor(key).reshape(-1).view(torch.uint8)):
+                raise CorruptFileError(f"{file.path}: {key!r} holds other values than the model's weight")
+    except CorruptFileError as exc:
+        if strict:
+            raise
+        log.warning("not streaming a block from disk: %s; it stays in RAM", exc)
+        return None
+    return keys
+
+
 def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
                 host_tiers: Callable[[list[int]], dict[int, str]], file: SafetensorsFile | None, prefetch: int,
-                progress: Callable[[int, int], None] | None = None) -> StagedModel:
+                progress: Callable[[int, int], None] | None = None, file_optional: bool = False) -> StagedModel:
     """Stage `model`'s units on the host (see the module docstring); raises before touching the model on bad input."""
     # 1. plan every layout and check the file: nothing is touched until the whole model is known to work
     shared = shared_tensor_ids(model, units)
@@ -189,15 +214,21 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
     key_of = _key_namer(model)
     keys: dict[int, list[str]] = {}
     for i, layout in enumerate(layouts):
-        needs_file = tiers.get(i) == "disk" or any(leaf.meta for leaf in layout.leaves)
+        meta = any(leaf.meta for leaf in layout.leaves)
         if tiers.get(i) == "disk" and not (layout.plain and file is not None):
             tiers[i] = "pageable"
-        if needs_file:
+        if meta:
             if file is None or not layout.plain:
                 _refuse_meta(units[i].name, layout, file)
-            keys[i] = _file_keys(file, layout, key_of)
-            if tiers.get(i) == "disk" and not all(file.aligned(k) for k in keys[i]):
-                tiers[i] = "pageable"  # a misaligned tensor cannot be viewed in place: keep it in RAM
+            keys[i] = _file_keys(file, layout, key_of)  # the file is the only source: a mismatch is an error
+        elif tiers.get(i) == "disk":
+            # the weights are in RAM already: the file must hold these very bytes, or the unit stays in RAM
+            keys[i] = file_keys_holding(file, layout, key_of, strict=not file_optional)
+            if keys[i] is None:
+                tiers[i] = "pageable"
+                continue
+        if tiers.get(i) == "disk" and not all(file.aligned(k) for k in keys[i]):
+            tiers[i] = "pageable"  # a misaligned tensor cannot be viewed in place: keep it in RAM
     rest_keys = None
     if any(leaf.meta for leaf in rest_layout.leaves):
         if file is None or not rest_layout.plain:
@@ -238,7 +269,7 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
     if progress:
         progress(total, total)
     rest_bytes = rest_layout.nbytes if rest_layout.entries else 0
-    return StagedModel(staged, rest, rest_bytes, reader, file)
+    return StagedModel(staged, rest, rest_bytes, reader, file, key_of)
 
 
 def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:

@@ -368,6 +368,7 @@ class BounceReader:
 
     def __init__(self, backend: Any, bounce_bytes: int, count: int) -> None:
         self.bounce_bytes = bounce_bytes
+        self.count = max(1, count)
         self.counters = ReadCounters()
         self._free: queue.Queue = queue.Queue()
         self.pinned = True

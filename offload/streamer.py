@@ -26,8 +26,9 @@ from .backends.base import Backend
 from .layout import Binding
 from .metrics import BlockReport, MetricsCollector
 from .prefetch import PrefetchWorker
-from .staging import StagedModel, StagedUnit, StagingBuffer, make_ram_source
-from .storage import HostSource, resolve
+from .planner import bounce_buffers
+from .staging import StagedModel, StagedUnit, StagingBuffer, file_keys_holding, make_ram_source
+from .storage import BounceReader, DiskSource, HostSource, resolve
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +168,9 @@ class ModelStreamer:
     """Installs the hooks on a staged model and runs its slot ring and device memory."""
 
     def __init__(self, model: nn.Module, staged: StagedModel, backend: Backend, listener: PassListener,
-                 pin_memory: bool, profile: bool = False) -> None:
+                 pin_memory: bool, prefetch: int, profile: bool = False) -> None:
         self._model = weakref.ref(model)
+        self.worker_prefetch = prefetch
         self.staged = staged
         self.backend = backend
         self._listener = weakref.ref(listener)
@@ -592,6 +594,65 @@ class ModelStreamer:
             self.loaded = False
             self.resident_set = {u.index for u in self.units if u.resident_buf is not None}
             return before - self.device_bytes()
+
+    # host memory -----------------------------------------------------------------------
+    def host_memory(self) -> dict[str, int]:
+        """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, and on disk."""
+        ram = pinned = disk = 0
+        for u in self.units:
+            if u.master.host is None:
+                disk += u.nbytes
+            else:
+                ram += u.nbytes
+                pinned += u.nbytes if u.master.pinned else 0
+        ram += self.staged.rest.layout.nbytes
+        reader = self.staged.reader
+        if reader is not None:
+            ram += reader.bounce_bytes * reader.count
+            pinned += reader.bounce_bytes * reader.count if reader.pinned else 0
+        return {"ram": ram, "pinned": pinned, "disk": disk}
+
+    def release_host_memory(self, nbytes: int) -> int:
+        """Free at least `nbytes` of host RAM by moving blocks to the disk tier, where the model's file holds their
+        exact bytes (checked); returns the bytes freed, net of any bounce buffers the disk tier needed (0 without a
+        file). Waits for a running pass to end."""
+        staged = self.staged
+        file = staged.file
+        if file is None or nbytes <= 0:
+            return 0
+        with self._lock:
+            freed = cost = 0
+            for u in [u for u in reversed(self.units) if u.master.host is not None and u.staged.layout.plain]:
+                if freed - cost >= nbytes:
+                    break
+                keys = file_keys_holding(file, u.staged.layout, staged.key_of)
+                if keys is None or not all(file.aligned(k) for k in keys):
+                    continue
+                self._quiesce()  # no read or copy may still use the RAM master about to go
+                if staged.reader is None or staged.reader.bounce_bytes < u.nbytes:
+                    cost += self._replace_reader(max(x.nbytes for x in self.units))
+                u.staged.master = StagingBuffer.on_disk(u.staged.layout, file, keys, apply=u.resident_buf is None)
+                u.staged.source = self.sources[u.index] = DiskSource(file, keys, u.staged.layout.leaves, u.nbytes,
+                                                                      staged.reader)
+                u.mark = u.staged.layout.version()
+                freed += u.nbytes
+            if freed:
+                self.worker.restart()  # copies queued from the old masters are replaced by reads of the file
+                log.info("moved %.1f MB of blocks to the disk tier (%s) to give RAM back", freed / 2 ** 20, file.path)
+            return max(0, freed - cost)
+
+    def _replace_reader(self, bounce_bytes: int) -> int:
+        """A read-ahead thread with bounce buffers of `bounce_bytes`; returns the host bytes it added."""
+        staged = self.staged
+        old = staged.reader
+        before = 0 if old is None else old.bounce_bytes * old.count
+        if old is not None:
+            old.close()
+        staged.reader = BounceReader(self.backend, bounce_bytes, bounce_buffers(self.worker_prefetch))
+        for src in self.sources:  # sources bound to the old reader move to the new one
+            if hasattr(src, "reader"):
+                src.reader = staged.reader
+        return staged.reader.bounce_bytes * staged.reader.count - before
 
     # reporting -----------------------------------------------------------------------
     def block_reports(self) -> list[BlockReport]:

@@ -520,3 +520,76 @@ def test_detach_with_reads_in_flight(tmp_path):
     for t in readers():
         t.join(timeout=2.0)
     assert len(readers()) <= before, f"read-ahead threads left running after detach: {readers()}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# giving host RAM back (ComfyUI's partially_unload_ram), and a disk tier that verifies the file's bytes
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["budget", "auto"])
+def test_release_host_memory_moves_blocks_to_disk_exactly(tmp_path, offload, preset):
+    """Blocks whose bytes the file holds leave RAM for the disk tier on request; outputs stay bitwise equal, for
+    streamed and for resident blocks (these read their file views when they are evicted later)."""
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    path = _save(model, tmp_path / "m.safetensors")
+    h = offload(model, OffloadConfig.from_preset(preset, device="sim", disk_path=str(path), disk_optional=True,
+                                                 sim_capacity_bytes=_private_capacity()))
+    assert torch.equal(run(model, (x,)), ref)
+    before = h.host_memory()
+    assert before["disk"] == 0
+    freed = h.release_host_memory(1 << 40)  # everything it can: the disk tier needs bounce buffers, net of them
+    after = h.host_memory()
+    assert freed > 0 and before["ram"] - after["ram"] == freed, (before, after, freed)
+    assert after["disk"] == DEPTH * BLK, "every block the file holds moved to the disk tier"
+    for _ in range(3):
+        assert torch.equal(run(model, (x,)), ref)
+    if preset == "auto":
+        h.unload()  # resident blocks go back to their (now file-backed) host masters
+        assert torch.equal(run(model, (x,)), ref)
+    rep = h.report()
+    streamed_disk = [b for b in rep.blocks if b.tier == "disk"]
+    if preset == "budget":
+        assert len(streamed_disk) == DEPTH and all(b.reads >= 3 for b in streamed_disk), rep.blocks
+    h.detach()
+    assert torch.equal(run(model, (x,)), ref)
+
+
+def test_release_host_memory_keeps_blocks_the_file_does_not_hold(tmp_path, offload):
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    path = _save(_model(seed=5), tmp_path / "other.safetensors")  # same names, dtypes and shapes; other values
+    h = offload(model, OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), disk_optional=True))
+    assert h.release_host_memory(1 << 40) == 0
+    assert "disk" not in [b.tier for b in h.report().blocks]
+    assert torch.equal(run(model, (x,)), ref)
+
+
+def test_release_host_memory_without_a_file_frees_nothing(offload):
+    model = _model()
+    h = offload(model, OffloadConfig.from_preset("budget", device="sim"))
+    assert h.release_host_memory(1 << 30) == 0
+    with pytest.raises(ValueError):
+        h.release_host_memory(-1)
+
+
+def test_disk_tier_verifies_the_files_values(tmp_path, offload, caplog):
+    """A file with the model's names, dtypes and shapes but other values: strict (the default) refuses it naming
+    the file; disk_optional keeps those blocks in RAM and says so; outputs never come from the wrong bytes."""
+    from offload import CorruptFileError
+
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    path = _save(_model(seed=5), tmp_path / "other.safetensors")
+    with pytest.raises(CorruptFileError, match="other values"):
+        offload(model, _cfg(path, ram_units=1))
+    assert torch.equal(run(model, (x,)), ref)
+    with caplog.at_level("WARNING"):
+        h = offload(model, _cfg(path, ram_units=1, disk_optional=True))
+    assert "disk" not in [b.tier for b in h.report().blocks]
+    assert "stays in RAM" in caplog.text
+    assert torch.equal(run(model, (x,)), ref)

@@ -102,6 +102,7 @@ _BPE_CORPUS = [
 # Tiny sizes (the real VibeVoice-1.5B values in comments).
 TEXT_CONFIG = dict(
     model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4,  # 1536, 8960, 28
+    initializer_range=0.1,  # 0.02: larger random weights so the text and the voices matter more
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,  # 12, 2, 65536
     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     tie_word_embeddings=True, use_sliding_window=False, sliding_window=None, max_window_layers=4,
@@ -119,8 +120,11 @@ SEMANTIC_CONFIG = dict(
 DIFFUSION_CONFIG = dict(num_hidden_layers=2, intermediate_size=96, frequency_embedding_size=256, rms_norm_eps=1e-5)
 
 # Residual dimensions reserved by the deterministic-speech construction.
-_K, _U, _B, _Z, _E = 0, 1, 2, 3, 4  # constant, "not counted" flag, audio_bos flag, eos flag, counter
-_TOKEN_E_WEIGHT = 10.0
+_K, _U, _B, _Z, _E = 0, 1, 2, 3, 4  # constant, "not counted" flag, audio_bos flag (counter value), eos flag, counter
+_S = 8.0  # scale of the reserved dims: they dominate every RMS, so the CFG and the positive pass agree
+_BOS_K, _BOS_B = 0.5, 0.4  # audio_bos row: as an input it is counted (value > 0); as an output it never wins
+_EOS_Z = 200.0  # eos row: wins right after audio_eos was the input
+_THRESHOLD_OFFSET = 0.3  # speech while m / (m + n) > 1 / (N + 0.3): no ties for m <= 9
 
 
 def build_tokenizer():
@@ -167,27 +171,39 @@ def tiny_config(tokenizer, dtype: torch.dtype = torch.float32):
 def _make_speech_deterministic(model, speech_tokens: int) -> None:
     """Set the weights described in the module docstring (in place, before the dtype cast)."""
     cfg = model.config
+    hidden = cfg.text_config.hidden_size
     lm = model.model.language_model
-    emb = lm.embed_tokens.weight  # tied to lm_head.weight
+    emb = lm.embed_tokens.weight  # tied to lm_head.weight (as in VibeVoice-1.5B)
     bos, aeos, tok, eos = cfg.audio_bos_token_id, cfg.audio_eos_token_id, cfg.audio_token_id, cfg.eos_token_id
-    threshold = 1.0 / (speech_tokens + 0.5)
+    threshold = 1.0 / (speech_tokens + _THRESHOLD_OFFSET)
+    s = _S
 
+    # Rows on the reserved dims (K, U, B, Z, E), in units of s; the four control rows are zero everywhere else,
+    # so their logits read only these dims. After a speech token the residual is x = s (1, 0, 0, 0, c) with
+    # c = m / (m + n): logits (/ s^2) speech 1, audio_eos 1 + 10 (T - c), audio_bos 0.5, eos 0. At the prompt end
+    # x = s (0.5, 0, 0.4, 0, 1): speech 0.5, audio_bos 0.41, audio_eos < 0. After audio_eos: eos 200 beats ~103.
     emb[:, :5] = 0.0
-    emb[:, _K] = 1.0
-    emb[:, _U] = 1.0  # every ordinary token is "not counted"
+    emb[:, _K] = s
+    emb[:, _U] = s  # every ordinary token is "not counted"
     for row in (bos, aeos, tok, eos):
         emb[row] = 0.0
-    emb[bos, _B] = 1.0  # input: counted, value 1; output: loses
-    emb[aeos, _K], emb[aeos, _U], emb[aeos, _Z] = 1.0, 1.0, 1.0  # input: eos flag; output: logit 1 after speech
-    emb[tok, _K], emb[tok, _B], emb[tok, _E] = 1.0 - _TOKEN_E_WEIGHT * threshold, 1.0, _TOKEN_E_WEIGHT
-    emb[eos, _Z] = 5.0  # output: wins when the input was audio_eos
+    emb[bos, _K], emb[bos, _B] = s * _BOS_K, s * _BOS_B
+    emb[tok, _K] = s  # as an input (only in the logits-CFG pass) it looks exactly like a speech embedding
+    emb[aeos, _K], emb[aeos, _U], emb[aeos, _Z], emb[aeos, _E] = s * (1.0 + 10.0 * threshold), s, s, -10.0 * s
+    emb[eos, _Z] = s * _EOS_Z
     if not cfg.text_config.tie_word_embeddings:
         model.lm_head.weight.copy_(emb)
 
-    for layer in lm.layers:  # no layer writes the reserved dimensions ...
+    for layer in lm.layers:  # no layer writes the reserved dims, and every layer reads the others at full scale
         layer.self_attn.o_proj.weight[:5] = 0.0
         layer.mlp.down_proj.weight[:5] = 0.0
-    attn = lm.layers[0].self_attn  # ... but q-heads 0-1 / kv-head 0 of layer 0, the counter
+        layer.input_layernorm.weight.fill_(s)
+        layer.post_attention_layernorm.weight.fill_(s)
+        layer.input_layernorm.weight[:5] = 1.0
+        layer.post_attention_layernorm.weight[:5] = 1.0
+    lm.norm.weight.fill_(s)
+    lm.norm.weight[:5] = 1.0
+    attn = lm.layers[0].self_attn  # q-heads 0-1 / kv-head 0 of layer 0: the counter
     hd = attn.head_dim
     low = hd // 2 - 1  # lowest RoPE frequency: (almost) position-independent
     attn.q_proj.weight[: 2 * hd] = 0.0
@@ -199,21 +215,38 @@ def _make_speech_deterministic(model, speech_tokens: int) -> None:
     attn.v_proj.weight[:hd] = 0.0
     attn.v_proj.bias[:hd] = 0.0
     attn.v_proj.weight[0, _B] = 1.0
+    eps = cfg.text_config.rms_norm_eps
+    bos_value = _BOS_B / math.sqrt((_BOS_K**2 + _BOS_B**2) / hidden + eps / s**2)  # normed audio_bos row, dim B
     attn.o_proj.weight[:, : 2 * hd] = 0.0
-    attn.o_proj.weight[_E, 0] = 1.0 / math.sqrt(cfg.text_config.hidden_size)  # normed audio_bos row has B = sqrt(H)
-    lm.layers[0].input_layernorm.weight[:5] = 1.0
-    lm.norm.weight[:5] = 1.0
+    attn.o_proj.weight[_E, 0] = s / bos_value  # counter = s * m / (m + n)
 
-    # Voice-prompt embeddings (acoustic projector): constant 1, not counted. Speech embeddings (acoustic +
-    # semantic connector): constant 1, counted (U = 1 - 1 = 0), value 0.
+    # Voice-prompt embeddings (acoustic projector only): s (1, 1, 0, 0, 0), not counted. Speech embeddings
+    # (acoustic projector + semantic connector): s (1, 0, 0, 0, 0), counted with value 0.
     proj, sem = model.model.multi_modal_projector.linear_2, model.model.semantic_connector.linear_2
     proj.weight[:5] = 0.0
     proj.bias[:5] = 0.0
-    proj.bias[_K], proj.bias[_U] = 1.0, 1.0
+    proj.bias[_K], proj.bias[_U] = s, s
     sem.weight[:5] = 0.0
     sem.bias[:5] = 0.0
-    sem.bias[_U] = -1.0
+    sem.bias[_U] = -s
 
+    # Variance-preserving convolutions in the acoustic and semantic tokenizers (the default init scales every conv
+    # by 0.01, so the waveform would be ~1e-10 and a voice reference would drown in the sigma-VAE noise).
+    for tower in (model.model.audio_tower, model.model.semantic_tokenizer_encoder):
+        for mod in tower.modules():
+            if isinstance(mod, torch.nn.Conv1d):
+                fan_in = mod.in_channels // mod.groups * mod.kernel_size[0]
+                mod.weight.normal_(0.0, 1.0 / math.sqrt(fan_in))
+                mod.bias.zero_()
+            elif isinstance(mod, torch.nn.ConvTranspose1d):
+                fan_in = mod.in_channels * mod.kernel_size[0] / mod.stride[0]
+                mod.weight.normal_(0.0, 1.0 / math.sqrt(fan_in))
+                mod.bias.zero_()
+    model.model.audio_tower.decoder.head.conv.weight.mul_(0.1)
+    # Same for the diffusion head (its default init predicts ~0, so the latent would be the noise alone).
+    for mod in model.model.diffusion_head.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.weight.normal_(0.0, 1.0 / math.sqrt(mod.in_features))
     model.model.latent_scaling_factor.fill_(2.0)
     model.model.latent_bias_factor.fill_(-0.05)
 
@@ -490,8 +523,7 @@ def generate_audio(model, processor, text_lines: Sequence[str | tuple[str, str]]
                    steps: int = 10, max_new_tokens: int = 16, noise_scheduler=None, **generate_kwargs) -> torch.Tensor:
     """Generate speech for one conversation and return the float32 waveform ``[1, 1, T]`` (24 kHz), empty if none."""
     conv = build_conversation(text_lines, voices)
-    inputs = processor.apply_chat_template(conv, tokenize=True, return_dict=True, return_tensors="pt",
-                                           sampling_rate=SAMPLE_RATE)
+    inputs = processor.apply_chat_template(conv, tokenize=True, return_dict=True, return_tensors="pt")
     device = next(model.parameters()).device
     inputs = inputs.to(device)
     if "input_values" in inputs:
@@ -513,8 +545,9 @@ def generate_audio(model, processor, text_lines: Sequence[str | tuple[str, str]]
 
 def speech_token_count(speech_tokens: int, num_voices: int = 0) -> int:
     """Number of speech tokens the tiny model emits before end-of-speech (``num_voices`` voice references)."""
-    m = num_voices + 1
-    return int(math.ceil(m * (speech_tokens - 0.5) - 1e-9))
+    if num_voices:
+        raise ValueError("with voice references the count is deterministic but has no closed form (see docstring)")
+    return speech_tokens
 
 
 def iter_param_bytes(module: torch.nn.Module) -> Iterable[tuple[str, int]]:
