@@ -49,15 +49,15 @@ $(STAMP): pyproject.toml
 	    echo "[make] $(PYTHON) already has torch: $(VENV) sees its packages (after its own) via $$site/_layer_offload_parent.pth"; \
 	  fi; \
 	fi; \
-	if $(PY) -c "import torch" >/dev/null 2>&1; then \
-	  echo "[make] keeping the installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	if $(PY) -W ignore -c "import torch" >/dev/null 2>&1; then \
+	  echo "[make] keeping the installed torch $$($(PY) -W ignore -c 'import torch; print(torch.__version__)')"; \
 	else \
 	  echo "[make] no torch importable in $(PY): pip install $(TORCH_SPEC)"; \
 	  $(PY) -m pip install "$(TORCH_SPEC)"; \
 	fi; \
-	before=$$($(PY) -c "import torch; print(torch.__version__)"); \
+	before=$$($(PY) -W ignore -c "import torch; print(torch.__version__)"); \
 	$(PY) -m pip install -e ".[test]"; \
-	after=$$($(PY) -c "import torch; print(torch.__version__)"); \
+	after=$$($(PY) -W ignore -c "import torch; print(torch.__version__)"); \
 	if [ "$$before" != "$$after" ]; then \
 	  echo "[make] ERROR: installing the project replaced torch $$before with $$after" >&2; exit 1; \
 	fi; \
@@ -80,9 +80,9 @@ test-comfy:
 	$(PY) -m pytest tests/comfyui $(PYTEST_ARGS)
 
 $(STAMP)-bench: $(STAMP)
-	@set -e; before=$$($(PY) -c "import torch; print(torch.__version__)"); \
+	@set -e; before=$$($(PY) -W ignore -c "import torch; print(torch.__version__)"); \
 	$(PY) -m pip install -e ".[test,bench]"; \
-	after=$$($(PY) -c "import torch; print(torch.__version__)"); \
+	after=$$($(PY) -W ignore -c "import torch; print(torch.__version__)"); \
 	if [ "$$before" != "$$after" ]; then \
 	  echo "[make] ERROR: installing the bench extras replaced torch $$before with $$after" >&2; exit 1; \
 	fi; \

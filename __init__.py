@@ -1,16 +1,14 @@
-"""Layer Offload for ComfyUI: stream model weights block by block from pinned host RAM to the GPU."""
+"""Layer Offload for ComfyUI: stream model weights block by block from host RAM to the GPU."""
+import sys
+
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}
 
-if __package__:  # imported as a package: how ComfyUI loads custom_nodes/<folder>/__init__.py
-    try:
-        from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
-    except ModuleNotFoundError as _e:
-        # Imported outside ComfyUI (pytest collects the repository root as a package; plain-PyTorch users import
-        # `offload` directly): there are no nodes to register then. Inside ComfyUI every import must succeed.
-        if (_e.name or "").split(".")[0] not in ("comfy", "folder_paths", "server", "nodes"):
-            raise
-# else: imported as a lone module (pytest collecting a checkout whose folder name is not a valid package name)
+# ComfyUI imports this file as a package after it has set itself up (comfy.model_management is loaded by then).
+# Anything else that imports the folder as a package (pytest collecting the repository, a script with ComfyUI
+# pip-installed) must not import ComfyUI here: that would initialise it before its command line is applied.
+if __package__ and "comfy.model_management" in sys.modules:
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
 
 WEB_DIRECTORY = "./web"
 

@@ -1,7 +1,6 @@
 """Offload Model / Offload CLIP / Offload Any: put models another node loaded under the engine."""
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -13,9 +12,10 @@ import comfy.utils
 from comfy.model_patcher import ModelPatcher
 
 from ..offload import offload_module
-from .comfy_patcher import OffloadPatcherMixin, non_dynamic, patcher_class_for
-from .common import (ANY, CATEGORY, Managed, engine_device, log_once, make_config, optional_inputs,
-                     preset_input, register, resolve_budget, state_of, track_patcher, detach_managed)
+from . import dynamic, patches, status
+from .comfy_patcher import add_report_wrapper, as_offload_patcher
+from .common import ANY, CATEGORY, engine_device, log_once, make_config, optional_inputs, preset_input, resolve_budget
+from .registry import Managed, detach_managed, register, state_of, track_patcher
 
 log = logging.getLogger("layer_offload")
 
@@ -28,7 +28,10 @@ def _progress_bar(total: int) -> Callable[[int, int], None]:
         return lambda i, n: None
 
     def update(i: int, n: int) -> None:
-        pbar.update_absolute(i, n)
+        try:
+            pbar.update_absolute(i, n)
+        except Exception:  # noqa: BLE001 - a UI nicety
+            pass
 
     return update
 
@@ -54,40 +57,39 @@ def _move_to_host(root: torch.nn.Module) -> None:
             return
 
 
-def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int, name: str,
-                  kind: str) -> Optional[Managed]:
-    """Offload `root` with the engine (or reuse/refresh an existing handle); None when the device is unsupported."""
+def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int, name: str, kind: str,
+                  disk_path: Optional[str] = None, units: Optional[List[str]] = None) -> Optional[Managed]:
+    """Offload `root` with the engine (or reuse/refresh an existing handle); None when the device is unsupported.
+
+    `disk_path`: the file the weights came from; blocks it holds byte for byte may stream from it when host RAM
+    runs short (others stay in RAM).
+    """
     device = engine_device()
     if device is None:
         return None
-    cfg = make_config(preset, device)
+    overrides: Dict[str, Any] = {}
+    if disk_path:
+        overrides.update(disk_path=disk_path, disk_optional=True)
+    cfg = make_config(preset, device, **overrides)
     vbudget = resolve_budget(budget)
     existing = state_of(root)
     if existing is not None:
-        if existing.config == cfg and existing.handle_budget is vbudget:
-            if existing.priority != priority:
+        if existing.config == cfg and existing.budget_of_handle is vbudget and existing.handle.attached:
+            if existing.handle.priority != priority:
                 existing.handle.set_priority(priority)
-                existing.priority = priority
+            existing.priority = priority
             existing.budget = budget
             return existing
         detach_managed(existing)
     _move_to_host(root)
-    kwargs: Dict[str, Any] = dict(name=name, priority=priority, budget=vbudget)
     n_units = max(1, sum(1 for _ in root.children()))
     progress = _progress_bar(n_units)
-    if "progress" in inspect.signature(offload_module).parameters:
-        kwargs["progress"] = progress
     t0 = time.perf_counter()
-    handle = offload_module(root, cfg, **kwargs)  # the engine stages outside inference mode itself
+    handle = offload_module(root, cfg, name=name, priority=priority, budget=vbudget, units=units, progress=progress)
     progress(n_units, n_units)
     managed = Managed(name=name, handle=handle, preset=preset, priority=priority, device=device, kind=kind,
-                      config=cfg, budget=budget)
-    managed.handle_budget = vbudget
-    for m in root.modules():
-        if hasattr(m, "comfy_cast_weights"):
-            # ComfyUI's cast path: weights are read through cast_bias_weight, so weight_function (LoRA) applies
-            managed.cast_flags.append((m, m.__dict__.get("comfy_cast_weights")))
-            m.comfy_cast_weights = True
+                      config=cfg, budget=budget, budget_of_handle=vbudget)
+    patches.set_cast_flags(root, managed)
     register(root, managed)
     log.info("Layer Offload: %s (%s) set up on %s with preset %s in %.2fs", name, kind, device, preset,
              time.perf_counter() - t0)
@@ -95,27 +97,23 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
 
 
 def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, priority: int = 0,
-                    name: Optional[str] = None, kind: str = "model") -> ModelPatcher:
-    """A clone of `patcher` as an offload ModelPatcher whose root module the engine streams."""
+                    name: Optional[str] = None, kind: str = "model", disk_path: Optional[str] = None) -> ModelPatcher:
+    """An offload patcher for `patcher`'s model, whose root module the engine streams."""
     if engine_device() is None:
         return patcher
-    patcher = non_dynamic(patcher)
-    if isinstance(patcher, OffloadPatcherMixin):
-        n = patcher.clone()
-    else:
+    patcher = dynamic.prepare(patcher)
+    if not getattr(type(patcher), "_lo_offload", False):
         _evict_from_comfy(patcher)
-        n = patcher_class_for(patcher).clone(patcher)
+    n = as_offload_patcher(patcher)
     model = n.model
-    if kind == "model" and isinstance(getattr(model, "diffusion_model", None), torch.nn.Module):
-        root = model.diffusion_model
-    else:
-        root = model
+    inner = getattr(model, "diffusion_model", None)
+    root = inner if kind == "model" and isinstance(inner, torch.nn.Module) else model
     if name is None:
         name = "{}:{}".format(kind, type(root).__name__)
-    managed = attach_engine(root, preset, budget, priority, name, kind)
-    if managed is not None and getattr(n, "_lo_tracked_for", None) is not managed:
-        track_patcher(n, managed)  # n was created before its model was offloaded
-        n._lo_tracked_for = managed
+    managed = attach_engine(root, preset, budget, priority, name, kind, disk_path=disk_path)
+    if managed is not None:
+        track_patcher(n, managed)
+        add_report_wrapper(n, status.publish)
     return n
 
 
@@ -124,7 +122,7 @@ def offload_clip(clip: Any, preset: str, budget: Any = None, priority: int = 0, 
     if engine_device() is None:
         return clip
     out = clip.clone()
-    inner = getattr(getattr(out, "cond_stage_model", None), "__class__", type(None)).__name__
+    inner = type(getattr(out, "cond_stage_model", None)).__name__
     out.patcher = offload_patcher(out.patcher, preset, budget, priority, name or "clip:{}".format(inner), kind="clip")
     return out
 
@@ -212,10 +210,10 @@ class OffloadModel:
                 "optional": optional_inputs()}
 
     RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The same model; its blocks now stream from pinned RAM.",)
+    OUTPUT_TOOLTIPS = ("The same model; its blocks now stream from host RAM.",)
     FUNCTION = "apply"
     CATEGORY = CATEGORY
-    DESCRIPTION = "Stream a MODEL block by block from pinned host RAM under the pack's VRAM budget."
+    DESCRIPTION = "Stream a MODEL block by block from host RAM under the pack's VRAM budget."
 
     def apply(self, model: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
         return (offload_patcher(model, preset, budget, priority, kind="model"),)
@@ -231,10 +229,10 @@ class OffloadCLIP:
                 "optional": optional_inputs()}
 
     RETURN_TYPES = ("CLIP",)
-    OUTPUT_TOOLTIPS = ("The same CLIP; its encoder blocks now stream from pinned RAM.",)
+    OUTPUT_TOOLTIPS = ("The same CLIP; its encoder blocks now stream from host RAM.",)
     FUNCTION = "apply"
     CATEGORY = CATEGORY
-    DESCRIPTION = "Stream a CLIP text encoder block by block from pinned host RAM under the pack's VRAM budget."
+    DESCRIPTION = "Stream a CLIP text encoder block by block from host RAM under the pack's VRAM budget."
 
     def apply(self, clip: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
         return (offload_clip(clip, preset, budget, priority),)
@@ -260,4 +258,3 @@ class OffloadAny:
 
     def apply(self, anything: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
         return (offload_anything(anything, preset, budget, priority),)
-

@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,6 +44,12 @@ def unet_model_options(weight_dtype: str) -> Dict[str, Any]:
     return opts
 
 
+def _streamable_file(path: str) -> Optional[str]:
+    """The model's file, when the disk tier can stream blocks from it (a safetensors file; the engine checks that
+    it holds each block's bytes exactly, and keeps any other block in RAM)."""
+    return path if path.lower().endswith(".safetensors") else None
+
+
 def _non_dynamic_kwargs(fn: Any) -> Dict[str, Any]:
     """`disable_dynamic=True` where ComfyUI's loader has it (DynamicVRAM): the pack wants a plain ModelPatcher."""
     try:
@@ -76,7 +82,8 @@ class OffloadDiffusionModelLoader:
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         model = comfy.sd.load_diffusion_model(path, model_options=unet_model_options(weight_dtype),
                                               **_non_dynamic_kwargs(comfy.sd.load_diffusion_model))
-        return (offload_patcher(model, preset, budget, priority, name=unet_name, kind="model"),)
+        return (offload_patcher(model, preset, budget, priority, name=unet_name, kind="model",
+                                disk_path=_streamable_file(path)),)
 
 
 class OffloadCheckpointLoader:
@@ -104,7 +111,8 @@ class OffloadCheckpointLoader:
                                                     **_non_dynamic_kwargs(comfy.sd.load_checkpoint_guess_config))
         model, clip, vae = out[:3]
         if model is not None:
-            model = offload_patcher(model, preset, budget, priority, name=ckpt_name, kind="model")
+            model = offload_patcher(model, preset, budget, priority, name=ckpt_name, kind="model",
+                                    disk_path=_streamable_file(path))
         if clip is not None:
             clip = offload_clip(clip, preset, budget, priority, name=ckpt_name + ":clip")
         return (model, clip, vae)

@@ -1,37 +1,106 @@
-"""HTTP route and server event that feed the web panel (web/layer_offload.js)."""
+"""HTTP routes for the panel (web/layer_offload.js): the report, and the priority and budget controls.
+
+GET  /layer_offload/report                      the report JSON (nodes/status.py)
+POST /layer_offload/priority {"model", "priority"}  a model's priority; takes effect at its next forward
+POST /layer_offload/budget   {"total_gb"} or {"total_bytes"}  the process-wide budget total
+
+A change answers with the new report and publishes it; a bad value answers 400 (an unknown model 404) with
+{"error": "..."} and changes nothing. No route ever answers with a traceback.
+"""
 from __future__ import annotations
 
 import logging
-import sys
-from typing import Any, Dict
+import math
+from typing import Any, Dict, Tuple
+
+from ..offload import default_budget
+from .budget import GIB, check_total
+from .registry import find_managed
+from .status import _prompt_server, build_report, publish
 
 log = logging.getLogger("layer_offload")
 
-EVENT = "layer_offload.report"
 ROUTE = "/layer_offload/report"
+PRIORITY_ROUTE = "/layer_offload/priority"
+BUDGET_ROUTE = "/layer_offload/budget"
+PRIORITY_RANGE = (-100, 100)
+PANEL_ORIGIN = "set from the Layer Offload panel"
 _registered = False
 
 
-def _prompt_server() -> Any:
-    """ComfyUI's running PromptServer, or None (unit tests, scripts): never import the server module ourselves."""
-    server = sys.modules.get("server")
-    cls = getattr(server, "PromptServer", None) if server is not None else None
-    return getattr(cls, "instance", None) if cls is not None else None
+class RouteError(Exception):
+    """A request the panel must be told about: HTTP status and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
-def publish(data: Dict[str, Any]) -> None:
-    """Send the report to every connected browser."""
-    ps = _prompt_server()
-    if ps is None:
-        return
+def _number(body: Dict[str, Any], key: str) -> float:
+    value = body.get(key)
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise RouteError(400, "{} must be a number, got {!r}".format(key, body.get(key))) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RouteError(400, "{} must be a number, got {!r}".format(key, body.get(key)))
+    return float(value)
+
+
+def set_priority(body: Dict[str, Any]) -> Dict[str, Any]:
+    """Change one model's priority; returns the new report."""
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise RouteError(400, "give the model's name as 'model'")
+    managed = find_managed(name)
+    if managed is None or not managed.handle.attached:
+        raise RouteError(404, "no offloaded model named {!r}".format(name))
+    value = _number(body, "priority")
+    if value != int(value) or not PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]:
+        raise RouteError(400, "priority must be a whole number from {} to {}, got {!r}".format(
+            PRIORITY_RANGE[0], PRIORITY_RANGE[1], body.get("priority")))
+    managed.handle.set_priority(int(value))
+    managed.priority = int(value)
+    return publish() or build_report()
+
+
+def set_budget(body: Dict[str, Any]) -> Dict[str, Any]:
+    """Change the process-wide budget total; returns the new report."""
+    if "total_bytes" in body:
+        total = _number(body, "total_bytes")
+    elif "total_gb" in body:
+        total = _number(body, "total_gb") * GIB
+    else:
+        raise RouteError(400, "give the budget as 'total_gb' (or 'total_bytes')")
     try:
-        ps.send_sync(EVENT, data)
-    except Exception as e:  # noqa: BLE001 - the UI event is a nicety; the node result already carries the data
-        log.debug("Layer Offload: could not send %s: %s", EVENT, e)
+        nbytes = check_total(total, PANEL_ORIGIN)
+        default_budget().set_total(nbytes, origin=PANEL_ORIGIN)
+    except ValueError as e:  # BudgetError included: over the device, under a model's minimum
+        raise RouteError(400, str(e)) from None
+    log.info("Layer Offload: VRAM budget set to %.2f GB from the panel", nbytes / GIB)
+    return publish() or build_report()
+
+
+def handle_post(kind: str, body: Any) -> Tuple[int, Dict[str, Any]]:
+    """(status, JSON) for a control request; the same code serves the routes and the tests."""
+    try:
+        if not isinstance(body, dict):
+            raise RouteError(400, "the request body must be a JSON object")
+        if kind == "priority":
+            return 200, {"ok": True, "report": set_priority(body)}
+        if kind == "budget":
+            return 200, {"ok": True, "report": set_budget(body)}
+        raise RouteError(404, "unknown control {!r}".format(kind))
+    except RouteError as e:
+        return e.status, {"ok": False, "error": str(e)}
+    except Exception as e:  # noqa: BLE001 - a message for the panel, never a traceback
+        log.warning("Layer Offload: %s change failed: %s", kind, e)
+        return 500, {"ok": False, "error": "{}: {}".format(type(e).__name__, e)}
 
 
 def register_routes() -> bool:
-    """Add GET /layer_offload/report to ComfyUI's server (once); False when no server is running."""
+    """Add the routes to ComfyUI's server (once); False when no server is running."""
     global _registered
     if _registered:
         return True
@@ -42,9 +111,26 @@ def register_routes() -> bool:
 
     @ps.routes.get(ROUTE)
     async def _report(request: Any) -> Any:
-        from .report import build_report
+        try:
+            return web.json_response(build_report())
+        except Exception as e:  # noqa: BLE001
+            return web.json_response({"ok": False, "error": str(e)}, status=500)
 
-        return web.json_response(build_report())
+    async def _post(request: Any, kind: str) -> Any:
+        try:
+            body = await request.json()
+        except Exception:  # noqa: BLE001 - not JSON
+            return web.json_response({"ok": False, "error": "the request body must be JSON"}, status=400)
+        status, data = handle_post(kind, body)
+        return web.json_response(data, status=status)
+
+    @ps.routes.post(PRIORITY_ROUTE)
+    async def _priority(request: Any) -> Any:
+        return await _post(request, "priority")
+
+    @ps.routes.post(BUDGET_ROUTE)
+    async def _budget(request: Any) -> Any:
+        return await _post(request, "budget")
 
     _registered = True
     return True

@@ -73,8 +73,15 @@ class ComfyServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def entry_point(self) -> List[str]:
+        """How to start this ComfyUI: `main.py`, or the pip-installable fork's module (its main.py ignores
+        --base-directory for custom nodes)."""
+        if os.path.isfile(os.path.join(self.comfy_path, "comfy", "cmd", "main.py")):
+            return [self.python, "-m", "comfy.cmd.main"]
+        return [self.python, "main.py"]
+
     def start(self) -> None:
-        cmd = [self.python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        cmd = self.entry_point() + ["--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", self.base_dir, "--disable-auto-launch", "--disable-metadata",
                "--database-url", "sqlite:///" + os.path.join(self.base_dir, "user", "comfyui.db")]
         env = dict(os.environ)
@@ -149,7 +156,11 @@ class ComfyServer:
         raise RuntimeError("prompt {} did not finish in {}s\n{}".format(prompt_id, timeout, self.log_tail()))
 
     def is_running(self, prompt_id: str) -> bool:
-        return any(item[1] == prompt_id for item in self.get_json("/queue").get("queue_running", []))
+        """Whether the prompt is running now (/queue lists [number, id, ...], or dicts with a prompt_id)."""
+        def pid(item: Any) -> Any:
+            return item.get("prompt_id") if isinstance(item, dict) else item[1]
+
+        return any(pid(item) == prompt_id for item in self.get_json("/queue").get("queue_running", []))
 
     def interrupt(self) -> None:
         self.post_json("/interrupt", {})

@@ -48,6 +48,12 @@ def load_comfy_and_pack() -> Any:
 
     args.cpu = True
     import comfy.model_management  # noqa: F401
+    try:  # the pip-installable fork (0.12.x) exposes upstream's top-level modules only in a "vanilla" environment
+        from comfy_compatibility.vanilla import prepare_vanilla_environment
+    except ImportError:
+        pass
+    else:
+        prepare_vanilla_environment()
     import folder_paths  # noqa: F401
     import nodes  # noqa: F401  (ComfyUI's core nodes: UNETLoader, KSampler, LoraLoaderModelOnly)
 
@@ -64,4 +70,8 @@ def load_comfy_and_pack() -> Any:
 def pack() -> Any:
     if not comfy_available():
         pytest.skip(skip_reason())
-    return load_comfy_and_pack()
+    try:
+        return load_comfy_and_pack()
+    except ImportError as e:  # COMFYUI_PATH is set, but this python lacks ComfyUI's requirements
+        pytest.skip("COMFYUI_PATH={} is set but this python cannot import ComfyUI: {} (install ComfyUI's "
+                    "requirements into it, see README 'Running the ComfyUI tests')".format(COMFYUI_PATH, e))

@@ -170,6 +170,16 @@ def test_offload_loader_samples_bitwise_like_unet_loader_and_reports(server):
     assert listener.events and listener.events[-1]["models"], "no layer_offload.report event"
 
 
+def test_report_event_after_sampling_without_a_report_node(server):
+    """The panel is live in every workflow: sampling with an offloaded model publishes the report by itself."""
+    with EventListener(server, "layer_offload.report") as listener:
+        server.run_prompt(prompt(offload_loader("budget"), seed=4), timeout=60)
+        listener.done.wait(10)
+    assert listener.events, "no layer_offload.report event from a workflow without an Offload Report node"
+    models = [m for m in listener.events[-1]["models"] if m["name"] == UNET]
+    assert models and models[-1]["forwards"] >= 3 and len(models[-1]["blocks"]) == 4
+
+
 def test_lora_after_offload_loader_matches_plain_loader_with_lora(server):
     base = latent_hash(server, prompt(unet_loader(), seed=5))
     ref = latent_hash(server, prompt(unet_loader(), seed=5, lora=0.8))
@@ -201,7 +211,7 @@ def test_interrupt_mid_sampling_then_next_prompt_matches_fresh(server):
     server.interrupt()
     entry = server.wait(pid, timeout=60)
     status = entry.get("status", {})
-    kinds = [m[0] for m in status.get("messages", [])]
+    kinds = [m[0] if isinstance(m, (list, tuple)) else m for m in status.get("messages", [])]  # the fork: strings
     assert "execution_interrupted" in kinds, status
     assert latent_hash(server, prompt(offload_loader("budget"), seed=8)) == ref
     assert latent_hash(server, prompt(offload_loader("budget"), seed=8, lora=0.8)) == \

@@ -1,0 +1,97 @@
+"""The report the node, the HTTP route and the panel show: built here from the engine's report, published here.
+
+`build_report()` is the JSON: `budget` (total, used, where it came from, each model's share) and `models[]`, each
+one `OffloadReport.to_dict()` plus what only the pack knows (kind, the ComfyUI device). `publish()` sends it as
+the `layer_offload.report` server event; it runs when sampling ends (a patcher wrapper), after TTS generation, at
+every change made from the panel, and when an Offload Report node runs.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from ..offload import default_budget, summarize
+from .registry import Managed, managed_models
+
+log = logging.getLogger("layer_offload")
+
+EVENT = "layer_offload.report"
+_publish_lock = threading.Lock()
+
+
+def model_entry(m: Managed) -> Dict[str, Any]:
+    """One model's report: the engine's report shape plus the pack's kind and ComfyUI device."""
+    d = m.handle.report().to_dict()
+    d.pop("timeline", None)
+    d["name"] = m.name
+    d["kind"] = m.kind
+    d["device_name"] = d["device"]  # the engine's description, e.g. "sim (8.00 GiB)"
+    d["device"] = m.device  # "sim" under --cpu, else "cuda:N"
+    d["priority"] = m.handle.priority
+    d["host"] = m.handle.host_memory()
+    return d
+
+
+def build_report(only: Optional[List[Managed]] = None) -> Dict[str, Any]:
+    """The report JSON: the budget and every managed model (or only the given ones)."""
+    budget = default_budget()
+    models = []
+    for m in (only if only is not None else managed_models()):
+        try:
+            models.append(model_entry(m))
+        except Exception as e:  # noqa: BLE001 - one broken handle must not hide the others
+            log.warning("Layer Offload: no report for %s: %s", m.name, e)
+    shares = budget.targets()
+    return {
+        "time": time.time(),
+        "budget": {
+            "total_bytes": int(budget.total_bytes or 0),
+            "used_bytes": int(budget.used_bytes),
+            "minimum_bytes": int(budget.minimum_bytes()),
+            "origin": budget.origin,
+            "models": [{"name": m.name, "used_bytes": int(m.handle.device_bytes()),
+                        "share_bytes": int(shares.get(id(m.handle), 0))}
+                       for m in (only if only is not None else managed_models()) if m.handle.attached],
+        },
+        "models": models,
+    }
+
+
+def summary_text(data: Dict[str, Any]) -> str:
+    """A few readable lines for the node's UI text: the budget, then the engine's summary of each model."""
+    b = data["budget"]
+    mb = 1 << 20
+    lines = ["VRAM budget: {:.1f} MB used of {:.1f} MB ({})".format(b["used_bytes"] / mb, b["total_bytes"] / mb,
+                                                                   b["origin"])]
+    if not data["models"]:
+        lines.append("No offloaded model yet.")
+    lines.extend(summarize(d) for d in data["models"])
+    return "\n".join(lines)
+
+
+def _prompt_server() -> Any:
+    """ComfyUI's running PromptServer, or None (unit tests, scripts): never import the server module ourselves."""
+    for name in ("server", "comfy.cmd.server"):
+        module = sys.modules.get(name)
+        cls = getattr(module, "PromptServer", None) if module is not None else None
+        instance = getattr(cls, "instance", None) if cls is not None else None
+        if instance is not None:
+            return instance
+    return None
+
+
+def publish(data: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
+    """Send the report (built now unless given) to every connected browser; returns what was sent."""
+    ps = _prompt_server()
+    if ps is None:
+        return None
+    with _publish_lock:
+        try:
+            data = build_report() if data is None else data
+            ps.send_sync(EVENT, data)
+        except Exception as e:  # noqa: BLE001 - the UI event is a nicety; it must never fail a prompt
+            log.debug("Layer Offload: could not send %s: %s", EVENT, e)
+    return data
