@@ -20,6 +20,7 @@ import torch
 
 import comfy.model_management
 import comfy.model_patcher
+import comfy.utils
 from comfy.model_patcher import ModelPatcher
 
 from . import patches
@@ -88,6 +89,30 @@ def _outside_device_bytes(patcher: Any, root: torch.nn.Module) -> int:
             if t.device == load:
                 total += t.nelement() * t.element_size()
     return total
+
+
+def _bake(patcher: Any, st: Managed, prefix: str) -> None:
+    """Write the patches into the host weights (a forced load), keeping the originals to restore."""
+    st.handle.unload()  # every weight on its host master
+    with torch.no_grad():
+        for key in patcher.patches:
+            if not key.startswith(prefix):
+                continue
+            weight = comfy.utils.get_attr(patcher.model, key)
+            value = patches.patched_weight(patcher.model, key, patcher.patches, weight.device)
+            st.baked[key] = (weight, weight.detach().clone())  # the engine keeps parameter identity
+            weight.data.copy_(value)
+
+
+def _restore_baked(st: Managed) -> None:
+    """Undo a forced load's baking: the host weights are the originals again."""
+    if not st.baked:
+        return
+    st.handle.unload()
+    with torch.no_grad():
+        for weight, original in st.baked.values():
+            weight.data.copy_(original)
+    st.baked.clear()
 
 
 def _reassert_budget(st: Managed) -> None:
@@ -192,20 +217,27 @@ class OffloadPatcherMethods:
     # load / unload --------------------------------------------------------------
     def load(self, device_to: Any = None, lowvram_model_memory: int = 0, force_patch_weights: bool = False,
              full_load: bool = False, **kwargs: Any) -> None:
-        """Place the engine's resident set and slot ring (within the pack's budget) and install patch functions."""
+        """Place the engine's resident set and slot ring (within the pack's budget) and install patch functions.
+
+        `force_patch_weights` (how ComfyUI 0.3.x saves a checkpoint) bakes the patches into the host weights, with
+        backups that the next load of any patcher of this model restores first, exactly as a plain load does.
+        """
         root, prefix, st = self._lo()
         if st is None:
             return self._lo_base.load(self, device_to, lowvram_model_memory=lowvram_model_memory,
                                       force_patch_weights=force_patch_weights, full_load=full_load, **kwargs)
-        if force_patch_weights:
-            log_once("force-patch", "Layer Offload: force_patch_weights is ignored; patches are applied on the fly "
-                     "so the host weights stay unpatched.", level=logging.INFO)
         if device_to is None:
             device_to = self.load_device
         with self.use_ejected():
             self.unpatch_hooks()
+            _restore_baked(st)
             _reassert_budget(st)
-            patch_counter = patches.install(self, root, prefix)
+            if force_patch_weights:
+                _bake(self, st, prefix)
+                patch_counter = 0
+                patches.clear(self, root)
+            else:
+                patch_counter = patches.install(self, root, prefix)
             st.handle.reset_stats()  # the report describes the run this load serves, not every run since setup
             st.handle.load()
             for _, m in _outside_modules(self, root):
@@ -263,6 +295,7 @@ class OffloadPatcherMethods:
         if unpatch_weights:
             self.unpatch_hooks()
             st.handle.unload()
+            _restore_baked(st)
             patches.clear(self, root)
             self.backup.clear()
             if device_to is not None:
@@ -285,12 +318,29 @@ class OffloadPatcherMethods:
                                                         **kwargs)
         if return_weight:
             weight, _, _ = comfy.model_patcher.get_key_weight(self.model, key)
-            if key not in self.patches:
+            if key not in self.patches or key in st.baked:
                 return weight
             return patches.patched_weight(self.model, key, self.patches, device_to or self.offload_device)
         log_once("patch-weight", "Layer Offload: baking patches into offloaded weights is skipped; they are applied "
                  "on the fly instead.", level=logging.INFO)
         return None
+
+    def state_dict_for_saving(self, *args: Any, **kwargs: Any) -> Any:
+        """What ComfyUI 0.8+ saves: every patched weight of the offloaded model (plain parameters included) is
+        handed out patched, computed from the unpatched host master like a full load bakes it."""
+        root, prefix, st = self._lo()
+        base = getattr(self._lo_base, "state_dict_for_saving", None)
+        if st is None or not callable(base) or prefix != "diffusion_model.":
+            return base(self, *args, **kwargs)
+        lazy = getattr(comfy.model_patcher, "LazyCastingParam", None)
+        unet = self.model.diffusion_model.state_dict()
+        for k in list(unet):
+            key = prefix + k
+            if key in self.patches and key not in st.baked:
+                current = comfy.utils.get_attr(self.model, key)
+                unet[k] = lazy(self, key, current) if lazy is not None else \
+                    patches.patched_weight(self.model, key, self.patches, self.offload_device)
+        return self.model.state_dict_for_saving(unet, *args, **kwargs)
 
     def pin_weight_to_device(self, key: str) -> None:
         """The engine already keeps offloaded weights pinned; ComfyUI must not pin them again."""

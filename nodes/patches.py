@@ -6,8 +6,10 @@ LoRA). A patch is computed on the device copy, the way a full load bakes it:
 - Weights of ComfyUI's cast-capable layers get an `ExactPatch` in their `weight_function` / `bias_function`:
   the stored weight is cast to `lora_compute_dtype`, patched (`convert_func` / `set_func` for quantized storage,
   exactly as `patch_weight_to_device` does), rounded back to the stored dtype, then cast to the compute dtype.
-- Plain parameters outside those layers (Wan's `modulation`, scale/shift tables) get a forward pre-hook on their
-  module that swaps in the patched tensor for that forward and a post-hook that puts the original back.
+- Plain parameters of other leaf modules get a forward pre-hook on their module that swaps in the patched tensor
+  for that forward and a post-hook that puts the original back. Parameters of non-leaf modules (Wan's
+  `modulation` on its block) are left alone, as ComfyUI's own loader leaves them: its `_load_list` skips "random
+  weights in non leaf modules", so patching them would differ from the plain loader.
 
 Patches that cannot apply (a LoRA key of the wrong shape) are found once per set of patches, reported in one
 log line like ComfyUI's own loader does, and left out instead of failing again on every forward.
@@ -93,6 +95,13 @@ class _PlainParamPatch:
     def post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.saved:
             module._parameters[self.attr] = self.saved.pop()
+
+
+def loads_own_params(module: torch.nn.Module) -> bool:
+    """Whether ComfyUI's loader patches this module's own parameters: a leaf as its `_load_list` sees it (every
+    parameter below it is its own, or under torch's `parametrizations.`)."""
+    own = set(module._parameters)
+    return all(name in own or name.startswith("parametrizations.") for name, _ in module.named_parameters())
 
 
 def set_cast_flags(root: torch.nn.Module, managed: Managed) -> None:
@@ -195,6 +204,8 @@ def install(patcher: Any, root: torch.nn.Module, prefix: str) -> int:
                     counter += 1
                 if key in patcher.weight_wrapper_patches:
                     getattr(m, fname).extend(patcher.weight_wrapper_patches[key])
+            continue
+        if not loads_own_params(m):
             continue
         for attr, p in m._parameters.items():
             key = "{}.{}".format(name, attr) if name else attr

@@ -30,6 +30,7 @@ class Managed:
         self.root_ref: Any = None  # weakref to the offloaded module
         self.patchers = 0  # live offload patchers using it; at zero the handle is detached (frees host RAM)
         self.on_release: List[Callable[[], None]] = []  # undo steps run when the model is handed back
+        self.baked: dict = {}  # key -> (weight, original) while a forced load (saving) holds patched weights
 
 
 _registry: "List[weakref.ReferenceType]" = []

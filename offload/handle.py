@@ -351,11 +351,14 @@ class OffloadHandle:
     def release_host_memory(self, nbytes: int) -> int:
         """Give host RAM back: blocks whose exact bytes the model's file (`disk_path`) holds move to the disk tier.
 
-        Returns the bytes freed (0 without a file, or when no block matches it). Streaming goes on, from disk.
+        Returns the bytes freed, net of the bounce buffers the disk tier needs (0 without a file, when no block matches
+        it, or when the preset keeps every block in RAM). Streaming goes on, from disk.
         """
         self._check_attached("release_host_memory")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0:
             raise ValueError(f"release_host_memory(nbytes) takes a number of bytes >= 0, got {nbytes!r}")
+        if not self.config.allow_disk:
+            return 0  # the preset keeps every block in RAM (high_end, mid_range)
         freed = self.streamer.release_host_memory(int(min(nbytes, 1 << 62)))
         if freed:
             self._notice("disk_tier", f"blocks stream from {self._file_path}: host RAM was released on request")

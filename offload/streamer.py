@@ -621,8 +621,16 @@ class ModelStreamer:
         if file is None or nbytes <= 0:
             return 0
         with self._lock:
+            candidates = [u for u in reversed(self.units) if u.master.host is not None and u.staged.layout.plain]
+            biggest = max((x.nbytes for x in self.units), default=0)
+            reader = staged.reader
+            if reader is None or reader.bounce_bytes < biggest:  # the disk tier would need new bounce buffers
+                extra = biggest * bounce_buffers(self.worker_prefetch) - (0 if reader is None else
+                                                                          reader.bounce_bytes * reader.count)
+                if sum(u.nbytes for u in candidates) <= extra:
+                    return 0  # moving every block could not even pay for the bounce buffers
             freed = cost = 0
-            for u in [u for u in reversed(self.units) if u.master.host is not None and u.staged.layout.plain]:
+            for u in candidates:
                 if freed - cost >= nbytes:
                     break
                 keys = file_keys_holding(file, u.staged.layout, staged.key_of)
@@ -630,7 +638,7 @@ class ModelStreamer:
                     continue
                 self._quiesce()  # no read or copy may still use the RAM master about to go
                 if staged.reader is None or staged.reader.bounce_bytes < u.nbytes:
-                    cost += self._replace_reader(max(x.nbytes for x in self.units))
+                    cost += self._replace_reader(biggest)
                 u.staged.master = StagingBuffer.on_disk(u.staged.layout, file, keys, apply=u.resident_buf is None)
                 u.staged.source = self.sources[u.index] = DiskSource(file, keys, u.staged.layout.leaves, u.nbytes,
                                                                       staged.reader)

@@ -37,7 +37,7 @@ def _block_shapes(i: int) -> Dict[str, tuple]:
     return s
 
 
-def wan_shapes() -> Dict[str, tuple]:
+def wan_shapes(num_blocks: int = NUM_BLOCKS) -> Dict[str, tuple]:
     """Every key of a Wan 2.1 T2V diffusion model (no 'model.diffusion_model.' prefix) and its shape."""
     s: Dict[str, tuple] = {
         "patch_embedding.weight": (DIM, IN_DIM, 1, 2, 2),
@@ -53,7 +53,7 @@ def wan_shapes() -> Dict[str, tuple]:
         "time_projection.1.weight": (DIM * 6, DIM),
         "time_projection.1.bias": (DIM * 6,),
     }
-    for i in range(NUM_BLOCKS):
+    for i in range(num_blocks):
         s.update(_block_shapes(i))
     s["head.modulation"] = (1, 2, DIM)
     s["head.head.weight"] = (OUT_DIM * 4, DIM)
@@ -61,11 +61,12 @@ def wan_shapes() -> Dict[str, tuple]:
     return s
 
 
-def make_wan_state_dict(seed: int = 0, dtype: torch.dtype = torch.float16) -> Dict[str, torch.Tensor]:
+def make_wan_state_dict(seed: int = 0, dtype: torch.dtype = torch.float16,
+                        num_blocks: int = NUM_BLOCKS) -> Dict[str, torch.Tensor]:
     """Random but well-scaled weights: norms near 1, matrices ~ 1/sqrt(fan_in), so sampling stays finite."""
     g = torch.Generator().manual_seed(seed)
     sd: Dict[str, torch.Tensor] = {}
-    for k, shape in wan_shapes().items():
+    for k, shape in wan_shapes(num_blocks).items():
         if k.endswith("norm_q.weight") or k.endswith("norm_k.weight") or k.endswith("norm3.weight"):
             t = 1.0 + 0.05 * torch.randn(shape, generator=g)
         elif len(shape) == 1 or k.endswith("modulation"):
@@ -100,9 +101,9 @@ def make_lora_state_dict(seed: int = 1, rank: int = 4, scale: float = 0.5) -> Di
     return sd
 
 
-def write_wan(path: str, seed: int = 0, dtype: torch.dtype = torch.float16) -> None:
+def write_wan(path: str, seed: int = 0, dtype: torch.dtype = torch.float16, num_blocks: int = NUM_BLOCKS) -> None:
     """Write the tiny model as a .safetensors file."""
-    save_file(make_wan_state_dict(seed, dtype), path)
+    save_file(make_wan_state_dict(seed, dtype, num_blocks), path)
 
 
 def write_checkpoint(path: str, seed: int = 0, dtype: torch.dtype = torch.float16) -> None:
