@@ -84,6 +84,7 @@ class OffloadHandle:
         self._final_report: OffloadReport | None = None
         self._reads_base: dict[int, int] = {}
         self._disk_read_base = 0
+        self._kv: Any = None  # the model's KVPager, once asked for
         if config.pin_memory and self.backend.supports_pinned_host and any(
                 u.master.host is not None and not u.master.pinned for u in staged.units):
             self._notice("pinned_fallback", "pinning was refused or over the pin limit: some blocks stream from "
@@ -376,7 +377,23 @@ class OffloadHandle:
         """Change this model's priority in its budget; takes effect at its next forward."""
         self._check_attached("set_priority")
         self.priority = _check_priority(priority)
+        if self._kv is not None:
+            self._kv.priority = self.priority
+            self.budget.priority_changed(self._kv)
         self.budget.priority_changed(self)
+
+    def kv_pager(self, page_tokens: int = 64, offload: bool = True) -> Any:
+        """This model's paged KV cache store (offload/kv_cache.py): caches made from it live under the same budget
+        as the weights, at the same priority, and show in the report. Needs transformers."""
+        self._check_attached("kv_pager")
+        kv = self._kv
+        if kv is None or kv.page_tokens != page_tokens or kv.offload_enabled != offload:
+            from .kv_cache import KVPager
+
+            if kv is not None:
+                self.budget.unregister(kv)
+            self._kv = KVPager(self.backend, self.budget, self.name, self.priority, page_tokens, offload)
+        return self._kv
 
     def prioritize(self) -> None:
         """Give this model the highest priority in its budget and clear its watermark."""
@@ -417,6 +434,7 @@ class OffloadHandle:
             compute_ms=compute,
             disk_bytes_read=(reader.counters.bytes_read - self._disk_read_base) if reader is not None else 0,
             notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
+            kv=self._kv.report() if self._kv is not None else None,
             timeline=list(s.metrics.timeline))
 
     def detach(self) -> None:
@@ -429,6 +447,8 @@ class OffloadHandle:
         final = self.report()
         self.streamer.detach()
         self.budget.unregister(self)
+        if self._kv is not None:
+            self.budget.unregister(self._kv)
         model = self.model
         if model is not None and model.__dict__.get(HANDLE_ATTR) is self:
             del model.__dict__[HANDLE_ATTR]

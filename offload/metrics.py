@@ -53,6 +53,7 @@ class OffloadReport:
     compute_ms: float
     disk_bytes_read: int = 0  # bytes read from the disk-tier file since the last reset
     notices: list[dict[str, str]] = field(default_factory=list)  # {kind, message}: fallbacks, shrinks, disk in use
+    kv: dict[str, Any] | None = None  # the paged KV cache: pages resident / offloaded, bytes moved (when used)
     timeline: list[dict[str, Any]] = field(default_factory=list)
 
     @property

@@ -30,6 +30,13 @@ class Backend(abc.ABC):
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
         """Queue dst.copy_(src) on the transfer stream after event `after`; returns its completion event."""
 
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
+        """Queue a device-to-host copy (KV pages going to host memory) on the transfer stream after `after`.
+
+        Weights never take this path: their host copy is the truth. The same stream and ordering as copy_h2d.
+        """
+        return self.copy_h2d(dst, src, after)
+
     @abc.abstractmethod
     def wait(self, event: Any) -> float:
         """Make the compute stream wait for `event`; returns seconds the host was blocked (0 when GPU-side)."""

@@ -1,6 +1,6 @@
 """A tiny, offline VibeVoice model folder for tests (transformers >= 5.23, no download, no ComfyUI).
 
-``write_tiny_vibevoice(folder)`` writes a complete model folder (about 2 MB in float32) that
+``write_tiny_vibevoice(folder)`` writes a complete model folder (5.4 MB in float32, 1.33 M parameters) that
 ``VibeVoiceForConditionalGeneration.from_pretrained(folder, local_files_only=True)`` and
 ``AutoProcessor.from_pretrained(folder, local_files_only=True)`` load with ``HF_HUB_OFFLINE=1``:
 
@@ -8,28 +8,33 @@
     tokenizer.json, tokenizer_config.json                             (a byte-level BPE built here, Qwen2 style)
     processor_config.json, chat_template.jinja                        (VibeVoiceProcessor + feature extractor)
 
-The architecture is the real one (Qwen2 decoder with GQA and tied embeddings like VibeVoice-1.5B, the sigma-VAE
-acoustic tokenizer with the real down-sampling ratios, so one speech token is still 3200 samples at 24 kHz, the
-semantic encoder, both connectors and the diffusion head); only the widths and depths are tiny.
+The architecture is the real one (a 4-layer Qwen2 decoder with GQA and tied embeddings like VibeVoice-1.5B, the
+sigma-VAE acoustic tokenizer and the semantic encoder with the real down-sampling ratios, so one speech token is
+still 3200 samples at 24 kHz, both connectors, the diffusion head); only widths and depths are tiny. Same seed,
+same bytes.
 
 Deterministic speech. A random model emits end-of-speech at once, so a few weights are set by hand (all in
-``_make_speech_deterministic``): five residual dimensions carry a constant, two token-type flags, an
-end-of-speech flag and a counter, which no layer writes except one attention head of layer 0. That head (query and
-key from their biases and one key weight, value from one weight) attends uniformly to the ``<|vision_start|>``
-(audio_bos) positions and to the generated speech positions and nowhere else, so it outputs exactly
-``m / (m + n)`` where ``m`` is the number of audio_bos tokens in the prompt and ``n`` the number of speech tokens so
-far. The rows of the tied embedding/LM-head matrix for the four audio control tokens read only these dimensions, so
-greedy decoding gives: speech token while ``m / (m + n) > 1 / (N + 0.5)``, then ``<|vision_end|>`` (audio_eos),
-then ``<|endoftext|>`` (eos), which stops ``generate``. Without voice references ``m = 1`` and the model speaks
-exactly ``N = speech_tokens`` tokens (``N * 3200`` samples); with ``v`` voices it speaks ``ceil((v + 1) * (N - 0.5))``
-tokens. Everything else (diffusion head, tokenizers, the other heads and layers) stays random, so the waveform
-depends on the text, the voices and the seed. ``max_new_tokens`` cuts it shorter as usual.
+``_make_speech_deterministic``). Five residual dimensions, scaled by ``_S``, hold a constant, a "not counted" flag,
+an audio_bos flag, an eos flag and a counter; no layer writes them except q-heads 0-1 / kv-head 0 of layer 0, whose
+query and key come from biases and one key weight, so they attend uniformly to the ``<|vision_start|>``
+(audio_bos) positions and the generated speech positions and nowhere else, and write the counter
+``c = m / (m + n)``: ``m`` audio_bos tokens in the prompt, ``n`` speech tokens so far. The rows of the tied
+embedding/LM-head matrix of the four audio control tokens are zero outside these dimensions, so greedy decoding
+gives: the speech token while ``c > 1 / (N + 0.3)``, then ``<|vision_end|>`` (audio_eos), then ``<|endoftext|>``
+(eos), which ends ``generate``. The ``<|vision_pad|>`` row, as an input, looks like a speech embedding: transformers
+also runs a logits-CFG pass on the raw token ids when ``guidance_scale != 1`` (see the notes), and that pass then
+agrees with the positive one. Without voice references the model speaks exactly ``N = speech_tokens`` tokens
+(``N * 3200`` samples) for any prompt, seed, guidance scale (1 to 5 checked) and dtype (float32, bfloat16); with
+voice references it speaks longer (each voice adds an audio_bos to the prompt), deterministically but with no
+closed form, so pass ``max_new_tokens``. Everything else (diffusion head, tokenizers, the other heads and layers)
+stays random: the waveform depends on the seed strongly and on the text and the voices weakly (but never
+bitwise-equal).
 
 ``write_original_layout(folder)`` writes the same weights in the original Microsoft release layout
 (``microsoft/VibeVoice-1.5B``: config.json with ``decoder_config``/``acoustic_tokenizer_config``/...,
 ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``, ``preprocessor_config.json``, no
 ``lm_head.weight`` because it is tied). ``original_to_hf_key`` is the key mapping of transformers'
-``convert_vibevoice_to_hf.py`` (which is not shipped in the wheel).
+``convert_vibevoice_to_hf.py`` (not shipped in the wheel), checked bitwise against the original modelling code.
 """
 from __future__ import annotations
 
@@ -102,7 +107,6 @@ _BPE_CORPUS = [
 # Tiny sizes (the real VibeVoice-1.5B values in comments).
 TEXT_CONFIG = dict(
     model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=4,  # 1536, 8960, 28
-    initializer_range=0.1,  # 0.02: larger random weights so the text and the voices matter more
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,  # 12, 2, 65536
     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     tie_word_embeddings=True, use_sliding_window=False, sliding_window=None, max_window_layers=4,
@@ -257,9 +261,10 @@ def build_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, speech_t
 
     tokenizer = build_tokenizer()
     config = tiny_config(tokenizer, dtype)
-    torch.manual_seed(seed)
-    model = VibeVoiceForConditionalGeneration(config)
-    _make_speech_deterministic(model, speech_tokens)
+    with torch.random.fork_rng(devices=[]):  # leaves the caller's RNG state alone
+        torch.manual_seed(seed)
+        model = VibeVoiceForConditionalGeneration(config)
+        _make_speech_deterministic(model, speech_tokens)
     gen = model.generation_config
     gen._from_model_config = False
     gen.do_sample = False
@@ -521,7 +526,11 @@ def build_conversation(text_lines: Sequence[str | tuple[str, str]],
 def generate_audio(model, processor, text_lines: Sequence[str | tuple[str, str]],
                    voices: dict[str, Any] | Sequence[Any] | None = None, seed: int = 0, cfg_scale: float = 1.3,
                    steps: int = 10, max_new_tokens: int = 16, noise_scheduler=None, **generate_kwargs) -> torch.Tensor:
-    """Generate speech for one conversation and return the float32 waveform ``[1, 1, T]`` (24 kHz), empty if none."""
+    """Generate speech for one conversation; return the float32 waveform ``[1, T]`` (channels, samples at 24 kHz).
+
+    ``generate`` returns one ``[1, T]`` tensor per batch item (``None`` when no speech token was emitted, returned
+    here as ``[1, 0]``); ComfyUI's AUDIO wants ``{"waveform": wav[None], "sample_rate": 24000}``.
+    """
     conv = build_conversation(text_lines, voices)
     inputs = processor.apply_chat_template(conv, tokenize=True, return_dict=True, return_tensors="pt")
     device = next(model.parameters()).device
@@ -539,15 +548,8 @@ def generate_audio(model, processor, text_lines: Sequence[str | tuple[str, str]]
         audio = audio.audio
     wav = audio[0]
     if wav is None:
-        return torch.zeros(1, 1, 0)
+        return torch.zeros(1, 0)
     return wav.float().cpu()
-
-
-def speech_token_count(speech_tokens: int, num_voices: int = 0) -> int:
-    """Number of speech tokens the tiny model emits before end-of-speech (``num_voices`` voice references)."""
-    if num_voices:
-        raise ValueError("with voice references the count is deterministic but has no closed form (see docstring)")
-    return speech_tokens
 
 
 def iter_param_bytes(module: torch.nn.Module) -> Iterable[tuple[str, int]]:
