@@ -1,4 +1,4 @@
-"""The ComfyUI face of Layer Offload: node classes, display names, and the web panel's route."""
+"""The ComfyUI face of Layer Offload: node classes, display names, the tts model folder, the web panel's routes."""
 from __future__ import annotations
 
 from .apply import OffloadAny, OffloadCLIP, OffloadModel
@@ -6,6 +6,7 @@ from .budget import OffloadVramBudget
 from .loaders import OffloadCheckpointLoader, OffloadDiffusionModelLoader
 from .report import OffloadReport
 from .routes import register_routes
+from .tts import OffloadTTSGenerate, OffloadTTSLoader, register_tts_folder
 
 NODE_CLASS_MAPPINGS = {
     "OffloadDiffusionModelLoader": OffloadDiffusionModelLoader,
@@ -15,6 +16,8 @@ NODE_CLASS_MAPPINGS = {
     "OffloadAny": OffloadAny,
     "OffloadVramBudget": OffloadVramBudget,
     "OffloadReport": OffloadReport,
+    "OffloadTTSLoader": OffloadTTSLoader,
+    "OffloadTTSGenerate": OffloadTTSGenerate,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -25,6 +28,9 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "OffloadAny": "Offload Any",
     "OffloadVramBudget": "VRAM Budget",
     "OffloadReport": "Offload Report",
+    "OffloadTTSLoader": "Offload TTS Loader",
+    "OffloadTTSGenerate": "Offload TTS Generate",
 }
 
+register_tts_folder()
 register_routes()

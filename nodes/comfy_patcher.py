@@ -51,10 +51,13 @@ def _set_loaded(p: Any, loaded: int, lowvram: bool, patch_counter: int, uuid: An
     acc.current_weight_patches_uuid = uuid
     acc.model_offload_buffer_memory = 0
     if device is not None:
-        if hasattr(type(p), "model_device"):
-            p.model_device = device
-        else:
-            p.model.device = device
+        try:
+            if hasattr(type(p), "model_device"):
+                p.model_device = device
+            else:
+                p.model.device = device
+        except AttributeError:  # a transformers model's `device` is a read-only property (from its weights)
+            pass
 
 
 def _move_own_tensors(module: torch.nn.Module, device: Any) -> None:
@@ -154,11 +157,11 @@ class OffloadPatcherMethods:
 
     # accounting -----------------------------------------------------------------
     def loaded_size(self) -> int:
-        """Device bytes held now: resident units + slot ring + non-block tensors (asked of the engine)."""
+        """Device bytes held now: resident units + slot ring + non-block tensors + KV pages (asked of the engine)."""
         root, _, st = self._lo()
         if st is None:
             return self._lo_base.loaded_size(self)
-        return int(st.handle.device_bytes()) + _outside_device_bytes(self, root)
+        return int(st.handle.device_bytes()) + int(st.handle.kv_device_bytes()) + _outside_device_bytes(self, root)
 
     def model_size(self) -> int:
         """What this model wants on the device at most: its planned resident set + slot ring, not its full size."""

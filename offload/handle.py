@@ -203,6 +203,10 @@ class OffloadHandle:
     def is_busy(self) -> bool:
         return self.attached and self.streamer.is_busy()
 
+    def kv_device_bytes(self) -> int:
+        """Device bytes of this model's paged KV caches now (a budget member of their own)."""
+        return self._kv.device_bytes() if self._kv is not None else 0
+
     def device_total(self) -> int | None:
         return self.backend.mem_get_info()[1]
 

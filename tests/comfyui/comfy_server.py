@@ -34,6 +34,7 @@ def prepare_base_dir(base: str) -> Dict[str, str]:
     paths = {
         "custom_nodes": os.path.join(base, "custom_nodes"),
         "diffusion_models": os.path.join(base, "models", "diffusion_models"),
+        "tts": os.path.join(base, "models", "tts"),
         "loras": os.path.join(base, "models", "loras"),
         "output": os.path.join(base, "output"),
         "input": os.path.join(base, "input"),

@@ -34,6 +34,19 @@ def skip_reason() -> str:
 _pack: Any = None
 
 
+def load_tests_module(relpath: str) -> Any:
+    """A module of this repository's tests/ by file path (a ComfyUI checkout may put its own `tests` package first
+    on sys.path, as the pip-installable fork does)."""
+    name = "layer_offload_tests_" + relpath.replace("/", "_").replace(".py", "")
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "tests", relpath))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_comfy_and_pack() -> Any:
     """Import ComfyUI (CPU mode) and this pack as ComfyUI would; returns the pack module."""
     global _pack

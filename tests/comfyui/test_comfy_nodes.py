@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import tiny_wan  # noqa: E402
 
 NODE_IDS = ["OffloadDiffusionModelLoader", "OffloadCheckpointLoader", "OffloadModel", "OffloadCLIP", "OffloadAny",
-            "OffloadVramBudget", "OffloadReport"]
+            "OffloadVramBudget", "OffloadReport", "OffloadTTSLoader", "OffloadTTSGenerate"]
 PRESETS = ["auto", "high_end", "mid_range", "consumer", "budget"]
 UNET = "lo_tiny_wan.safetensors"
 LORA = "lo_tiny_wan_lora.safetensors"

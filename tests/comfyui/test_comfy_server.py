@@ -26,7 +26,7 @@ import tiny_wan  # noqa: E402
 UNET = "tiny_wan.safetensors"
 LORA = "tiny_wan_lora.safetensors"
 NODE_IDS = ["OffloadDiffusionModelLoader", "OffloadCheckpointLoader", "OffloadModel", "OffloadCLIP", "OffloadAny",
-            "OffloadVramBudget", "OffloadReport"]
+            "OffloadVramBudget", "OffloadReport", "OffloadTTSLoader", "OffloadTTSGenerate"]
 PRESETS = ["auto", "high_end", "mid_range", "consumer", "budget"]
 
 

@@ -42,4 +42,48 @@ class LOTestLatentHash:
         return {"ui": {"text": [info]}}
 
 
-NODE_CLASS_MAPPINGS = {"LOTestConditioning": LOTestConditioning, "LOTestLatentHash": LOTestLatentHash}
+class LOTestAudioHash:
+    """Output node: SHA-256 of an AUDIO's waveform bytes, its shape and sample rate (compares prompts bitwise)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"audio": ("AUDIO",)}}
+
+    RETURN_TYPES = ()
+    FUNCTION = "hash"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    def hash(self, audio):
+        w = audio["waveform"].detach().to("cpu").contiguous()
+        digest = hashlib.sha256(w.numpy().tobytes()).hexdigest()
+        info = "{} {} {} rate={} peak={:.6f}".format(digest, list(w.shape), str(w.dtype), audio["sample_rate"],
+                                                     float(w.abs().max()) if w.numel() else 0.0)
+        return {"ui": {"text": [info]}}
+
+
+class LOTestWavAudio:
+    """A 16-bit PCM WAV from the input folder as AUDIO, read with the standard library (no torchaudio)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"name": ("STRING", {"default": "voice.wav"})}}
+
+    RETURN_TYPES = ("AUDIO",)
+    FUNCTION = "load"
+    CATEGORY = "testing"
+
+    def load(self, name):
+        import os
+        import wave
+
+        import folder_paths
+
+        with wave.open(os.path.join(folder_paths.get_input_directory(), name), "rb") as f:
+            channels, rate, frames = f.getnchannels(), f.getframerate(), f.readframes(f.getnframes())
+        data = torch.frombuffer(bytearray(frames), dtype=torch.int16).to(torch.float32) / 32768.0
+        return ({"waveform": data.reshape(-1, channels).t().unsqueeze(0).contiguous(), "sample_rate": rate},)
+
+
+NODE_CLASS_MAPPINGS = {"LOTestConditioning": LOTestConditioning, "LOTestLatentHash": LOTestLatentHash,
+                       "LOTestAudioHash": LOTestAudioHash, "LOTestWavAudio": LOTestWavAudio}

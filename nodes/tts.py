@@ -1,0 +1,229 @@
+"""Offload TTS Loader / Offload TTS Generate: a transformers text-to-speech model (VibeVoice first) from models/tts/,
+streamed under the pack's budget, joined to ComfyUI's memory manager, AUDIO out.
+
+The model-side work (loading, which blocks stream, voices, generation) is offload/tts/vibevoice.py; this module is
+the ComfyUI face: the `tts` model folder, the nodes, ComfyUI's memory manager, progress, cancel and the report.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+import comfy.model_management
+import comfy.utils
+import folder_paths
+
+from ..offload.tts import vibevoice
+from .apply import attach_engine
+from .comfy_patcher import OffloadModelPatcher
+from .common import CATEGORY, engine_device, optional_inputs, preset_input
+from .registry import Managed, track_patcher
+from . import status
+
+log = logging.getLogger("layer_offload")
+
+TTS_FOLDER = "tts"
+TTS_TYPE = "TTS_MODEL"
+DTYPE_CHOICES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]
+KV_CHOICES = ["auto", "off", "on"]
+PAGE_TOKENS = 64
+
+
+def register_tts_folder() -> None:
+    """Make models/tts/ a ComfyUI model folder, appending to what extra_model_paths.yaml may already list under tts."""
+    default = os.path.join(folder_paths.models_dir, TTS_FOLDER)
+    try:
+        known = folder_paths.get_folder_paths(TTS_FOLDER)
+    except (KeyError, AttributeError):
+        known = None
+    if known is not None and default in known:
+        return
+    try:
+        folder_paths.add_model_folder_path(TTS_FOLDER, default)
+    except (KeyError, TypeError):  # the pip-installable fork registers a new folder name with its default path
+        folder_paths.add_model_folder_path(TTS_FOLDER)
+
+
+def model_folders() -> List[str]:
+    """Every model folder (one holding a config.json) under the tts folders, as paths relative to them."""
+    names: List[str] = []
+    try:
+        bases = folder_paths.get_folder_paths(TTS_FOLDER)
+    except (KeyError, AttributeError):
+        bases = []
+    for base in bases:
+        if not os.path.isdir(base):
+            continue
+        for root, dirs, files in os.walk(base, followlinks=True):
+            if "config.json" in files:
+                names.append(os.path.relpath(root, base).replace(os.sep, "/"))
+                dirs[:] = []  # a model folder's subfolders are part of it
+            else:
+                dirs.sort()
+    return sorted(set(names))
+
+
+def model_folder_path(name: str) -> str:
+    """The full path of a tts model folder by its listed name (a clear error naming what exists otherwise)."""
+    for base in folder_paths.get_folder_paths(TTS_FOLDER):
+        path = os.path.normpath(os.path.join(base, name))
+        if os.path.commonpath([os.path.abspath(base), os.path.abspath(path)]) != os.path.abspath(base):
+            continue  # never leave the model folders
+        if os.path.isdir(path):
+            return path
+    found = model_folders()
+    raise ValueError("no TTS model folder {!r} under models/tts/; found: {}".format(
+        name, ", ".join(found) if found else "none (put a VibeVoice folder, with its config.json, in models/tts/)"))
+
+
+class TTSModel:
+    """What the loader hands the generate node: the offload patcher over the model, its processor, its settings."""
+
+    def __init__(self, name: str, patcher: Any, processor: Any, managed: Optional[Managed], dtype: str,
+                 kv_offload: str) -> None:
+        self.name = name
+        self.patcher = patcher
+        self.processor = processor
+        self.managed = managed
+        self.dtype = dtype
+        self.kv_offload = kv_offload
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.patcher.model
+
+    def __repr__(self) -> str:
+        return "TTSModel({}, dtype={}, kv_offload={})".format(self.name, self.dtype, self.kv_offload)
+
+
+def _kv_pager(tts: TTSModel, max_new_tokens: int, prompt_tokens: int, cfg_scale: float) -> Any:
+    """The model's KV pager (None with kv_offload off or no offloading); `auto` offloads only when the caches would
+    not fit the model's free share of the budget."""
+    st = tts.managed
+    if st is None or tts.kv_offload == "off":
+        return None
+    handle = st.handle
+    if tts.kv_offload == "on":
+        return handle.kv_pager(PAGE_TOKENS, offload=True)
+    text = tts.model.config.text_config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dtype_bytes = tts.model.model.language_model.embed_tokens.weight.element_size()
+    per_token = 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes
+    estimate = per_token * (prompt_tokens + max_new_tokens) * (2 if cfg_scale != 1.0 else 1)
+    budget = handle.budget
+    free = int(budget.total_bytes or 0) - handle.planned_device_bytes()
+    offload = estimate > free
+    if offload:
+        log.info("Layer Offload: %s: the KV caches could reach %.1f MB, more than the %.1f MB left of the budget; "
+                 "pages beyond it live in host memory", tts.name, estimate / 2 ** 20, max(0, free) / 2 ** 20)
+    return handle.kv_pager(PAGE_TOKENS, offload=offload)
+
+
+class OffloadTTSLoader:
+    """Load a transformers TTS model (VibeVoice) from models/tts/ and stream its blocks under the pack's budget."""
+
+    @classmethod
+    def INPUT_TYPES(cls) -> Dict[str, Any]:
+        optional = optional_inputs()
+        optional["dtype"] = (DTYPE_CHOICES, {"default": "default", "tooltip":
+                             "Weight dtype: the checkpoint's (default), bf16, fp16, fp32, or fp8_e4m3fn (the decoder's "
+                             "linear weights stored and streamed as float8 with per-channel scales: half the bytes)."})
+        optional["kv_offload"] = (KV_CHOICES, {"default": "auto", "tooltip":
+                                  "Paged KV cache: auto keeps pages beyond the model's share of the VRAM budget in host "
+                                  "memory when long speech would not fit; on always pages and offloads; off uses "
+                                  "transformers' own cache (outside the budget)."})
+        return {"required": {
+            "model_name": (model_folders(), {"tooltip": "A model folder (holding config.json) under models/tts/, in the "
+                                                        "transformers layout (VibeVoice)."}),
+            "preset": preset_input(),
+        }, "optional": optional}
+
+    RETURN_TYPES = (TTS_TYPE,)
+    RETURN_NAMES = ("tts_model",)
+    OUTPUT_TOOLTIPS = ("The TTS model; its decoder layers (and large blocks) stream from host RAM.",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = ("Load a VibeVoice text-to-speech model from models/tts/ (local files only) and stream its blocks "
+                   "under the pack's VRAM budget, with optional fp8 weights and a paged KV cache.")
+
+    def load(self, model_name: str, preset: str, budget: Any = None, priority: int = 0, dtype: str = "default",
+             kv_offload: str = "auto") -> Tuple[TTSModel]:
+        if kv_offload not in KV_CHOICES:
+            raise ValueError("kv_offload must be one of {}, got {!r}".format(", ".join(KV_CHOICES), kv_offload))
+        path = model_folder_path(model_name)
+        model, processor, _ = vibevoice.load(path, dtype)  # TTSModelError (a ValueError) says what is wrong
+        mm = comfy.model_management
+        patcher = OffloadModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
+        managed = None
+        if engine_device() is not None:
+            managed = attach_engine(model, preset, budget, priority, "tts:" + model_name, kind="tts",
+                                    units=vibevoice.stream_units(model))
+            if managed is not None:
+                track_patcher(patcher, managed)
+        return (TTSModel(model_name, patcher, processor, managed, dtype, kv_offload),)
+
+
+class OffloadTTSGenerate:
+    """Text (Speaker 1..4 lines) and optional voice references in, AUDIO out."""
+
+    @classmethod
+    def INPUT_TYPES(cls) -> Dict[str, Any]:
+        voices = {"voice_{}".format(i): ("AUDIO", {"tooltip": "Speaker {}'s voice reference (any sample rate and "
+                                                              "channels: resampled to 24 kHz mono).".format(i)})
+                  for i in range(1, vibevoice.MAX_SPEAKERS + 1)}
+        return {"required": {
+            "tts_model": (TTS_TYPE, {"tooltip": "From Offload TTS Loader."}),
+            "text": ("STRING", {"multiline": True, "default": "Speaker 1: Hello, and welcome.\nSpeaker 2: Thanks!",
+                                "tooltip": "One line per turn: 'Speaker N: text' (N from 1 to 4)."}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff,
+                             "tooltip": "The same seed gives the same audio."}),
+            "cfg_scale": ("FLOAT", {"default": 1.3, "min": 1.0, "max": 10.0, "step": 0.05,
+                                    "tooltip": "Classifier-free guidance of the speech diffusion."}),
+            "diffusion_steps": ("INT", {"default": 10, "min": 1, "max": 100,
+                                        "tooltip": "Diffusion steps per speech token (7.5 tokens a second)."}),
+            "max_new_tokens": ("INT", {"default": 1024, "min": 1, "max": 65536,
+                                       "tooltip": "Upper bound on generated tokens (speech runs 7.5 tokens a second)."}),
+        }, "optional": voices}
+
+    RETURN_TYPES = ("AUDIO",)
+    OUTPUT_TOOLTIPS = ("The speech, 24 kHz mono: {waveform [1, 1, T], sample_rate}.",)
+    FUNCTION = "generate"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "Speak a script with an offloaded TTS model; voice references clone the speakers' voices."
+
+    def generate(self, tts_model: TTSModel, text: str, seed: int, cfg_scale: float, diffusion_steps: int,
+                 max_new_tokens: int, **voice_inputs: Any) -> Tuple[Dict[str, Any]]:
+        if not isinstance(tts_model, TTSModel):
+            raise ValueError("tts_model must come from Offload TTS Loader, got {}".format(type(tts_model).__name__))
+        voices = {}
+        for key, audio in voice_inputs.items():
+            if audio is None or not key.startswith("voice_"):
+                continue
+            if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
+                raise ValueError("{} must be AUDIO ({{'waveform', 'sample_rate'}}), got {}".format(key, type(audio)))
+            voices[key[len("voice_"):]] = vibevoice.voice_from_audio(audio["waveform"], int(audio["sample_rate"]))
+        mm = comfy.model_management
+        mm.load_models_gpu([tts_model.patcher])
+        device = torch.device("cpu") if engine_device() in (None, "sim") else tts_model.patcher.load_device
+        prompt_tokens = len(tts_model.processor.tokenizer(text)["input_ids"]) + 64 + sum(
+            len(v) // vibevoice.HOP + 1 for v in voices.values())
+        pager = _kv_pager(tts_model, int(max_new_tokens), prompt_tokens, float(cfg_scale))
+        pbar = comfy.utils.ProgressBar(int(max_new_tokens))
+
+        def on_token(n: int) -> None:
+            mm.throw_exception_if_processing_interrupted()  # ComfyUI's cancel stops generation within a token
+            pbar.update_absolute(min(n, int(max_new_tokens)), int(max_new_tokens))
+
+        try:
+            with torch.inference_mode():
+                wave = vibevoice.generate(tts_model.model, tts_model.processor, text, voices=voices, seed=seed,
+                                          cfg_scale=cfg_scale, diffusion_steps=diffusion_steps,
+                                          max_new_tokens=max_new_tokens, device=device, pager=pager,
+                                          on_token=on_token)
+        finally:
+            status.publish()
+        return ({"waveform": wave.reshape(1, 1, -1).cpu(), "sample_rate": vibevoice.SAMPLE_RATE},)
