@@ -1,105 +1,568 @@
-// Layer Offload web extension (ES module, no build step).
-// - A sidebar tab (or, on older frontends, a floating panel) with the VRAM budget, each offloaded model's
-//   resident / streamed / disk blocks and the last run's stall, overlap and bandwidth.
-// - The Offload Report node shows its readable summary in a text widget after it runs.
-// Fed by GET /layer_offload/report and the "layer_offload.report" server event (nodes/routes.py).
+// Layer Offload web extension (plain ES module, no build step).
+//
+// The "Layer Offload" sidebar tab: the VRAM budget as a bar split by model, and one row per offloaded model with
+// its kind, preset, priority, resident / streamed / disk blocks and bytes, a per-block chart of the last run
+// (copy, compute and stall ms side by side, the tier as colour) and the overlap ratio and effective GB/s.
+// Controls: each model's priority and the budget total (GB), sent to the POST routes of nodes/routes.py; a refused
+// value shows its message in the panel (never a silent clamp). Toasts: pinning refused, resident set shrunk after
+// an out-of-memory error, disk tier in use, a budget change refused; each notice once per model.
+// Fed by GET /layer_offload/report when the tab opens and by the "layer_offload.report" server event.
+// The Offload Report node shows its readable summary in a text widget after it runs.
+//
+// Stable DOM hooks (a contract: tests/comfyui/test_panel_browser.py relies on them):
+//   [data-lo-panel]                     the panel's root
+//   [data-lo-error]                     the panel's error message (empty and hidden when there is none)
+//   [data-lo-budget]                    the budget bar (data-lo-used / data-lo-total: bytes); one
+//                                       [data-lo-budget-model="<name>"] segment per model
+//   input[data-lo-control="budget"]     the budget total in GB (Enter or leaving the field applies it)
+//   [data-lo-legend]                    the legend; [data-lo-legend-tier="vram|pinned|pageable|disk"] swatches
+//   [data-lo-model="<name>"]            one row per offloaded model, holding:
+//     input[data-lo-control="priority"] its priority (-100..100)
+//     svg[data-lo-chart="blocks"]       the chart: one <g data-lo-block="<index>" data-lo-tier="<tier>"> per block
+//     [data-lo-figure="overlap|gbps|stall"]  the figures as plain numbers (units outside the element)
+//     [data-lo-count="resident|streamed|disk"]  block counts
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const EVENT = "layer_offload.report";
 const ROUTE = "/layer_offload/report";
-const TIER_COLORS = { vram: "#3fb950", pinned: "#388bfd", pageable: "#d29922", disk: "#8b949e" };
-let latest = null;
-const views = new Set();
+const PRIORITY_ROUTE = "/layer_offload/priority";
+const BUDGET_ROUTE = "/layer_offload/budget";
+const TAB_ID = "layer-offload";
+const GIB = 1 << 30;
+const MIB = 1 << 20;
+const SVG_NS = "http://www.w3.org/2000/svg";
 
-function mb(n) {
-  return `${((n || 0) / 1048576).toFixed(1)} MB`;
-}
+const TIERS = [
+  { id: "vram", label: "VRAM (resident)", color: "#3fb950" },
+  { id: "pinned", label: "pinned RAM", color: "#388bfd" },
+  { id: "pageable", label: "pageable RAM", color: "#d29922" },
+  { id: "disk", label: "disk", color: "#a371f7" },
+];
+const TIER_COLOR = Object.fromEntries(TIERS.map((t) => [t.id, t.color]));
+const TIER_GRADIENT = `linear-gradient(90deg,${TIERS.map((t) => t.color).join(",")})`;
+const STALL_COLOR = "#ff3b30";
+const COMPUTE_OPACITY = 0.25; // compute bars: the tier colour, light fill with an outline
+const MODEL_COLORS = ["#39c5cf", "#f778ba", "#e3b341", "#56d364", "#79c0ff", "#ffa657", "#d2a8ff", "#ff7b72"];
+const NOTICES = {
+  pinned_fallback: { severity: "warn", summary: "Pinned memory refused: pageable memory used" },
+  oom_shrink: { severity: "warn", summary: "Resident set shrunk after an out-of-memory error" },
+  disk_tier: { severity: "info", summary: "Disk tier in use" },
+  lookahead_shrunk: { severity: "info", summary: "Lookahead shrunk" },
+};
 
-function el(tag, style, text) {
+const state = {
+  report: null, // the last report (GET, event or a POST answer)
+  error: "", // the panel's error message
+  reportError: false, // the error is a failed GET (cleared by the next one that works)
+  invalid: null, // the key of the control whose value was refused
+  drafts: new Map(), // control key -> text typed but not accepted yet
+  open: new Set(), // models whose per-block table is open
+  toasted: new Set(), // "<model>\0<notice kind>" already toasted
+  views: new Set(), // panel roots to render into
+};
+
+// helpers -----------------------------------------------------------------------------------------------------------
+function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
-  if (style) e.style.cssText = style;
-  if (text !== undefined) e.textContent = text;
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === "class") e.className = v;
+    else if (k === "style") e.style.cssText = v;
+    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else e.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === undefined || c === null || c === false) continue;
+    e.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
   return e;
 }
 
-function renderInto(root, data) {
-  root.replaceChildren();
-  root.appendChild(el("div", "font-weight:bold;font-size:14px;margin-bottom:6px", "Layer Offload"));
-  if (!data) {
-    root.appendChild(el("div", "opacity:.7", "No report yet: run a prompt with an Offload node."));
-    return;
-  }
-  const b = data.budget || {};
-  const frac = b.total_bytes ? Math.min(1, (b.used_bytes || 0) / b.total_bytes) : 0;
-  root.appendChild(el("div", "", `VRAM budget: ${mb(b.used_bytes)} used of ${mb(b.total_bytes)}`));
-  const bar = el("div", "height:8px;background:#30363d;border-radius:4px;margin:4px 0 10px 0;overflow:hidden");
-  bar.appendChild(el("div", `height:100%;width:${(frac * 100).toFixed(1)}%;background:#3fb950`));
-  root.appendChild(bar);
-  const models = data.models || [];
-  if (!models.length) root.appendChild(el("div", "opacity:.7", "No offloaded model yet."));
-  for (const m of models) {
-    const box = el("div", "border:1px solid #30363d;border-radius:6px;padding:6px;margin-bottom:8px");
-    box.appendChild(el("div", "font-weight:bold;word-break:break-all", m.name));
-    box.appendChild(el("div", "opacity:.8",
-      `${m.kind || "model"} on ${m.device} · preset ${m.preset} · priority ${m.priority}`));
-    const blocks = m.blocks || [];
-    const tiers = { vram: 0, pinned: 0, pageable: 0, disk: 0 };
-    for (const blk of blocks) tiers[blk.tier] = (tiers[blk.tier] || 0) + 1;
-    box.appendChild(el("div", "",
-      `${tiers.vram} resident · ${tiers.pinned + tiers.pageable} streamed · ${tiers.disk} disk blocks`));
-    box.appendChild(el("div", "", `resident ${mb(m.resident_bytes)} · streamed ${mb(m.streamed_bytes)}`));
-    const strip = el("div", "display:flex;flex-wrap:wrap;gap:2px;margin:4px 0");
-    for (const blk of blocks) {
-      const cell = el("div", `width:10px;height:10px;border-radius:2px;background:${TIER_COLORS[blk.tier] || "#666"}`);
-      cell.title = `${blk.name} [${blk.tier}] ${mb(blk.bytes)}\nh2d ${Number(blk.h2d_ms || 0).toFixed(2)} ms · ` +
-        `compute ${Number(blk.compute_ms || 0).toFixed(2)} ms · stall ${Number(blk.stall_ms || 0).toFixed(2)} ms`;
-      strip.appendChild(cell);
-    }
-    box.appendChild(strip);
-    box.appendChild(el("div", "",
-      `last run: stall ${Number(m.stall_ms || 0).toFixed(1)} ms · overlap ${Number(m.overlap_ratio || 0).toFixed(2)}` +
-      ` · ${Number(m.effective_gbps || 0).toFixed(2)} GB/s · ${m.forwards || 0} forward(s)`));
-    root.appendChild(box);
-  }
-  const legend = el("div", "opacity:.7;font-size:11px");
-  legend.textContent = "■ green resident (VRAM) · blue pinned RAM · orange pageable RAM · grey disk";
-  root.appendChild(legend);
+function svg(tag, attrs) {
+  const e = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));
+  return e;
 }
 
+function num(v) {
+  const n = Number(v);
+  return Number.isFinite(n) ? n : 0;
+}
+
+function bytes(n) {
+  n = num(n);
+  return n >= GIB ? `${(n / GIB).toFixed(2)} GB` : `${(n / MIB).toFixed(1)} MB`;
+}
+
+function ms(v) {
+  const n = num(v);
+  return n >= 100 ? n.toFixed(0) : n >= 10 ? n.toFixed(1) : n.toFixed(2);
+}
+
+function swatch(color, extra) {
+  return el("span", { class: "lo-swatch", style: `background:${color};${extra || ""}` });
+}
+
+// toasts ------------------------------------------------------------------------------------------------------------
+function toast(severity, summary, detail, life = 8000) {
+  const t = app.extensionManager?.toast;
+  if (t && typeof t.add === "function") {
+    try {
+      t.add({ severity, summary, detail, life });
+      return;
+    } catch (e) {
+      console.warn("Layer Offload: toast failed", e);
+    }
+  }
+  let box = document.getElementById("lo-toasts");
+  if (!box) {
+    box = el("div", { id: "lo-toasts", class: "lo-toasts" });
+    document.body.append(box);
+  }
+  const item = el("div", { class: `lo-toast lo-toast-${severity}`, role: "status", "data-lo-toast": severity },
+    el("b", {}, summary), el("div", {}, detail || ""));
+  item.addEventListener("click", () => item.remove());
+  box.append(item);
+  setTimeout(() => item.remove(), life);
+}
+
+function toastNotices(data) {
+  for (const m of data?.models || []) {
+    const notices = [...(m.notices || [])];
+    if (num(m.tiers?.disk) > 0 && !notices.some((n) => n.kind === "disk_tier")) {
+      notices.push({ kind: "disk_tier", message: `${m.tiers.disk} block(s) stream from the model's file.` });
+    }
+    for (const n of notices) {
+      const key = `${m.name}\u0000${n.kind}`;
+      if (state.toasted.has(key)) continue;
+      state.toasted.add(key);
+      const kind = NOTICES[n.kind] || { severity: "info", summary: n.kind };
+      toast(kind.severity, `Layer Offload: ${kind.summary}`, `${m.name}: ${n.message}`);
+    }
+  }
+}
+
+// data flow ---------------------------------------------------------------------------------------------------------
 function publish(data) {
-  latest = data;
-  for (const v of views) renderInto(v, data);
+  if (!data || typeof data !== "object" || !data.budget) return;
+  state.report = data;
+  renderAll();
+  toastNotices(data);
+}
+
+function setError(message, key) {
+  // a refused value stays in its control (marked) until corrected; clearing the error shows the real value again
+  if (state.invalid && state.invalid !== key) state.drafts.delete(state.invalid);
+  state.error = message || "";
+  state.invalid = message ? key || null : null;
+  renderAll();
 }
 
 async function refresh() {
   try {
-    const r = await api.fetchApi(ROUTE);
-    if (r.ok) publish(await r.json());
+    const r = await api.fetchApi(ROUTE, { cache: "no-store" });
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    const data = await r.json();
+    if (state.reportError) {
+      state.reportError = false;
+      if (!state.invalid) state.error = "";
+    }
+    publish(data);
   } catch (e) {
     console.warn("Layer Offload: report unavailable", e);
+    setError(`The report is unavailable (${e.message || e}).`);
+    state.reportError = true;
   }
 }
 
+async function post(route, body) {
+  let r;
+  try {
+    r = await api.fetchApi(route, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+  } catch (e) {
+    return { ok: false, error: `the server did not answer (${e.message || e})` };
+  }
+  try {
+    const data = await r.json();
+    if (r.ok && data.ok) return data;
+    return { ok: false, error: data.error || `HTTP ${r.status}` };
+  } catch (e) {
+    return { ok: false, error: `HTTP ${r.status}` };
+  }
+}
+
+async function submit(key, input) {
+  const raw = input.value.trim();
+  const isBudget = key === "budget";
+  const what = isBudget ? "Budget" : `Priority of ${input.dataset.loFor}`;
+  state.drafts.set(key, input.value);
+  if (raw === "" || input.validity?.badInput || !Number.isFinite(Number(raw))) {
+    setError(isBudget ? "Budget: enter the total in GB, a number (e.g. 6 or 7.5)."
+      : `${what}: enter a whole number from -100 to 100.`, key);
+    if (isBudget) toast("error", "Layer Offload: budget change refused", "not a number", 6000);
+    return;
+  }
+  const data = isBudget
+    ? await post(BUDGET_ROUTE, { total_gb: Number(raw) })
+    : await post(PRIORITY_ROUTE, { model: input.dataset.loFor, priority: Number(raw) });
+  if (!data.ok) {
+    setError(`${what}: ${data.error}`, key);
+    if (isBudget) toast("error", "Layer Offload: budget change refused", data.error, 8000);
+    return;
+  }
+  state.drafts.delete(key);
+  if (state.invalid) state.drafts.delete(state.invalid);
+  state.error = "";
+  state.invalid = null;
+  publish(data.report);
+}
+
+function control(key, attrs, value) {
+  const draft = state.drafts.get(key);
+  const input = el("input", {
+    ...attrs,
+    type: "number",
+    class: "lo-input" + (state.invalid === key ? " lo-invalid" : ""),
+    "aria-invalid": state.invalid === key ? "true" : null,
+    "data-lo-key": key,
+  });
+  input.value = draft !== undefined ? draft : value;
+  input.addEventListener("input", () => state.drafts.set(key, input.value));
+  input.addEventListener("keydown", (ev) => {
+    ev.stopPropagation(); // typing here is not a canvas shortcut
+    if (ev.key === "Enter") {
+      ev.preventDefault();
+      input.dataset.loSent = input.value;
+      submit(key, input);
+    } else if (ev.key === "Escape") {
+      state.drafts.delete(key);
+      input.blur();
+      renderAll();
+    }
+  });
+  input.addEventListener("change", () => {
+    if (!input.isConnected || input.dataset.loSent === input.value) return; // Enter already sent it
+    input.dataset.loSent = input.value;
+    submit(key, input);
+  });
+  return input;
+}
+
+// rendering ---------------------------------------------------------------------------------------------------------
+function renderAll() {
+  for (const v of [...state.views]) {
+    if (v.dataset.loMounted && !v.isConnected) state.views.delete(v);
+    else render(v);
+  }
+}
+
+function render(root) {
+  const active = document.activeElement;
+  const focusKey = active && root.contains(active) ? active.dataset?.loKey : null;
+  root.replaceChildren(...panel(state.report));
+  if (root.isConnected) root.dataset.loMounted = "1";
+  if (focusKey) {
+    const again = root.querySelector(`[data-lo-key="${CSS.escape(focusKey)}"]`);
+    again?.focus();
+  }
+}
+
+function panel(data) {
+  const time = data?.time ? new Date(data.time * 1000).toLocaleTimeString() : "";
+  const out = [el("div", { class: "lo-title" }, "Layer Offload", el("span", { class: "lo-muted" },
+    time ? `updated ${time}` : ""))];
+  out.push(el("div", { class: "lo-error", role: "alert", "data-lo-error": "", hidden: !state.error },
+    el("span", {}, state.error),
+    state.error ? el("button", { class: "lo-close", title: "Dismiss", "aria-label": "Dismiss",
+      onclick: () => setError("") }, "×") : null));
+  if (!data) {
+    out.push(el("div", { class: "lo-muted" }, "Loading the report…"));
+    return out;
+  }
+  out.push(budgetSection(data.budget || {}));
+  out.push(legend());
+  const models = data.models || [];
+  if (!models.length) {
+    out.push(el("div", { class: "lo-muted lo-empty" },
+      "No offloaded model yet: run a prompt with an Offload loader or Offload Model node."));
+  }
+  for (const m of models) out.push(modelRow(m));
+  return out;
+}
+
+function budgetSection(b) {
+  const total = num(b.total_bytes);
+  const used = num(b.used_bytes);
+  const models = b.models || [];
+  const bar = el("div", { class: "lo-bar", "data-lo-budget": "", "data-lo-used": used, "data-lo-total": total,
+    role: "img", "aria-label": `VRAM budget: ${bytes(used)} used of ${bytes(total)}` });
+  models.forEach((m, i) => {
+    const pct = total > 0 ? (100 * num(m.used_bytes)) / total : 0;
+    // a minimum width keeps a model with a tiny share visible; the numbers below are exact
+    bar.append(el("div", { class: "lo-seg", "data-lo-budget-model": m.name,
+      style: `width:${Math.min(100, pct).toFixed(2)}%;background:${MODEL_COLORS[i % MODEL_COLORS.length]}` }));
+  });
+  const shares = el("div", { class: "lo-shares" }, models.map((m, i) =>
+    el("div", { class: "lo-share" }, swatch(MODEL_COLORS[i % MODEL_COLORS.length]),
+      el("span", { class: "lo-wrap" }, el("b", {}, m.name),
+        el("span", { class: "lo-muted" }, ` ${bytes(m.used_bytes)} (share ${bytes(m.share_bytes)})`)))));
+  const input = control("budget", { "data-lo-control": "budget", min: 0, step: "any", inputmode: "decimal",
+    "aria-label": "VRAM budget total in GB", title: "The VRAM budget total in GB; Enter applies it" },
+  total > 0 ? String(Number((total / GIB).toFixed(total < GIB ? 3 : 2))) : "");
+  return el("div", { class: "lo-section" },
+    el("div", { class: "lo-line" }, el("b", {}, "VRAM budget"),
+      el("span", {}, total > 0 ? `${bytes(used)} used of ${bytes(total)}` : "not sized yet")),
+    bar,
+    shares,
+    el("label", { class: "lo-line lo-ctl" }, el("span", {}, "Total"),
+      el("span", {}, input, " GB ", el("span", { class: "lo-muted" },
+        `(min ${bytes(b.minimum_bytes)}; Enter applies)`))),
+    b.origin ? el("div", { class: "lo-muted lo-origin" }, b.origin) : null);
+}
+
+function legend() {
+  return el("div", { class: "lo-legend", "data-lo-legend": "" },
+    el("div", { class: "lo-legend-row" }, "Tier:",
+      TIERS.map((t) => el("span", { class: "lo-key", "data-lo-legend-tier": t.id }, swatch(t.color), t.label))),
+    el("div", { class: "lo-legend-row" }, "Per block:",
+      el("span", { class: "lo-key" }, swatch(TIER_GRADIENT), "copy"),
+      el("span", { class: "lo-key" }, swatch("transparent", `border:1.5px solid ${TIER_COLOR.pinned};` +
+        `background:rgba(56,139,253,${COMPUTE_OPACITY})`), "compute"),
+      el("span", { class: "lo-key" }, swatch(STALL_COLOR), "stall"),
+      el("span", { class: "lo-muted" }, "(ms; bar colour = tier)")));
+}
+
+function tierCounts(m) {
+  const counts = { vram: 0, pinned: 0, pageable: 0, disk: 0 };
+  const sizes = { vram: 0, pinned: 0, pageable: 0, disk: 0 };
+  for (const blk of m.blocks || []) {
+    counts[blk.tier] = (counts[blk.tier] || 0) + 1;
+    sizes[blk.tier] = (sizes[blk.tier] || 0) + num(blk.bytes);
+  }
+  return { counts: { ...counts, ...(m.tiers || {}) }, sizes: { ...sizes, ...(m.tier_bytes || {}) } };
+}
+
+function deviceText(m) {
+  const dev = m.device || "?";
+  const name = m.device_name || "";
+  if (!name || name === dev) return dev;
+  return name.startsWith(dev) ? name : `${dev} (${name})`; // "sim (8.00 GiB)", "cuda:0 (NVIDIA ...)"
+}
+
+function modelRow(m) {
+  const { counts, sizes } = tierCounts(m);
+  const streamed = num(counts.pinned) + num(counts.pageable);
+  const prioKey = `priority:${m.name}`;
+  const prio = control(prioKey, { "data-lo-control": "priority", "data-lo-for": m.name, min: -100, max: 100,
+    step: 1, "aria-label": `Priority of ${m.name}`, title: "Higher keeps more blocks resident; Enter applies it" },
+  String(m.priority ?? 0));
+  const stall = num(m.stall_ms);
+  const row = el("div", { class: "lo-model", "data-lo-model": m.name },
+    el("div", { class: "lo-name lo-model-name" }, m.name),
+    el("div", { class: "lo-muted" }, `${m.kind || "model"} · ${deviceText(m)} · preset ${m.preset ?? "-"}`),
+    el("label", { class: "lo-line lo-ctl" }, el("span", {}, "Priority"), prio),
+    el("div", { class: "lo-counts" },
+      el("span", {}, swatch(TIER_COLOR.vram), el("b", { "data-lo-count": "resident" }, num(counts.vram)),
+        ` resident · ${bytes(sizes.vram)}`),
+      el("span", {}, swatch(TIER_COLOR.pinned), el("b", { "data-lo-count": "streamed" }, streamed),
+        ` streamed · ${bytes(num(sizes.pinned) + num(sizes.pageable))}` +
+        (num(counts.pageable) ? ` (${counts.pageable} pageable)` : "")),
+      el("span", {}, swatch(TIER_COLOR.disk), el("b", { "data-lo-count": "disk" }, num(counts.disk)),
+        ` disk · ${bytes(sizes.disk)}`)),
+    el("div", { class: "lo-muted" }, `device ${bytes(m.device_bytes)} (peak ${bytes(m.peak_device_bytes)}) · ` +
+      `resident total ${bytes(m.resident_bytes)} · ${num(m.forwards)} forward(s)`),
+    chart(m),
+    el("div", { class: "lo-figures" },
+      el("span", {}, "overlap ", el("b", { "data-lo-figure": "overlap" }, num(m.overlap_ratio).toFixed(2))),
+      el("span", {}, el("b", { "data-lo-figure": "gbps" }, num(m.effective_gbps).toFixed(2)), " GB/s"),
+      el("span", { class: stall > 0 ? "lo-stall" : "" }, "stall ",
+        el("b", { "data-lo-figure": "stall" }, ms(stall)), " ms"),
+      el("span", { class: "lo-muted" }, `copy ${ms(m.h2d_ms)} ms · compute ${ms(m.compute_ms)} ms`)),
+    notices(m),
+    blockTable(m));
+  return row;
+}
+
+function notices(m) {
+  const list = m.notices || [];
+  if (!list.length) return null;
+  return el("ul", { class: "lo-notices" }, list.map((n) =>
+    el("li", { "data-lo-notice": n.kind }, el("b", {}, (NOTICES[n.kind]?.summary || n.kind) + ": "), n.message)));
+}
+
+const PER_ROW = 16; // blocks per chart row: a 40-block model gets three rows, each bar stays wide enough to see
+
+function chart(m) {
+  const blocks = m.blocks || [];
+  const n = Math.max(1, blocks.length);
+  const perRow = Math.min(n, PER_ROW);
+  const rows = Math.ceil(n / perRow);
+  const W = 280;
+  const rowH = n > PER_ROW ? 62 : 84; // one row: bars, the tier band and the block numbers
+  const top = 8; // room for a stall's marker
+  const plotH = rowH - top - 18;
+  const H = rows * rowH;
+  const colW = W / perRow;
+  const gap = Math.min(4, colW * 0.2);
+  const barW = (colW - gap) / 3;
+  let max = 0;
+  for (const b of blocks) max = Math.max(max, num(b.h2d_ms), num(b.compute_ms), num(b.stall_ms));
+  const height = (v) => {
+    v = num(v);
+    if (v <= 0 || max <= 0) return 0;
+    return Math.max(1.5, (plotH * v) / max); // a non-zero value never vanishes
+  };
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "lo-chart", "data-lo-chart": "blocks",
+    role: "img", "aria-label": `${m.name}: copy, compute and stall ms per block` });
+  for (let r = 0; r < rows; r++) {
+    const y = r * rowH + top + plotH + 0.5;
+    root.append(svg("line", { x1: 0, x2: W, y1: y, y2: y, stroke: "#8b949e", "stroke-width": 0.5 }));
+  }
+  const labelEvery = colW < 10 ? 2 : 1;
+  blocks.forEach((b, i) => {
+    const color = TIER_COLOR[b.tier] || "#8b949e";
+    const x = (i % perRow) * colW + gap / 2;
+    const rowTop = Math.floor(i / perRow) * rowH;
+    const base = rowTop + top + plotH;
+    const stall = num(b.stall_ms);
+    const g = svg("g", { "data-lo-block": i, "data-lo-tier": b.tier, "data-lo-stall": stall > 0 ? 1 : 0 });
+    const tip = svg("title", {});
+    tip.textContent = `${i} ${b.name} [${b.tier}] ${bytes(b.bytes)}: copy ${ms(b.h2d_ms)} ms, compute ` +
+      `${ms(b.compute_ms)} ms, stall ${ms(b.stall_ms)} ms`;
+    g.append(tip);
+    if (stall > 0) { // stalls stand out: the whole column is tinted red and marked on top
+      g.append(svg("rect", { x: x - gap / 2, y: rowTop + 1, width: colW, height: plotH + top - 1, fill: STALL_COLOR,
+        "fill-opacity": 0.22, "data-lo-bar": "stall-column" }));
+      const cx = x + (colW - gap) / 2;
+      g.append(svg("path", { d: `M${cx - 3} ${rowTop + 1} L${cx + 3} ${rowTop + 1} L${cx} ${rowTop + 6} Z`,
+        fill: STALL_COLOR }));
+    }
+    const bars = [
+      [num(b.h2d_ms), color, 1, "copy"],
+      [num(b.compute_ms), color, COMPUTE_OPACITY, "compute"],
+      [stall, STALL_COLOR, 1, "stall"],
+    ];
+    bars.forEach(([v, fill, opacity, kind], j) => {
+      const h = height(v);
+      const attrs = { x: x + j * barW + 0.3, y: base - h, width: Math.max(0.5, barW - 0.6), height: h, fill,
+        "fill-opacity": opacity, "data-lo-bar": kind };
+      if (kind === "compute" && h > 0) Object.assign(attrs, { stroke: fill, "stroke-width": 0.8 });
+      g.append(svg("rect", attrs));
+    });
+    g.append(svg("rect", { x, y: base + 2, width: Math.max(0.5, colW - gap), height: 4, fill: color,
+      "data-lo-bar": "tier" }));
+    if (i % labelEvery === 0) {
+      const t = svg("text", { x: x + (colW - gap) / 2, y: base + 15, "text-anchor": "middle", "font-size": 9,
+        fill: "currentColor", "fill-opacity": 0.75 });
+      t.textContent = String(i);
+      g.append(t);
+    }
+    root.append(g);
+  });
+  const stalls = blocks.filter((b) => num(b.stall_ms) > 0).length;
+  const caption = el("div", { class: "lo-muted lo-caption" },
+    max > 0 ? `last run, per block (0 to ${ms(max)} ms)` : "last run, per block: no run yet",
+    stalls ? el("span", { class: "lo-stall" }, ` · ${stalls} block(s) stalled`) : null);
+  return el("div", { class: "lo-chart-box" }, caption, root);
+}
+
+function blockTable(m) {
+  const details = el("details", { class: "lo-details", open: state.open.has(m.name) });
+  details.addEventListener("toggle", () => {
+    if (details.open) state.open.add(m.name);
+    else state.open.delete(m.name);
+  });
+  details.append(el("summary", {}, "Per-block figures"));
+  details.append(el("div", { class: "lo-table-box" }, el("table", { class: "lo-table" },
+    el("thead", {}, el("tr", {}, ["#", "tier", "MB", "copy", "compute", "stall"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, (m.blocks || []).map((b, i) => el("tr", {},
+      el("td", {}, i), el("td", {}, swatch(TIER_COLOR[b.tier] || "#8b949e"), b.tier),
+      el("td", {}, (num(b.bytes) / MIB).toFixed(num(b.bytes) >= 100 * MIB ? 0 : 1)), el("td", {}, ms(b.h2d_ms)), el("td", {}, ms(b.compute_ms)),
+      el("td", { class: num(b.stall_ms) > 0 ? "lo-stall" : "" }, ms(b.stall_ms))))))));
+  return details;
+}
+
+const CSS_TEXT = `
+.lo-panel{padding:8px 10px;font-size:12px;line-height:1.45;color:var(--fg-color,#ddd);box-sizing:border-box;
+  height:100%;overflow-y:auto;overflow-x:hidden}
+.lo-panel *{box-sizing:border-box}
+.lo-title{display:flex;justify-content:space-between;align-items:baseline;gap:6px;font-weight:600;font-size:14px;
+  margin-bottom:6px}
+.lo-muted{color:var(--descrip-text,#999);font-weight:normal;font-size:11px}
+.lo-error{display:flex;gap:6px;align-items:flex-start;border:1px solid #f85149;background:rgba(248,81,73,.14);
+  border-radius:6px;padding:5px 7px;margin-bottom:8px;word-break:break-word}
+.lo-error[hidden]{display:none}
+.lo-close{margin-left:auto;background:none;border:none;color:inherit;cursor:pointer;font-size:14px;line-height:1}
+.lo-section{margin-bottom:8px}
+.lo-line{display:flex;justify-content:space-between;align-items:center;gap:6px;flex-wrap:wrap}
+.lo-ctl{margin:4px 0}
+.lo-bar{display:flex;height:12px;background:var(--comfy-input-bg,#30363d);border:1px solid var(--border-color,#444);
+  border-radius:4px;overflow:hidden;margin:4px 0}
+.lo-seg{height:100%;min-width:4px;flex:0 0 auto;border-right:1px solid rgba(0,0,0,.35)}
+.lo-shares{display:flex;flex-direction:column;gap:1px}
+.lo-share{display:flex;align-items:baseline;gap:2px}
+.lo-wrap{min-width:0;overflow-wrap:anywhere}
+.lo-name{font-weight:600;overflow-wrap:anywhere}
+.lo-origin{margin-top:2px}
+.lo-input{width:6em;background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);
+  border:1px solid var(--border-color,#555);border-radius:4px;padding:2px 4px;font-size:12px}
+.lo-invalid{border-color:#f85149;outline:1px solid #f85149}
+.lo-swatch{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:3px;vertical-align:-1px;
+  flex:0 0 auto}
+.lo-legend{border-top:1px solid var(--border-color,#444);border-bottom:1px solid var(--border-color,#444);
+  padding:4px 0;margin-bottom:8px;font-size:11px}
+.lo-legend-row{display:flex;flex-wrap:wrap;gap:2px 8px;align-items:center}
+.lo-key{white-space:nowrap}
+.lo-model{border:1px solid var(--border-color,#444);border-radius:6px;padding:6px;margin-bottom:8px}
+.lo-counts{display:flex;flex-direction:column;margin:3px 0}
+.lo-chart-box{margin:4px 0}
+.lo-chart{display:block;width:100%;height:auto}
+.lo-figures{display:flex;flex-wrap:wrap;gap:2px 12px}
+.lo-stall{color:${STALL_COLOR};font-weight:600}
+.lo-notices{margin:4px 0;padding-left:16px;font-size:11px}
+.lo-details summary{cursor:pointer;font-size:11px;margin-top:3px}
+.lo-table-box{overflow-x:auto}
+.lo-table{border-collapse:collapse;width:100%;font-size:11px;font-variant-numeric:tabular-nums;white-space:nowrap}
+.lo-table th,.lo-table td{text-align:right;padding:0 3px}
+.lo-table th:nth-child(2),.lo-table td:nth-child(2){text-align:left}
+.lo-toasts{position:fixed;right:12px;bottom:12px;z-index:10000;display:flex;flex-direction:column;gap:6px;
+  max-width:340px}
+.lo-toast{background:var(--comfy-menu-bg,#222);color:var(--fg-color,#ddd);border:1px solid #555;
+  border-left:4px solid #388bfd;border-radius:6px;padding:6px 8px;font-size:12px;cursor:pointer}
+.lo-toast-warn{border-left-color:#d29922}
+.lo-toast-error{border-left-color:#f85149}
+`;
+
+function ensureStyle() {
+  if (document.getElementById("layer-offload-style")) return;
+  document.head.append(el("style", { id: "layer-offload-style" }, CSS_TEXT));
+}
+
 function makeView() {
-  const root = el("div", "padding:8px;font-size:12px;line-height:1.4;color:var(--fg-color,#ddd)");
-  views.add(root);
-  renderInto(root, latest);
+  ensureStyle();
+  const root = el("div", { class: "lo-panel", "data-lo-panel": "" });
+  state.views.add(root);
+  render(root);
   return root;
 }
 
 function floatingPanel() {
-  // Older frontends without registerSidebarTab: a small toggle button and a floating panel.
-  const panel = el("div", "position:fixed;right:12px;bottom:48px;width:320px;max-height:60vh;overflow:auto;" +
-    "background:var(--comfy-menu-bg,#222);border:1px solid #444;border-radius:8px;z-index:1000;display:none");
-  panel.appendChild(makeView());
-  const button = el("button", "position:fixed;right:12px;bottom:12px;z-index:1000;padding:4px 8px", "Offload");
-  button.title = "Layer Offload: budget and blocks";
-  button.onclick = () => {
-    panel.style.display = panel.style.display === "none" ? "block" : "none";
-    if (panel.style.display === "block") refresh();
-  };
-  document.body.append(panel, button);
+  // Frontends without registerSidebarTab: a toggle button and a floating panel.
+  const box = el("div", { style: "position:fixed;right:12px;bottom:48px;width:340px;max-height:70vh;overflow:auto;" +
+    "background:var(--comfy-menu-bg,#222);border:1px solid #444;border-radius:8px;z-index:1000;display:none" });
+  box.append(makeView());
+  const button = el("button", { style: "position:fixed;right:12px;bottom:12px;z-index:1000;padding:4px 8px",
+    title: "Layer Offload: budget and blocks" }, "Offload");
+  button.addEventListener("click", () => {
+    box.style.display = box.style.display === "none" ? "block" : "none";
+    if (box.style.display === "block") refresh();
+  });
+  document.body.append(box, button);
 }
 
 app.registerExtension({
@@ -109,10 +572,11 @@ app.registerExtension({
     const mgr = app.extensionManager;
     if (mgr && typeof mgr.registerSidebarTab === "function") {
       mgr.registerSidebarTab({
-        id: "layer-offload",
+        id: TAB_ID,
         icon: "pi pi-server",
         title: "Layer Offload",
-        tooltip: "Layer Offload: VRAM budget, resident/streamed blocks, last-run stall and overlap",
+        label: "Offload",
+        tooltip: "Layer Offload: VRAM budget, blocks per tier, last-run chart, priority and budget controls",
         type: "custom",
         render: (container) => {
           container.replaceChildren(makeView());

@@ -1,0 +1,268 @@
+"""The Layer Offload sidebar panel in a real ComfyUI frontend, driven by headless Chromium (selenium).
+
+A ComfyUI server (--cpu, its own user/input/output/temp directories) runs with this pack; the page opens the Layer
+Offload tab before any model exists; a prompt with an offloaded tiny Wan model is queued through the HTTP API and
+the panel must show it without a reload: one chart mark per block, numeric figures, a priority control that changes
+GET /layer_offload/report, an invalid budget refused with a message in the panel (the budget unchanged), and no
+console error from the extension. A screenshot goes to pytest's tmp dir (LO_PANEL_PNG=path writes a copy too).
+
+Runs when COMFYUI_PATH is set and selenium, Chromium and chromedriver are installed; skips with the reason otherwise.
+`COMFYUI_PATH=... PY=... make test-browser`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import pytest
+
+from conftest import comfy_available, skip_reason
+
+if not comfy_available():
+    pytest.skip(skip_reason(), allow_module_level=True)
+
+import browser  # noqa: E402
+import comfy_server as cs  # noqa: E402
+import tiny_wan  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER, MISSING = browser.find_chromium()
+if MISSING:
+    pytest.skip(MISSING, allow_module_level=True)
+
+UNET = "tiny_wan.safetensors"
+UNET_HI = "tiny_wan_hi.safetensors"
+TAB = "layer-offload"
+GIB = 1 << 30
+# what identifies the extension's own console messages: its script URL, its routes, its log prefix
+OURS = (cs.PACK_FOLDER, "layer_offload", "Layer Offload", "LayerOffload")
+
+
+def prompt(seed: int = 3) -> dict:
+    """VRAM Budget (20 MB) -> two Offload Loaders (the same weights under two names: preset budget streams every
+    block, high_end keeps them resident) -> two KSamplers in a chain -> latent hashes, and an Offload Report."""
+    def ksampler(model, latent, s):
+        return {"class_type": "KSampler", "inputs": {"model": model, "positive": ["2", 0], "negative": ["2", 0],
+                                                     "latent_image": latent, "seed": s, "steps": 3, "cfg": 1.0,
+                                                     "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}}
+
+    return {
+        "8": {"class_type": "OffloadVramBudget", "inputs": {"budget_gb": 0.02, "preset": "auto"}},
+        "1": {"class_type": "OffloadDiffusionModelLoader",
+              "inputs": {"unet_name": UNET, "weight_dtype": "default", "preset": "budget", "priority": 0,
+                         "budget": ["8", 0]}},
+        "11": {"class_type": "OffloadDiffusionModelLoader",
+               "inputs": {"unet_name": UNET_HI, "weight_dtype": "default", "preset": "high_end", "priority": 1,
+                          "budget": ["8", 0]}},
+        "2": {"class_type": "LOTestConditioning", "inputs": {"tokens": 8, "seed": 1}},
+        "3": {"class_type": "EmptyHunyuanLatentVideo",
+              "inputs": {"width": 64, "height": 64, "length": 1, "batch_size": 1}},
+        "5": ksampler(["1", 0], ["3", 0], seed),
+        "12": ksampler(["11", 0], ["5", 0], seed + 1),
+        "6": {"class_type": "LOTestLatentHash", "inputs": {"samples": ["5", 0]}},
+        "7": {"class_type": "OffloadReport", "inputs": {"anything": ["12", 0]}},
+    }
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    """(server, driver, console entries so far) with the page loaded and the frontend started."""
+    base = str(tmp_path_factory.mktemp("comfy_browser"))
+    paths = cs.prepare_base_dir(base)
+    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET))
+    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_HI))
+    server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
+    server.seed_settings()
+    server.start()
+    driver = None
+    try:
+        driver = browser.make_driver(CHROMIUM, CHROMEDRIVER)
+        driver.get(server.url)
+        browser.wait_for_app(driver)
+        yield server, driver
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.stop()
+
+
+def q(driver, css):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, css)
+
+
+def row_css(name: str) -> str:
+    return '[data-lo-panel] [data-lo-model="{}"]'.format(name)
+
+
+def report_model(server, name: str) -> dict:
+    found = [m for m in server.get_json("/layer_offload/report")["models"] if m["name"] == name]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def count_texts(driver, text: str, prefix: bool = False) -> int:
+    """How many innermost elements of the page hold exactly this text (or start with it): toasts included, whatever
+    the frontend's toast markup."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('body *')).filter(e => e.children.length === 0 && "
+        "(arguments[1] ? e.textContent.startsWith(arguments[0]) : e.textContent === arguments[0])).length;",
+        text, prefix)
+
+
+def type_into(driver, element, text: str) -> None:
+    """Replace an input's text as a user would, then press Enter."""
+    from selenium.webdriver.common.keys import Keys
+
+    element.click()
+    element.send_keys(Keys.CONTROL, "a")
+    element.send_keys(Keys.BACKSPACE)
+    element.send_keys(text)
+    element.send_keys(Keys.ENTER)
+
+
+def test_panel_end_to_end(page, tmp_path):
+    server, driver = page
+    console = browser.console_entries(driver)  # the frontend's own startup messages
+
+    # the tab opens before any model exists: the GET fills it, with an empty list
+    browser.open_sidebar_tab(driver, TAB)
+    browser.wait_for(lambda: q(driver, "[data-lo-panel] [data-lo-budget]"), 30, "the panel to render the report")
+    assert not q(driver, "[data-lo-model]")
+    assert q(driver, 'input[data-lo-control="budget"]'), "no budget control"
+    tiers = [e.get_attribute("data-lo-legend-tier") for e in q(driver, "[data-lo-legend] [data-lo-legend-tier]")]
+    assert tiers == ["vram", "pinned", "pageable", "disk"], tiers
+    driver.execute_script("window.__lo_no_reload = 1;")
+
+    # a prompt queued through the HTTP API (with the page's client id, so the Report node shows its text)
+    try:
+        driver.execute_script("window.app.loadApiJson && window.app.loadApiJson(arguments[0], 'offload.json');",
+                              prompt())
+    except Exception:  # noqa: BLE001 - showing the workflow in the canvas is for the screenshot only
+        pass
+    server.client_id = browser.browser_client_id(driver) or server.client_id
+    entry = server.wait(server.queue(prompt()), timeout=120)
+    assert entry.get("status", {}).get("status_str") == "success", entry.get("status")
+
+    # the row appears without a reload (the layer_offload.report event)
+    browser.wait_for(lambda: q(driver, row_css(UNET)), 30, "the model's row")
+    assert driver.execute_script("return window.__lo_no_reload;") == 1, "the page was reloaded"
+    browser.wait_for(lambda: q(driver, row_css(UNET_HI)), 10, "the second model's row")[0]
+    assert len(q(driver, "[data-lo-model]")) == 2
+
+    # the chart: an svg with one mark per block
+    charts = q(driver, row_css(UNET) + ' [data-lo-chart="blocks"]')
+    assert len(charts) == 1 and charts[0].tag_name.lower() in ("svg", "canvas")
+    marks = q(driver, row_css(UNET) + ' [data-lo-chart="blocks"] [data-lo-block]')
+    assert [m.get_attribute("data-lo-block") for m in marks] == [str(i) for i in range(tiny_wan.NUM_BLOCKS)]
+    rep = report_model(server, UNET)
+    assert [m.get_attribute("data-lo-tier") for m in marks] == [b["tier"] for b in rep["blocks"]]
+    assert charts[0].size["width"] > 100 and charts[0].size["height"] > 30, charts[0].size
+
+    # the figures are numbers, the ones in the report
+    figures = {}
+    for key in ("overlap", "gbps"):
+        els = q(driver, row_css(UNET) + ' [data-lo-figure="{}"]'.format(key))
+        assert len(els) == 1, key
+        figures[key] = float(els[0].text)
+        assert math.isfinite(figures[key]) and figures[key] >= 0, (key, els[0].text)
+    assert 0 <= figures["overlap"] <= 1
+    assert figures["overlap"] == pytest.approx(rep["overlap_ratio"], abs=0.006)
+    assert figures["gbps"] == pytest.approx(rep["effective_gbps"], abs=0.006)
+    assert rep["forwards"] >= 3 and rep["streamed_blocks"] == tiny_wan.NUM_BLOCKS and rep["total_bytes_streamed"] > 0
+    assert report_model(server, UNET_HI)["resident_blocks"] > 0
+    assert len(q(driver, row_css(UNET_HI) + ' [data-lo-chart="blocks"] [data-lo-block]')) == tiny_wan.NUM_BLOCKS
+    counts = {k: int(q(driver, row_css(UNET) + ' [data-lo-count="{}"]'.format(k))[0].text)
+              for k in ("resident", "streamed", "disk")}
+    assert counts == {"resident": 0, "streamed": tiny_wan.NUM_BLOCKS, "disk": 0}, counts
+
+    # the budget bar: a visible segment for each model
+    for name in (UNET, UNET_HI):
+        seg = q(driver, '[data-lo-budget] [data-lo-budget-model="{}"]'.format(name))
+        assert len(seg) == 1 and seg[0].size["width"] >= 3, (name, seg and seg[0].size)
+
+    # the priority control changes GET /layer_offload/report, and the panel shows it at once
+    assert rep["priority"] == 0
+    prio = q(driver, row_css(UNET) + ' input[data-lo-control="priority"]')
+    assert len(prio) == 1
+    type_into(driver, prio[0], "7")
+    browser.wait_for(lambda: report_model(server, UNET)["priority"] == 7, 15, "the priority to reach the server")
+    browser.wait_for(lambda: q(driver, row_css(UNET) + ' input[data-lo-control="priority"]')[0]
+                     .get_attribute("value") == "7", 10, "the panel to show priority 7")
+    assert not q(driver, "[data-lo-error]")[0].text.strip()
+
+    # an invalid budget: an error in the panel (and a toast), the budget unchanged
+    total_before = server.get_json("/layer_offload/report")["budget"]["total_bytes"]
+    budget_input = q(driver, 'input[data-lo-control="budget"]')[0]
+    type_into(driver, budget_input, "100000")
+    err = browser.wait_for(lambda: [e for e in q(driver, "[data-lo-error]") if e.is_displayed() and e.text.strip()],
+                           15, "an error message in the panel")[0]
+    assert "larger than the device" in err.text, err.text
+    assert server.get_json("/layer_offload/report")["budget"]["total_bytes"] == total_before
+    browser.wait_for(lambda: "budget change refused" in driver.find_element("tag name", "body").text, 10,
+                     "the 'budget change refused' toast")
+    # not a number ("1e" is all a number field lets through): refused in the page, nothing sent
+    type_into(driver, q(driver, 'input[data-lo-control="budget"]')[0], "1e")
+    browser.wait_for(lambda: "a number" in q(driver, "[data-lo-error]")[0].text, 15, "the not-a-number error")
+    assert server.get_json("/layer_offload/report")["budget"]["total_bytes"] == total_before
+    # an invalid priority too (a fraction): refused with a message, the priority unchanged
+    type_into(driver, q(driver, row_css(UNET) + ' input[data-lo-control="priority"]')[0], "1.5")
+    browser.wait_for(lambda: "whole number" in q(driver, "[data-lo-error]")[0].text, 15, "the priority error")
+    assert report_model(server, UNET)["priority"] == 7
+
+    # a valid budget clears the error and shows at once
+    type_into(driver, q(driver, 'input[data-lo-control="budget"]')[0], "2")
+    browser.wait_for(lambda: server.get_json("/layer_offload/report")["budget"]["total_bytes"] == 2 * GIB, 15,
+                     "the budget to reach the server")
+    browser.wait_for(lambda: not q(driver, "[data-lo-error]")[0].is_displayed(), 10, "the error to clear")
+    browser.wait_for(lambda: "of 2.00 GB" in q(driver, "[data-lo-panel]")[0].text, 10, "the panel to show 2 GB")
+    type_into(driver, q(driver, 'input[data-lo-control="budget"]')[0], "0.02")  # back to 20 MB
+    browser.wait_for(lambda: server.get_json("/layer_offload/report")["budget"]["total_bytes"] == int(0.02 * GIB),
+                     15, "the budget back at 20 MB")
+
+    # notices toast once per model: the same report event three times, with two notices for one model
+    data = server.get_json("/layer_offload/report")
+    for m in data["models"]:
+        if m["name"] == UNET:
+            m["notices"] = [{"kind": "pinned_fallback", "message": "test: pinning refused, pageable memory used"},
+                            {"kind": "oom_shrink", "message": "test: resident set shrunk to 1 block"}]
+    driver.execute_script(
+        "const a = window.app.api;"
+        "for (let i = 0; i < 3; i++) a.dispatchCustomEvent ? a.dispatchCustomEvent(arguments[1], arguments[0])"
+        "  : a.dispatchEvent(new CustomEvent(arguments[1], { detail: arguments[0] }));", data, "layer_offload.report")
+    for summary in ("Layer Offload: Pinned memory refused: pageable memory used",
+                    "Layer Offload: Resident set shrunk after an out-of-memory error"):
+        browser.wait_for(lambda: count_texts(driver, summary) >= 1, 10, "the toast " + summary)
+        assert count_texts(driver, summary) == 1, summary
+    assert q(driver, row_css(UNET) + ' [data-lo-notice="pinned_fallback"]'), "the notice is listed in the row too"
+    assert count_texts(driver, "Layer Offload: Disk tier in use") == 0
+
+    # a second run (the event again) keeps the rows and the controls' values
+    server.wait(server.queue(prompt(seed=4)), timeout=120)
+    browser.wait_for(lambda: report_model(server, UNET)["forwards"] >= 3, 10, "the second run's report")
+    assert len(q(driver, "[data-lo-model]")) == 2
+    assert q(driver, row_css(UNET) + ' input[data-lo-control="priority"]')[0].get_attribute("value") == "7"
+
+    # the screenshot: the tab with the models' rows, and the Offload Report node in view on the canvas
+    driver.execute_script("document.activeElement && document.activeElement.blur();"
+                          "const t = window.app.extensionManager.toast; t && t.removeAll && t.removeAll();"
+                          "try { const a = window.app, n = a.graph.getNodeById(7), ds = a.canvas.ds;"
+                          "  const w = a.canvas.canvas.clientWidth; ds.scale = 0.8;"
+                          "  ds.offset[0] = (w - 30) / ds.scale - (n.pos[0] + n.size[0]);"
+                          "  ds.offset[1] = 110 / ds.scale - n.pos[1]; a.canvas.setDirty(true, true);"
+                          "} catch (e) {}")
+    try:  # the toasts' life is 8 s
+        browser.wait_for(lambda: not count_texts(driver, "Layer Offload: ", prefix=True), 15, "the toasts to go")
+    except AssertionError:
+        pass
+    shot = str(tmp_path / "panel.png")
+    assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
+    if os.environ.get("LO_PANEL_PNG"):
+        shutil.copyfile(shot, os.environ["LO_PANEL_PNG"])
+
+    # no console error from the extension; the POSTs refused on purpose above are logged by Chrome as errors
+    console += browser.console_entries(driver)
+    ours = browser.errors_from(console, OURS)
+    unexpected = [m for m in ours if not ("/api/layer_offload/" in m and "status of 400" in m)]
+    assert not unexpected, "\n".join(unexpected)
