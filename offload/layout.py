@@ -51,11 +51,35 @@ class Entry:
     requires_grad: bool
     device: torch.device
     original: torch.Tensor | None = None  # subclass tensors keep their identity: inner tensors are re-pointed
+    param: nn.Parameter | None = None  # the engine's own Parameter object for a plain parameter (set when staged)
 
     def current(self) -> torch.Tensor | None:
         """The tensor the module holds under this entry now."""
         module, attr, kind = self.locations[0]
         return (module._parameters if kind == "param" else module._buffers).get(attr)
+
+    def own(self) -> torch.Tensor | None:
+        """The engine's own tensor for this entry (a foreign replacement in the module is not the engine's to touch)."""
+        return self.param if self.param is not None else self.current()
+
+    def reclaim(self) -> bool:
+        """Whether the module still uses the engine's parameter; a replacement holding the same bytes (ComfyUI
+        restoring a backup as a new Parameter) is swapped back for the engine's own. False: another owner's tensor
+        with other bytes sits there now (a plain clone baked a patch into it)."""
+        ours = self.param
+        current = self.current()
+        if ours is None or current is ours:
+            return True
+        if current is None or current.shape != ours.shape or current.dtype != ours.dtype:
+            return False
+        same = current.data_ptr() == ours.data_ptr()
+        if not same:
+            with torch.no_grad():
+                same = torch.equal(current.detach().to(ours.device), ours.detach())
+        if same:
+            for module, attr, _ in self.locations:
+                module._parameters[attr] = ours
+        return same
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -80,10 +104,25 @@ class TensorLayout:
         """Sum of the version counters of the tensors bound now: changes whenever one is written in place."""
         total = 0
         for entry in self.entries:
-            t = entry.current()
-            if t is not None and not t.is_inference():  # inference tensors have no version counter
+            t = entry.own()
+            if t is None or t.is_inference():  # inference tensors have no version counter
+                continue
+            try:
                 total += t._version
+            except RuntimeError:  # a Parameter over an inference tensor made elsewhere: nothing to track either
+                continue
         return total
+
+    def reclaim(self) -> bool:
+        """Every plain parameter back to the engine's own object where it holds the same bytes; False when another
+        owner's tensor with other bytes is in use (the unit must not be streamed over it)."""
+        return all([entry.reclaim() for entry in self.entries])
+
+    def adopt_params(self) -> None:
+        """Remember the Parameter objects the modules hold now as the engine's own (right after staging)."""
+        for entry in self.entries:
+            if entry.plain_param:
+                entry.param = entry.current()
 
     def sources(self) -> Iterator[torch.Tensor]:
         """The leaves' current tensors, read from the modules in layout order (nothing is kept between calls)."""
@@ -118,7 +157,7 @@ class TensorLayout:
                 continue
             value = _assemble(entry.recipe, views.__getitem__)
             if entry.plain_param:
-                data_swaps.append((entry.locations[0][0]._parameters[entry.locations[0][1]], value))
+                data_swaps.append((entry.own(), value))
                 continue
             value_p = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
                 kind == "param" for _, _, kind in entry.locations) else None
@@ -149,8 +188,7 @@ class TensorLayout:
                 continue
             value = _assemble(entry.recipe, on_device)
             if entry.plain_param:
-                module, attr, _ = entry.locations[0]
-                module._parameters[attr].data = value
+                entry.own().data = value
                 continue
             param = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
                 k == "param" for _, _, k in entry.locations) else None

@@ -70,10 +70,12 @@ class StagingBuffer:
         layout.rebind_fresh(views)
         binding = layout.build(host, master=True)
         binding.apply()
+        layout.adopt_params()
         return cls(layout, host, pinned, binding)
 
     @classmethod
-    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str], apply: bool = True) -> "StagingBuffer":
+    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str],
+                apply: bool = True) -> "StagingBuffer":
         """A disk-tier master: the module views the file's private map between forwards; no RAM copy.
 
         `apply=False` for a unit resident on the device now: its views are swapped in when it is evicted.
@@ -84,6 +86,7 @@ class StagingBuffer:
         binding = layout.bind(views, None, master=True)
         if apply:
             binding.apply()
+            layout.adopt_params()
         return cls(layout, None, False, binding, file, keys)
 
     def leaf_copy(self, i: int, device: torch.device) -> torch.Tensor:

@@ -109,7 +109,7 @@ def _guard_backward(obj: Any, name: str) -> Any:
 
 
 class _WeakHook:
-    """A forward (pre-)hook that calls a streamer method through a weak reference (no model -> engine -> model cycle)."""
+    """A forward (pre-)hook calling a streamer method through a weak reference (no model -> engine -> model cycle)."""
 
     __slots__ = ("_ref", "_fn", "_index")
 
@@ -198,6 +198,7 @@ class ModelStreamer:
         self._root_calls = 0  # root-module forwards in progress on the owning thread (nested calls count)
         self._pass_owner: int | None = None
         self._last_unit_outside_root: int | None = None
+        self._foreign: set[int] = set()  # units whose parameters another owner's tensors replace this pass
         self._hooks: list[Any] = []
         self._install_hooks(model)
 
@@ -270,6 +271,7 @@ class ModelStreamer:
             self._finish_active()
         self.staged.check_sources()
         self.metrics.harvest()
+        self._reclaim()
         self._check_writes()
         listener = self._listener()
         if listener is not None:
@@ -281,6 +283,19 @@ class ModelStreamer:
         self._seen = []
         self.metrics.forward_started()
         self.worker.fill()
+
+    def _reclaim(self) -> None:
+        """Take back parameters that hold the engine's own bytes (ComfyUI restoring a backup wraps them in a new
+        Parameter), and step aside for units whose parameters another owner replaced with other bytes (a plain clone
+        of the same model that baked a LoRA in): those run as that owner set them up until it gives them back."""
+        foreign = {u.index for u in self.units if not u.staged.layout.reclaim()}
+        self.staged.rest.layout.reclaim()
+        if foreign != self._foreign:
+            if foreign:
+                log.info("%d block(s) hold another patcher's weights this pass (a plain clone of the same model); they "
+                         "run as it set them up until it gives them back", len(foreign))
+            self._foreign = foreign
+            self.worker.restart()
 
     def _enter_outside_root(self, index: int) -> None:
         """A unit called without the root module (a text encoder entered through another method): a unit at or
@@ -298,6 +313,10 @@ class ModelStreamer:
                 self._enter_outside_root(index)
             if self.active is not None:
                 self._finish_active()
+            if index in self._foreign:  # another owner's weights are in place: not ours to stream
+                if outside:
+                    self._lock.release()
+                return
             if not self.loaded:
                 self.ensure_loaded()
             u = self.units[index]
@@ -389,6 +408,8 @@ class ModelStreamer:
         """
         stale = False
         for u in self.units:
+            if u.index in self._foreign:
+                continue
             v = u.staged.layout.version()
             if v != u.mark:
                 u.mark = v

@@ -15,12 +15,12 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Callable
 
 import pytest
 import torch
 
-from offload import (BudgetError, DetachedError, DeviceMemoryError, OffloadConfig, SourceChangedError, VramBudget,
-                     offload_module)
+from offload import BudgetError, DetachedError, DeviceMemoryError, OffloadConfig, VramBudget, offload_module
 from offload.backends import get_backend
 from tests.models import LayersModel, TransformerStack, aligned_bytes, resident_modules, run, seeded
 
@@ -434,6 +434,47 @@ def test_one_model_called_from_several_threads(preset):
     assert not errors, errors
     assert len(results) == 24 and all(results.values()), results
     h.detach()
+
+
+def _swap(module: torch.nn.Module, name: str, value: Callable[[], torch.Tensor]) -> None:
+    """What ComfyUI's LoRA patching does: the value computed in inference mode, set as a new Parameter object."""
+    with torch.inference_mode():
+        module._parameters[name] = torch.nn.Parameter(value(), requires_grad=False)
+
+
+@pytest.mark.parametrize("preset", ["budget", "mid_range", "high_end"])
+def test_parameters_replaced_by_another_owner(preset):
+    """Another owner of the same module (a plain ComfyUI clone baking a LoRA in) swaps in its own Parameters, in a
+    block and outside the blocks, with other bytes: the model runs with them, the engine's host copy is untouched,
+    and once the owner puts back Parameters over the engine's bytes the engine takes its own objects back."""
+    import copy
+
+    model, x = _model(), _x()
+    ref = run(model, (x,))
+    patched = copy.deepcopy(model)
+    h = offload_module(model, OffloadConfig.from_preset(preset, device="sim", **_private()), budget=VramBudget(None))
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref)
+    sites = [(model.layers[2].fc1, patched.layers[2].fc1), (model.out, patched.out)]
+    ours = [m.weight for m, _ in sites]
+    for (m, p), own in zip(sites, ours):
+        delta = torch.full_like(p.weight, 0.25)
+        p.weight.data += delta
+        _swap(m, "weight", lambda: own.detach().cpu() + delta)
+    expected = run(patched, (x,))
+    assert not torch.equal(expected, ref)
+    for reload in (False, True, False):  # `unload` first: the next pass places the rest and resident blocks again
+        if reload:
+            h.unload()
+        with torch.inference_mode():
+            assert torch.equal(model(x), expected)
+    for (m, _), own in zip(sites, ours):
+        _swap(m, "weight", lambda: own)  # the owner's backup restored: a new Parameter over the engine's own bytes
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref), "the engine's host copy must not have taken the other owner's bytes"
+    assert all(m.weight is own for (m, _), own in zip(sites, ours)), "the engine takes its own Parameters back"
+    h.detach()
+    assert torch.equal(run(model, (x,)), ref)
 
 
 def test_resident_set_grows_back_after_memory_pressure_passes():
