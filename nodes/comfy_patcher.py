@@ -118,6 +118,23 @@ def _restore_baked(st: Managed) -> None:
     st.baked.clear()
 
 
+def _restore_shared_backups(patcher: Any) -> None:
+    """Put back weights a plain clone of the same model baked a patch into: ComfyUI's clones share one backup dict,
+    and ComfyUI's own unpatch restores it before another clone uses the model; the offload patcher does the same
+    (the engine then takes its parameters back at the next pass)."""
+    backup = getattr(patcher, "backup", None)
+    if not backup:
+        return
+    for key, bk in list(backup.items()):
+        if bk.inplace_update:
+            comfy.utils.copy_to_param(patcher.model, key, bk.weight)
+        else:
+            comfy.utils.set_attr_param(patcher.model, key, bk.weight)
+    backup.clear()
+    for m in patcher.model.modules():
+        m.__dict__.pop("comfy_patched_weights", None)
+
+
 def _reassert_budget(st: Managed) -> None:
     """A model wired to a VRAM Budget node re-applies that budget when it loads (the latest loaded wins)."""
     apply = getattr(st.budget, "apply", None)
@@ -234,6 +251,7 @@ class OffloadPatcherMethods:
         with self.use_ejected():
             self.unpatch_hooks()
             _restore_baked(st)
+            _restore_shared_backups(self)
             _reassert_budget(st)
             if force_patch_weights:
                 _bake(self, st, prefix)
@@ -299,6 +317,7 @@ class OffloadPatcherMethods:
             self.unpatch_hooks()
             st.handle.unload()
             _restore_baked(st)
+            _restore_shared_backups(self)
             patches.clear(self, root)
             self.backup.clear()
             if device_to is not None:

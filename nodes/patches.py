@@ -196,10 +196,16 @@ def install(patcher: Any, root: torch.nn.Module, prefix: str) -> int:
             m.weight_function = []
             m.bias_function = []
             for attr, fname in (("weight", "weight_function"), ("bias", "bias_function")):
-                if getattr(m, attr, None) is None:
+                weight = getattr(m, attr, None)
+                if weight is None:
                     continue
                 key = "{}.{}".format(name, attr) if name else attr
-                if key in patches:
+                if key in patches and is_gguf(weight):
+                    # GGUF layers ignore weight_function: they dequantize and apply `weight.patches` themselves, as
+                    # GGUF's own patcher sets them; the parameter keeps its identity while it streams
+                    weight.patches = [(patches[key], key)]
+                    counter += 1
+                elif key in patches:
                     getattr(m, fname).append(ExactPatch(patcher.model, key, patches))
                     counter += 1
                 if key in patcher.weight_wrapper_patches:
@@ -219,11 +225,20 @@ def install(patcher: Any, root: torch.nn.Module, prefix: str) -> int:
     return counter
 
 
+def is_gguf(weight: Any) -> bool:
+    """A GGUF-quantized weight (ComfyUI-GGUF's or the built-in GGMLTensor): patches go in its `.patches`."""
+    return hasattr(weight, "tensor_type") and hasattr(weight, "tensor_shape")
+
+
 def clear(patcher: Any, root: torch.nn.Module) -> None:
     """Remove every patch function and plain-parameter hook from the offloaded root."""
     for m in root.modules():
         if hasattr(m, "comfy_cast_weights"):
             m.weight_function = []
             m.bias_function = []
+            for attr in ("weight", "bias"):
+                weight = getattr(m, attr, None)
+                if weight is not None and is_gguf(weight) and getattr(weight, "patches", None):
+                    weight.patches = []
     for h in root.__dict__.pop(PLAIN_HOOKS_ATTR, []):
         h.remove()
