@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models import (resident_modules, streamed_modules, CASES, DiTStack, module_path, param_inner_tensors, run, same_tensor, seeded, snapshot,
-                          streaming_budget)
+from tests.models import (CASES, DiTStack, module_path, param_inner_tensors, run, same_tensor, seeded, snapshot,
+                          streamed_modules, streaming_budget)
 
 pytestmark = pytest.mark.cuda
 

@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from tests.models import (resident_modules, streamed_modules, ALIGN, CASES, Boom, LayersModel, MLPBlock, RaisingStack, TransformerStack,
-                          aligned_bytes, module_path, param_inner_tensors, raw_bytes, run, same_tensor, seeded,
-                          snapshot, streaming_budget)
+from tests.models import (ALIGN, CASES, Boom, LayersModel, MLPBlock, RaisingStack, TransformerStack, aligned_bytes,
+                          module_path, param_inner_tensors, raw_bytes, run, same_tensor, seeded, snapshot,
+                          streamed_modules, streaming_budget)
 
 
 def _param_tensors(unit):

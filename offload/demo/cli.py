@@ -10,7 +10,6 @@ import argparse
 import copy
 import json
 import logging
-import sys
 from typing import Any, Sequence
 
 import torch
@@ -18,13 +17,14 @@ import torch.nn as nn
 
 from .. import backends
 from ..config import PRESETS, OffloadConfig
-from .measure import (MIB, Row, bitwise_equal, calibrate_sim_gbps_model, format_table, resolve_device, run_offloaded,
+from .measure import (MIB, Row, calibrate_sim_gbps_model, format_table, resolve_device, run_offloaded,
                       time_forwards, torch_device, weight_bytes)
 
 log = logging.getLogger(__name__)
 
 
-def build_demo_model(model: str, dim: int, depth: int, tokens: int, seed: int) -> tuple[nn.Module, list[torch.Tensor], nn.Module, list[torch.Tensor]]:
+def build_demo_model(model: str, dim: int, depth: int, tokens: int,
+                     seed: int) -> tuple[nn.Module, list[torch.Tensor], nn.Module, list[torch.Tensor]]:
     """The demo model (float32, random weights), its CPU inputs, and one block with that block's inputs."""
     from .reference_models import DiTStack, TransformerStack
 

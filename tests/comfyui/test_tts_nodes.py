@@ -3,7 +3,6 @@ model run without offloading, seeds, voices, cancel, bad folders, the report, Co
 Offload Any on another pack's model holder. Skipped without a ComfyUI checkout (or without transformers >= 5.23)."""
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil

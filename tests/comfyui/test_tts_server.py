@@ -10,7 +10,7 @@ import os
 import struct
 import time
 import wave
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import pytest
 

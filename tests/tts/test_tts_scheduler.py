@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import math
-import os
 
 import pytest
 import torch
@@ -181,7 +180,8 @@ def test_add_noise_formula():
 
 def test_config_handling():
     sched = ts.VibeVoiceDPMSolver.from_config({"beta_schedule": "squaredcos_cap_v2", "prediction_type": "v_prediction",
-                                               "num_train_timesteps": 1000, "_class_name": "DPMSolverMultistepScheduler"})
+                                               "num_train_timesteps": 1000,
+                                               "_class_name": "DPMSolverMultistepScheduler"})
     assert sched.config["solver_order"] == 2 and sched.config["algorithm_type"] == "dpmsolver++"
     alias = ts.VibeVoiceDPMSolver(beta_schedule="cosine")  # the original VibeVoice config's name
     assert torch.equal(alias.alphas_cumprod, sched.alphas_cumprod)
