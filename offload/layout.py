@@ -9,7 +9,8 @@ holds no weight alive.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -52,6 +53,8 @@ class Entry:
     device: torch.device
     original: torch.Tensor | None = None  # subclass tensors keep their identity: inner tensors are re-pointed
     param: nn.Parameter | None = None  # the engine's own Parameter object for a plain parameter (set when staged)
+    # the last replacement found to hold other bytes: not compared again (a device-to-host read) while it stays
+    foreign: Any = field(default=None, repr=False, compare=False)
 
     def current(self) -> torch.Tensor | None:
         """The tensor the module holds under this entry now."""
@@ -72,6 +75,8 @@ class Entry:
             return True
         if current is None or current.shape != ours.shape or current.dtype != ours.dtype:
             return False
+        if self.foreign is not None and self.foreign() is current:
+            return False
         same = current.data_ptr() == ours.data_ptr()
         if not same:
             with torch.no_grad():
@@ -79,6 +84,8 @@ class Entry:
         if same:
             for module, attr, _ in self.locations:
                 module._parameters[attr] = ours
+        else:
+            self.foreign = weakref.ref(current)
         return same
 
 
