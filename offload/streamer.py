@@ -25,6 +25,7 @@ import torch.nn as nn
 from .backends.base import Backend
 from .layout import Binding
 from .metrics import BlockReport, MetricsCollector
+from .pass_lock import PassLock, module_call_frame
 from .prefetch import PrefetchWorker
 from .planner import bounce_buffers
 from .staging import StagedModel, StagedUnit, StagingBuffer, file_keys_holding, make_ram_source
@@ -109,7 +110,7 @@ def _guard_backward(obj: Any, name: str) -> Any:
 
 
 class _WeakHook:
-    """A forward (pre-)hook calling a streamer method through a weak reference (no model -> engine -> model cycle)."""
+    """A hook (or callback) calling a streamer method through a weak reference (no model -> engine -> model cycle)."""
 
     __slots__ = ("_ref", "_fn", "_index")
 
@@ -194,7 +195,8 @@ class ModelStreamer:
         self.active: ActiveUnit | None = None
         self._resident_start: dict[int, tuple[Any, bool]] = {}
         self._seen: list[int] = []
-        self._lock = threading.RLock()  # one pass at a time; device memory changes hands only under it
+        # one pass at a time; device memory changes hands only under it (the lock refers back weakly, no cycle)
+        self._lock = PassLock(_WeakHook(self, ModelStreamer._abandon_pass))
         self._root_calls = 0  # root-module forwards in progress on the owning thread (nested calls count)
         self._pass_owner: int | None = None
         self._last_unit_outside_root: int | None = None
@@ -242,7 +244,7 @@ class ModelStreamer:
                 self._lock.release()
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        self._lock.acquire()  # another thread's pass over this model finishes first
+        self._lock.acquire(frame=module_call_frame())  # another thread's pass over this model finishes first
         self._pass_owner = threading.get_ident()
         self._root_calls += 1
         if self._root_calls == 1:
@@ -264,6 +266,24 @@ class ModelStreamer:
             if self._root_calls == 0:
                 self._pass_owner = None
             self._lock.release()
+
+    def _abandon_pass(self, holder: int) -> None:
+        """A forward cut short by a BaseException (KeyboardInterrupt) skipped torch's always-called hooks and left its
+        pass open: close it as `_root_post` would have (its unit's weights back on the host, its slot to the ring).
+        Called by the pass lock while it takes the lock over, so it must not use the lock itself."""
+        model = self._model()
+        log.warning("%s: a forward was interrupted (thread %d) before its hooks could end the pass; ending it now",
+                    type(model).__name__ if model is not None else "model", holder)
+        active, self.active = self.active, None
+        if active is not None:
+            self.units[active.index].master.host_binding.apply()
+            self.worker.release(active.slot, self.backend.record())
+        self._resident_start.clear()
+        self._root_calls = 0
+        self._pass_owner = None
+        self._last_unit_outside_root = None
+        if not self.order_learned:
+            self._seen = []  # a partial pass is not the model's order
 
     def _begin_pass(self) -> None:
         """A safe point before a forward: check sources and writes, rebalance, learn the order, start prefetching."""
@@ -307,7 +327,7 @@ class ModelStreamer:
     def _pre(self, index: int, module: nn.Module, args: Any) -> None:
         outside = self._root_calls == 0 or self._pass_owner != threading.get_ident()
         if outside:
-            self._lock.acquire()
+            self._lock.acquire(frame=module_call_frame(caller_of_call=True))
         try:
             if outside:
                 self._enter_outside_root(index)

@@ -2,7 +2,8 @@
 
 Files changed under a disk-tier model (truncated, rewritten in place, deleted), allocation failures at every
 allocation site, a transfer that fails mid-pass, an exception at every hook, models dropped without detach with
-the cycle collector off, several threads calling one model, memory pressure that passes, and every public entry
+the cycle collector off, several threads calling one model, a forward interrupted by Ctrl-C, memory pressure
+that passes, and every public entry
 point used in the wrong state. Everything goes through the public API; scenarios that could kill the process
 (SIGBUS from a truncated mapping) run in a child process, so a crash is a test failure, not the end of the run.
 """
@@ -442,6 +443,94 @@ def test_one_model_called_from_several_threads(preset):
         t.join(timeout=120)
     assert not errors, errors
     assert len(results) == 24 and all(results.values()), results
+    h.detach()
+
+
+class _InterruptOnce:
+    """A forward pre-hook raising KeyboardInterrupt (Ctrl-C) the first time: torch skips always-called hooks then."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, module: torch.nn.Module, args: object) -> None:
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+
+
+def _interrupt(call: Callable[[], object], module: torch.nn.Module) -> None:
+    hook = module.register_forward_pre_hook(_InterruptOnce())  # after the engine's: the unit is in place
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    finally:
+        hook.remove()
+
+
+def _run_in_thread(model, x, timeout: float = 30.0):
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("out", run(model, (x,))), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "another thread still waits for the interrupted pass"
+    return result["out"]
+
+
+@pytest.mark.parametrize("preset,where", [("budget", "streamed"), ("mid_range", "resident"),
+                                          ("budget", "outside_root"), ("mid_range", "outside_root_resident")])
+def test_interrupted_forward_frees_the_model(preset, where):
+    """Ctrl-C inside a unit (mid-pass, or a unit called on its own) leaves nothing held: the next forward, on this
+    thread or another, runs a fresh pass with the same outputs and the same device memory, and detach works."""
+    model, x = _model(), _x()
+    ref = run(model, (x,))
+    xu = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    unit_ref = run(model.layers[2], (xu,))
+    h = offload_module(model, OffloadConfig.from_preset(preset, device="sim", **_private()), budget=VramBudget(None))
+    assert torch.equal(run(model, (x,)), ref)
+    used = h.backend.used_bytes
+    resident = set(map(id, resident_modules(h)))
+    wanted_resident = where.endswith("resident")
+    unit = next(m for m in model.layers if (id(m) in resident) == wanted_resident)
+    if where.startswith("outside_root"):
+        _interrupt(lambda: run(unit, (torch.randn(2, 5, 64),)), unit.fc2)
+    else:
+        _interrupt(lambda: run(model, (x,)), unit.fc2)
+    assert _run_in_thread(model, x).equal(ref), "another thread runs the model after the interrupt"
+    assert not h.is_busy()
+    assert h.backend.used_bytes == used, "the interrupted unit's slot went back to the ring"
+    if where.startswith("outside_root"):
+        _interrupt(lambda: run(unit, (torch.randn(2, 5, 64),)), unit.fc2)
+    else:
+        _interrupt(lambda: run(model, (x,)), unit.fc2)
+    h.reset_stats()
+    assert torch.equal(run(model, (x,)), ref), "the same thread runs a fresh pass"
+    assert not h.is_busy()
+    assert h.report().blocks and all(b.calls == 1 for b in h.report().blocks), "one whole pass was counted"
+    assert torch.equal(run(model.layers[2], (xu,)), unit_ref), "a unit called on its own still runs"
+    h.detach()
+    assert torch.equal(run(model, (x,)), ref)
+
+
+def test_interrupted_thread_that_ended_does_not_block_the_next():
+    """A worker thread interrupted mid-pass and gone (a cancelled request in a web UI): the next caller takes over."""
+    model, x = _model(), _x()
+    ref = run(model, (x,))
+    h = offload_module(model, OffloadConfig.from_preset("budget", device="sim", **_private()), budget=VramBudget(None))
+    errors = []
+
+    def cancelled():
+        try:
+            _interrupt(lambda: run(model, (x,)), model.layers[3].fc1)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(repr(err))
+
+    t = threading.Thread(target=cancelled)
+    t.start()
+    t.join(30)
+    assert not errors, errors
+    assert torch.equal(_run_in_thread(model, x), ref)
+    assert torch.equal(run(model, (x,)), ref)
+    assert not h.is_busy()
     h.detach()
 
 
