@@ -29,6 +29,7 @@ class PrefetchWorker:
         self.free: deque[tuple[int, Any]] = deque()  # (slot, event after which it may be overwritten)
         self.next_pos = 0
         self.resyncs = 0
+        self.skip: frozenset[int] = frozenset()  # units in the order not to copy (another owner's weights are in place)
 
     def configure(self, order: list[int], slots: Sequence[torch.Tensor], sources: Sequence[UnitSource]) -> None:
         """New plan: predicted order of streamed units, the slot buffers and every unit's source (nothing in flight)."""
@@ -49,11 +50,20 @@ class PrefetchWorker:
             self.next_pos = 0
             self._cancel_inflight()
 
+    def set_skip(self, units: set[int]) -> None:
+        """Units that run on another owner's weights for now: no copy is queued for them until they are back."""
+        skip = frozenset(units)
+        if skip != self.skip:
+            self.skip = skip
+            self.restart()
+
     def fill(self) -> None:
-        """Queue copies into every free slot, following the predicted order."""
-        if not self.order:
+        """Queue copies into every free slot, following the predicted order (less the skipped units)."""
+        if not self.order or self.skip.issuperset(self.order):
             return
         while self.free:
+            while self.order[self.next_pos % len(self.order)] in self.skip:
+                self.next_pos = (self.next_pos + 1) % len(self.order)
             slot, after = self.free.popleft()
             unit = self.order[self.next_pos % len(self.order)]
             self.next_pos = (self.next_pos + 1) % len(self.order)

@@ -315,7 +315,7 @@ class ModelStreamer:
                 log.info("%d block(s) hold another patcher's weights this pass (a plain clone of the same model); they "
                          "run as it set them up until it gives them back", len(foreign))
             self._foreign = foreign
-            self.worker.restart()
+            self.worker.set_skip(foreign)  # restarts the lookahead without them
 
     def _enter_outside_root(self, index: int) -> None:
         """A unit called without the root module (a text encoder entered through another method): a unit at or

@@ -575,6 +575,37 @@ def test_parameters_replaced_by_another_owner(preset):
     assert torch.equal(run(model, (x,)), ref)
 
 
+def test_units_on_another_owners_weights_are_not_copied():
+    """While a streamed unit runs on another owner's Parameters, the prefetch worker copies only the units the engine
+    still streams: every pass moves exactly their bytes, none for the foreign unit and no wasted lookahead."""
+    model, x = _model(), _x()
+    h = offload_module(model, OffloadConfig.from_preset("budget", device="sim", **_private()), budget=VramBudget(None))
+    run(model, (x,))
+    h.reset_stats()
+    run(model, (x,))
+    sizes = {b.name: b.bytes_streamed for b in h.report().blocks if b.tier != "vram"}
+    assert "layers.2" in sizes and all(sizes.values())
+    copied = []
+    copy_h2d = h.backend.copy_h2d
+
+    def counting(dst, src, after=None):
+        copied.append(src.numel() * src.element_size())
+        return copy_h2d(dst, src, after)
+
+    h.backend.copy_h2d = counting
+    _swap(model.layers[2].fc1, "weight", lambda: torch.ones(128, 64))
+    run(model, (x,))  # the pass that notices: queued copies are dropped and the lookahead restarts without it
+    copied.clear()
+    h.reset_stats()
+    for _ in range(3):
+        run(model, (x,))
+    moved = {b.name: b.bytes_streamed for b in h.report().blocks if b.tier != "vram"}
+    assert moved["layers.2"] == 0
+    assert sum(copied) == 3 * (sum(sizes.values()) - sizes["layers.2"]), "only the engine's streamed units are copied"
+    h.backend.copy_h2d = copy_h2d
+    h.detach()
+
+
 def test_resident_set_grows_back_after_memory_pressure_passes():
     """An allocation outside the budget fills the device: the model shrinks its resident set instead of failing,
     and once that memory is freed it grows back at a later pass start, without thrashing meanwhile."""
