@@ -272,8 +272,8 @@ class ModelStreamer:
         pass open: close it as `_root_post` would have (its unit's weights back on the host, its slot to the ring).
         Called by the pass lock while it takes the lock over, so it must not use the lock itself."""
         model = self._model()
-        log.warning("%s: a forward was interrupted (thread %d) before its hooks could end the pass; ending it now",
-                    type(model).__name__ if model is not None else "model", holder)
+        log.warning("%s: a pass left open on thread %d (a forward cut short by Ctrl-C, or a block's layer called on "
+                    "its own) is closed now", type(model).__name__ if model is not None else "model", holder)
         active, self.active = self.active, None
         if active is not None:
             self.units[active.index].master.host_binding.apply()
