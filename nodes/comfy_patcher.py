@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+import comfy.hooks
 import comfy.model_management
 import comfy.model_patcher
 import comfy.utils
@@ -135,6 +136,22 @@ def _restore_shared_backups(patcher: Any) -> None:
         m.__dict__.pop("comfy_patched_weights", None)
 
 
+def _patch_hooks_outside(patcher: Any, hooks: Any, combined: Dict[str, list]) -> None:
+    """Weight hooks on weights outside the offloaded root (ComfyUI keeps those on the device): patched in place, with
+    ComfyUI's backups, exactly as ComfyUI patches them on a plain model."""
+    counter = None
+    if patcher.hook_mode == comfy.hooks.EnumHookMode.MaxSpeed:
+        counter = comfy.model_patcher.MemoryCounter(
+            initial=comfy.model_management.get_free_memory(patcher.load_device),
+            minimum=comfy.model_management.minimum_inference_memory() * 2)
+    originals = patcher.get_key_patches()
+    keys = set(patcher.model_state_dict().keys())
+    for key in combined:
+        if key in keys:
+            patcher.patch_hook_weight_to_device(hooks=hooks, combined_patches=combined, key=key,
+                                                original_weights=originals, memory_counter=counter)
+
+
 def _reassert_budget(st: Managed) -> None:
     """A model wired to a VRAM Budget node re-applies that budget when it loads (the latest loaded wins)."""
     apply = getattr(st.budget, "apply", None)
@@ -160,6 +177,8 @@ class OffloadPatcherMethods:
         _, _, st = managed_root(n.model)
         if st is not None:
             track_patcher(n, st)
+            # ComfyUI's clone keeps current_hooks (a plain model's weights still carry them): so do the patch stages
+            n.__dict__[patches.HOOK_PATCHES_ATTR] = self.__dict__.get(patches.HOOK_PATCHES_ATTR)
         return n
 
     def is_dynamic(self) -> bool:
@@ -306,6 +325,43 @@ class OffloadPatcherMethods:
         log.debug("Layer Offload: %s freed %.1f MB (asked %.1f MB), %.1f MB remain", st.name, freed / 2 ** 20,
                   memory_to_free / 2 ** 20, after / 2 ** 20)
         return freed
+
+    # weight hooks --------------------------------------------------------------
+    def patch_hooks(self, hooks: Any) -> None:
+        """Weight hooks (scheduled LoRA) as a patch stage computed on the device, not written into the host master.
+
+        ComfyUI writes them into the weights in place (through `.data`, between the passes of a step); the engine's
+        host copy is the truth and copies already queued for the next pass would miss such a write. Weights outside
+        the offloaded root are ComfyUI's own and patched its way."""
+        root, prefix, st = self._lo()
+        if st is None:
+            return self._lo_base.patch_hooks(self, hooks)
+        with self.use_ejected():
+            self.unpatch_hooks()
+            if hooks is not None:
+                combined = self.get_combined_hook_patches(hooks=hooks)
+                inside = {k: v for k, v in combined.items() if k.startswith(prefix)}
+                outside = {k: v for k, v in combined.items() if not k.startswith(prefix)}
+                if outside:
+                    _patch_hooks_outside(self, hooks, outside)
+                if inside:
+                    originals = self.get_key_patches() if patches.needs_original_weights(inside) else None
+                    patches.set_hook_patches(self, inside, originals)
+                    if patches.installed_for(self, root):  # otherwise this patcher's next load installs them
+                        patches.install(self, root, prefix)
+            self.current_hooks = hooks
+
+    def unpatch_hooks(self, whitelist_keys_set: Optional[set] = None) -> None:
+        """Drop the weight-hook patch stage (and ComfyUI's in-place hook writes outside the offloaded root)."""
+        root, prefix, st = self._lo()
+        if st is None:
+            return self._lo_base.unpatch_hooks(self, whitelist_keys_set)
+        self._lo_base.unpatch_hooks(self, whitelist_keys_set)
+        if patches.hook_patches_of(self)[0]:
+            patches.set_hook_patches(self, None, None)
+            if patches.installed_for(self, root):
+                patches.install(self, root, prefix)
+        self.current_hooks = None
 
     def unpatch_model(self, device_to: Any = None, unpatch_weights: bool = True) -> None:
         """Undo object patches; with unpatch_weights, also drop every device copy (the host master stays)."""

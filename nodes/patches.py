@@ -11,13 +11,19 @@ LoRA). A patch is computed on the device copy, the way a full load bakes it:
   `modulation` on its block) are left alone, as ComfyUI's own loader leaves them: its `_load_list` skips "random
   weights in non leaf modules", so patching them would differ from the plain loader.
 
-Patches that cannot apply (a LoRA key of the wrong shape) are found once per set of patches, reported in one
-log line like ComfyUI's own loader does, and left out instead of failing again on every forward.
+Weight hooks (ComfyUI's scheduled LoRA: *Create Hook LoRA*, hook keyframes) write their weights in place on a plain
+model, between the passes of one sampling step. On an offloaded model they become a second patch stage instead
+(`set_hook_patches`): computed on the device after the model's own patches, in float32 and rounded like ComfyUI's
+`patch_hook_weight_to_device`, so the result equals the plain model's and the host master is never written.
+
+Patches that cannot apply (a LoRA key of the wrong shape) are found once per patch, reported in one log line like
+ComfyUI's own loader does, and left out instead of failing again on every forward.
 """
 from __future__ import annotations
 
 import logging
 import re
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -33,6 +39,8 @@ from .registry import Managed
 log = logging.getLogger("layer_offload")
 
 PLAIN_HOOKS_ATTR = "_lo_plain_patch_hooks"
+OWNER_ATTR = "_lo_patch_owner"  # on the root: the patcher whose patch functions are installed (weakly)
+HOOK_PATCHES_ATTR = "_lo_hook_patches"  # on the patcher: (combined weight-hook patches, original weights) or None
 
 
 def _string_to_seed(key: str) -> int:
@@ -46,20 +54,35 @@ def _lora_compute_dtype(device: Any) -> torch.dtype:
     return fn(device) if callable(fn) else torch.float32
 
 
-def patched_weight(model: Any, key: str, patches: Dict[str, list], device: Any) -> torch.Tensor:
-    """The weight `key` with its patches applied, in its stored dtype (format), computed like a full load.
+def _patch_stage(key_patches: list, weight: torch.Tensor, key: str, set_func: Any, convert_func: Any, device: Any,
+                 dtype: torch.dtype, originals: Optional[dict] = None) -> torch.Tensor:
+    temp = comfy.model_management.cast_to_device(weight, device, dtype, copy=True)
+    if convert_func is not None:
+        temp = convert_func(temp, inplace=True)
+    if originals is None:
+        out = comfy.lora.calculate_weight(key_patches, temp, key)
+    else:
+        out = comfy.lora.calculate_weight(key_patches, temp, key, original_weights=originals)
+    if set_func is None:
+        return comfy.float.stochastic_rounding(out, weight.dtype, seed=_string_to_seed(key))
+    return set_func(out, seed=_string_to_seed(key), return_weight=True)
+
+
+def patched_weight(model: Any, key: str, patches: Dict[str, list], device: Any,
+                   hook_patches: Optional[Dict[str, list]] = None, originals: Optional[dict] = None) -> torch.Tensor:
+    """The weight `key` with its patches applied, in its stored dtype (format), computed like a full load; then the
+    weight hooks' patches, computed like ComfyUI applies them to the loaded (already patched) weight.
 
     Reads the weight the module holds now (a device slot view during a forward, the host master otherwise) and
     never writes it.
     """
     weight, set_func, convert_func = comfy.model_patcher.get_key_weight(model, key)
-    temp = comfy.model_management.cast_to_device(weight, device, _lora_compute_dtype(device), copy=True)
-    if convert_func is not None:
-        temp = convert_func(temp, inplace=True)
-    out = comfy.lora.calculate_weight(patches[key], temp, key)
-    if set_func is None:
-        return comfy.float.stochastic_rounding(out, weight.dtype, seed=_string_to_seed(key))
-    return set_func(out, seed=_string_to_seed(key), return_weight=True)
+    out = weight
+    if key in patches:
+        out = _patch_stage(patches[key], weight, key, set_func, convert_func, device, _lora_compute_dtype(device))
+    if hook_patches and key in hook_patches:
+        out = _patch_stage(hook_patches[key], out, key, set_func, convert_func, device, torch.float32, originals)
+    return out
 
 
 class ExactPatch:
@@ -67,28 +90,35 @@ class ExactPatch:
 
     is_lowvram_patch = True
 
-    def __init__(self, model: Any, key: str, patches: Dict[str, list]) -> None:
+    def __init__(self, model: Any, key: str, patches: Dict[str, list], hook_patches: Optional[Dict[str, list]] = None,
+                 originals: Optional[dict] = None) -> None:
         self.model = model
         self.key = key
         self.patches = patches
+        self.hook_patches = hook_patches
+        self.originals = originals
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        return patched_weight(self.model, self.key, self.patches, weight.device).to(dtype=weight.dtype)
+        return patched_weight(self.model, self.key, self.patches, weight.device, self.hook_patches,
+                              self.originals).to(dtype=weight.dtype)
 
 
 class _PlainParamPatch:
     """Forward pre/post hooks that show a module the patched value of one of its plain parameters."""
 
-    def __init__(self, model: Any, key: str, attr: str, patches: Dict[str, list]) -> None:
+    def __init__(self, model: Any, key: str, attr: str, patches: Dict[str, list],
+                 hook_patches: Optional[Dict[str, list]] = None, originals: Optional[dict] = None) -> None:
         self.model = model
         self.key = key
         self.attr = attr
         self.patches = patches
+        self.hook_patches = hook_patches
+        self.originals = originals
         self.saved: List[torch.nn.Parameter] = []
 
     def pre(self, module: torch.nn.Module, args: Any) -> None:
         original = module._parameters[self.attr]
-        value = patched_weight(self.model, self.key, self.patches, original.device)
+        value = patched_weight(self.model, self.key, self.patches, original.device, self.hook_patches, self.originals)
         self.saved.append(original)
         module._parameters[self.attr] = torch.nn.Parameter(value, requires_grad=False)
 
@@ -154,31 +184,64 @@ def _dry_run(model: Any, key: str, patch: Any, device: Any) -> Optional[str]:
     return problems[0] if problems else None
 
 
-def _usable_patches(patcher: Any, keys: List[str]) -> Dict[str, list]:
-    """The patches of `keys` that fit their weights, checked once per set of patches (patches_uuid)."""
-    token = getattr(patcher, "patches_uuid", None)
-    cache = getattr(patcher, "_lo_patch_check", None)
-    if cache is not None and cache[0] == token and cache[1] == frozenset(keys):
-        return cache[2]
+def _fitting(patcher: Any, source: Dict[str, list], keys: List[str]) -> Dict[str, list]:
+    """The patches of `keys` in `source` that fit their weights; each patch's verdict is kept on the patcher, so a
+    set combined again (weight hooks, at every switch) is not checked again, and a misfit is logged once."""
+    verdicts = patcher.__dict__.setdefault("_lo_patch_fit", {})
     usable: Dict[str, list] = {}
     skipped: List[Tuple[str, str]] = []
     for key in keys:
         good = []
-        for patch in patcher.patches[key]:
-            problem = _dry_run(patcher.model, key, patch, "meta")
-            if problem is not None:  # confirm on a real tensor: the meta device lacks a few ops
-                problem = _dry_run(patcher.model, key, patch, "cpu")
-            if problem is None:
+        for patch in source[key]:
+            data = patch[1] if isinstance(patch, tuple) and len(patch) > 1 else patch
+            known = verdicts.get((key, id(data)))
+            if known is None or known[0] is not data:
+                problem = _dry_run(patcher.model, key, patch, "meta")
+                if problem is not None:  # confirm on a real tensor: the meta device lacks a few ops
+                    problem = _dry_run(patcher.model, key, patch, "cpu")
+                known = verdicts[(key, id(data))] = (data, problem)  # keeps `data` alive, so the id stays its own
+                if problem is not None:
+                    skipped.append((key, problem))
+            if known[1] is None:
                 good.append(patch)
-            else:
-                skipped.append((key, problem))
         if good:
             usable[key] = good
     if skipped:
         log.warning("Layer Offload: %d patch(es) do not fit their weights and are skipped, as ComfyUI's own loader "
                     "skips them (e.g. %s: %s)", len(skipped), skipped[0][0], skipped[0][1])
+    return usable
+
+
+def _usable_patches(patcher: Any, keys: List[str]) -> Dict[str, list]:
+    """The patches of `keys` that fit their weights (the result kept per set of patches, patches_uuid)."""
+    token = getattr(patcher, "patches_uuid", None)
+    cache = getattr(patcher, "_lo_patch_check", None)
+    if cache is not None and cache[0] == token and cache[1] == frozenset(keys):
+        return cache[2]
+    usable = _fitting(patcher, patcher.patches, keys)
     patcher._lo_patch_check = (token, frozenset(keys), usable)
     return usable
+
+
+def set_hook_patches(patcher: Any, combined: Optional[Dict[str, list]], originals: Optional[dict]) -> None:
+    """The weight-hook patches in force from now on (None: none); `install` applies them after the model's own."""
+    patcher.__dict__[HOOK_PATCHES_ATTR] = (combined, originals) if combined else None
+
+
+def hook_patches_of(patcher: Any) -> Tuple[Dict[str, list], Optional[dict]]:
+    """The weight-hook patches in force and the original weights they may refer to ({} and None: none)."""
+    hooks = patcher.__dict__.get(HOOK_PATCHES_ATTR)
+    return hooks if hooks else ({}, None)
+
+
+def needs_original_weights(combined: Dict[str, list]) -> bool:
+    """Whether a patch refers to the unpatched weights (a "model_as_lora" hook), as calculate_weight reads them."""
+    for key_patches in combined.values():
+        for patch in key_patches:
+            data = patch[1] if isinstance(patch, tuple) and len(patch) > 1 else None
+            if isinstance(data, tuple) and data and data[0] == "model_as_lora":
+                return True
+    return False
 
 
 def install(patcher: Any, root: torch.nn.Module, prefix: str) -> int:
@@ -187,6 +250,9 @@ def install(patcher: Any, root: torch.nn.Module, prefix: str) -> int:
     inside = {id(m) for m in root.modules()}
     keys = [k for k in patcher.patches if k.startswith(prefix)]
     patches = _usable_patches(patcher, keys) if keys else {}
+    hook_source, originals = hook_patches_of(patcher)
+    hook_keys = [k for k in hook_source if k.startswith(prefix)]
+    hooked = _fitting(patcher, hook_source, hook_keys) if hook_keys else {}
     counter = 0
     hooks = []
     for name, m in patcher.model.named_modules():
@@ -200,13 +266,13 @@ def install(patcher: Any, root: torch.nn.Module, prefix: str) -> int:
                 if weight is None:
                     continue
                 key = "{}.{}".format(name, attr) if name else attr
-                if key in patches and is_gguf(weight):
+                if (key in patches or key in hooked) and is_gguf(weight):
                     # GGUF layers ignore weight_function: they dequantize and apply `weight.patches` themselves, as
                     # GGUF's own patcher sets them; the parameter keeps its identity while it streams
-                    weight.patches = [(patches[key], key)]
+                    weight.patches = [(p[key], key) for p in (patches, hooked) if key in p]
                     counter += 1
-                elif key in patches:
-                    getattr(m, fname).append(ExactPatch(patcher.model, key, patches))
+                elif key in patches or key in hooked:
+                    getattr(m, fname).append(ExactPatch(patcher.model, key, patches, hooked, originals))
                     counter += 1
                 if key in patcher.weight_wrapper_patches:
                     getattr(m, fname).extend(patcher.weight_wrapper_patches[key])
@@ -215,14 +281,21 @@ def install(patcher: Any, root: torch.nn.Module, prefix: str) -> int:
             continue
         for attr, p in m._parameters.items():
             key = "{}.{}".format(name, attr) if name else attr
-            if p is None or key not in patches:
+            if p is None or (key not in patches and key not in hooked):
                 continue
-            plain = _PlainParamPatch(patcher.model, key, attr, patches)
+            plain = _PlainParamPatch(patcher.model, key, attr, patches, hooked, originals)
             hooks.append(m.register_forward_pre_hook(plain.pre))
             hooks.append(m.register_forward_hook(plain.post, always_call=True))
             counter += 1
     object.__setattr__(root, PLAIN_HOOKS_ATTR, hooks)
+    object.__setattr__(root, OWNER_ATTR, weakref.ref(patcher))
     return counter
+
+
+def installed_for(patcher: Any, root: torch.nn.Module) -> bool:
+    """Whether the patch functions on the root now are this patcher's (the one loaded, of several clones)."""
+    owner = root.__dict__.get(OWNER_ATTR)
+    return owner is not None and owner() is patcher
 
 
 def is_gguf(weight: Any) -> bool:
@@ -242,3 +315,4 @@ def clear(patcher: Any, root: torch.nn.Module) -> None:
                     weight.patches = []
     for h in root.__dict__.pop(PLAIN_HOOKS_ATTR, []):
         h.remove()
+    root.__dict__.pop(OWNER_ATTR, None)

@@ -165,6 +165,64 @@ def test_lora_on_resident_units_matches(env):
     assert torch.equal(ref, out)
 
 
+def _hooked_sample(env, model, hooks, steps: int = 4) -> torch.Tensor:
+    """Sampling with a weight hook on the positive conditioning only (CFG 2): every step switches the weights
+    between the cond and uncond passes, as ComfyUI's scheduled LoRA does."""
+    import comfy.hooks
+
+    nodes = env["nodes"]
+    g = torch.Generator().manual_seed(1)
+    c = torch.randn(1, 8, 4096, generator=g) * 0.1
+    cond = [[c, {}]] if hooks is None else comfy.hooks.set_hooks_for_conditioning([[c, {}]], hooks)
+    latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}
+    with torch.inference_mode():
+        return nodes.common_ksampler(model, 3, steps, 2.0, "euler", "simple", cond, [[c.clone(), {}]], latent)[0][
+            "samples"]
+
+
+def _hook_lora(strength: float, keyframed: bool):
+    import comfy.hooks
+    import comfy.utils
+    import folder_paths
+
+    lora = comfy.utils.load_torch_file(folder_paths.get_full_path("loras", LORA), safe_load=True)
+    hooks = comfy.hooks.create_hook_lora(lora, strength, 0.0)
+    if keyframed:  # the strength changes mid-sampling: ComfyUI recomputes the hooked weights then
+        kf = comfy.hooks.HookKeyframeGroup()
+        kf.add(comfy.hooks.HookKeyframe(strength=1.0, start_percent=0.0))
+        kf.add(comfy.hooks.HookKeyframe(strength=0.3, start_percent=0.5))
+        hooks.set_keyframes_on_hooks(kf)
+    return hooks
+
+
+@pytest.mark.parametrize("preset", ["budget", "high_end"])
+@pytest.mark.parametrize("keyframed", [False, True])
+def test_weight_hooks_match_the_plain_model(env, preset, keyframed):
+    """Scheduled LoRA (weight hooks) on an offloaded model, alone and over a LoRA loaded the usual way, gives the
+    plain loader's result bitwise, and leaves the model's own weights unpatched for the next prompt."""
+    import comfy.hooks
+
+    def plain_min_vram(model):
+        # The reference computes hooked weights afresh at every switch. The 0.12 fork's cached path (MaxSpeed, the
+        # default) drops every hook backup when it restores some, so its hooked weights leak into the unhooked
+        # passes; ComfyUI upstream and MinVram give the same, correct result.
+        model.set_hook_mode(comfy.hooks.EnumHookMode.MinVram)
+        return model
+
+    lora_node = env["nodes"].LoraLoaderModelOnly()
+    base = _hooked_sample(env, plain_model(env), None)
+    ref = _hooked_sample(env, plain_min_vram(plain_model(env)), _hook_lora(0.8, keyframed))
+    ref_both = _hooked_sample(env, plain_min_vram(lora_node.load_lora_model_only(plain_model(env), LORA, 0.5)[0]),
+                              _hook_lora(0.8, keyframed))
+    assert not torch.equal(ref, base), "the hook must change the output"
+    off = offload_model(env, preset)
+    assert torch.equal(_hooked_sample(env, off, _hook_lora(0.8, keyframed)), ref)
+    assert torch.equal(_hooked_sample(env, off, None), base), "the hook's weights must not stay in the model"
+    both = lora_node.load_lora_model_only(off, LORA, 0.5)[0]
+    assert torch.equal(_hooked_sample(env, both, _hook_lora(0.8, keyframed)), ref_both)
+    assert torch.equal(_hooked_sample(env, off, None), base)
+
+
 # accounting -----------------------------------------------------------------------------------------------------
 def test_accounting_through_load_models_gpu_and_free_memory(env):
     mm = env["mm"]
