@@ -499,6 +499,54 @@ def test_offload_clip_encodes_bitwise_like_the_plain_clip(env):
     assert any(m["kind"] == "clip" and m["streamed_blocks"] == 4 for m in data["models"])
 
 
+def _clip_hook_lora(clip, strength: float):
+    """A hook LoRA on every 2-D weight of the tiny CLIP, in the names ComfyUI maps for text encoders."""
+    import comfy.hooks
+    import comfy.lora
+
+    g = torch.Generator().manual_seed(5)
+    sd = {}
+    state = clip.cond_stage_model.state_dict()
+    for lora_name, key in comfy.lora.model_lora_keys_clip(clip.cond_stage_model).items():
+        weight = state.get(key) if isinstance(key, str) else None
+        if weight is None or weight.ndim != 2 or not lora_name.startswith("lora_te"):
+            continue
+        sd[lora_name + ".lora_up.weight"] = torch.randn(weight.shape[0], 4, generator=g) * 0.5
+        sd[lora_name + ".lora_down.weight"] = torch.randn(4, weight.shape[1], generator=g) / weight.shape[1] ** 0.5
+        sd[lora_name + ".alpha"] = torch.tensor(4.0)
+    assert sd, "no CLIP weight to hook"
+    return comfy.hooks.create_hook_lora(sd, 0.0, strength)
+
+
+def _set_clip_hooks(clip, hooks):
+    """What the *Set CLIP Hooks* node does (not scheduled)."""
+    import comfy.hooks
+
+    clip = clip.clone()
+    clip.patcher.forced_hooks = hooks.clone()
+    clip.use_clip_schedule = False
+    clip.patcher.forced_hooks.set_keyframes_on_hooks(None)
+    clip.patcher.register_all_hook_patches(hooks, comfy.hooks.create_target_dict(comfy.hooks.EnumWeightTarget.Clip))
+    return clip
+
+
+def test_clip_weight_hooks_match_the_plain_clip(env):
+    """*Set CLIP Hooks* on an offloaded CLIP encodes like the plain CLIP with the same hooks, and the offloaded CLIP
+    without them still encodes like the plain one."""
+    tokens = "a photo of a cat"
+    plain = tiny_clip()
+    with torch.inference_mode():
+        base = plain.encode_from_tokens(plain.tokenize(tokens))
+        hooked = _set_clip_hooks(plain, _clip_hook_lora(plain, 0.8))
+        ref = hooked.encode_from_tokens(hooked.tokenize(tokens))
+        assert not torch.equal(ref, base), "the hook must change the encoding"
+        off = env["M"]["OffloadCLIP"]().apply(tiny_clip(), "budget")[0]
+        off_hooked = _set_clip_hooks(off, _clip_hook_lora(off, 0.8))
+        assert torch.equal(off_hooked.encode_from_tokens(off_hooked.tokenize(tokens)), ref)
+        assert torch.equal(off.encode_from_tokens(off.tokenize(tokens)), base)
+        assert torch.equal(off_hooked.encode_from_tokens(off_hooked.tokenize(tokens)), ref)
+
+
 def test_offload_any_routes_clip(env):
     clip = tiny_clip()
     with torch.inference_mode():
