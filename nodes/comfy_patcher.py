@@ -347,7 +347,7 @@ class OffloadPatcherMethods:
                 if inside:
                     originals = self.get_key_patches() if patches.needs_original_weights(inside) else None
                     patches.set_hook_patches(self, inside, originals)
-                    if patches.installed_for(self, root):  # otherwise this patcher's next load installs them
+                    if patches.installed_for(self, root):  # else: its load clears current_hooks, so they come back
                         patches.install(self, root, prefix)
             self.current_hooks = hooks
 
