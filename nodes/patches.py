@@ -184,6 +184,11 @@ def _dry_run(model: Any, key: str, patch: Any, device: Any) -> Optional[str]:
     return problems[0] if problems else None
 
 
+def _patch_data(patch: Any) -> Any:
+    """What a patch applies (its weights or adapter), without the strengths ComfyUI keeps around it."""
+    return patch[1] if isinstance(patch, tuple) and len(patch) > 1 else patch
+
+
 def _fitting(patcher: Any, source: Dict[str, list], keys: List[str]) -> Dict[str, list]:
     """The patches of `keys` in `source` that fit their weights; each patch's verdict is kept on the patcher, so a
     set combined again (weight hooks, at every switch) is not checked again, and a misfit is logged once."""
@@ -193,7 +198,7 @@ def _fitting(patcher: Any, source: Dict[str, list], keys: List[str]) -> Dict[str
     for key in keys:
         good = []
         for patch in source[key]:
-            data = patch[1] if isinstance(patch, tuple) and len(patch) > 1 else patch
+            data = _patch_data(patch)
             known = verdicts.get((key, id(data)))
             if known is None or known[0] is not data:
                 problem = _dry_run(patcher.model, key, patch, "meta")
@@ -238,8 +243,8 @@ def needs_original_weights(combined: Dict[str, list]) -> bool:
     """Whether a patch refers to the unpatched weights (a "model_as_lora" hook), as calculate_weight reads them."""
     for key_patches in combined.values():
         for patch in key_patches:
-            data = patch[1] if isinstance(patch, tuple) and len(patch) > 1 else None
-            if isinstance(data, tuple) and data and data[0] == "model_as_lora":
+            data = _patch_data(patch)
+            if data is not patch and isinstance(data, tuple) and data and data[0] == "model_as_lora":
                 return True
     return False
 

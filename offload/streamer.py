@@ -276,8 +276,7 @@ class ModelStreamer:
                     "its own) is closed now", type(model).__name__ if model is not None else "model", holder)
         active, self.active = self.active, None
         if active is not None:
-            self.units[active.index].master.host_binding.apply()
-            self.worker.release(active.slot, self.backend.record())
+            self._unbind(active)  # no timing: the unit never finished
         self._resident_start.clear()
         self._root_calls = 0
         self._pass_owner = None
@@ -400,15 +399,20 @@ class ModelStreamer:
 
     def _finish_active(self) -> None:
         active, self.active = self.active, None
-        u = self.units[active.index]
         try:
-            u.master.host_binding.apply()
-            free = self.backend.record()
-            self.metrics.add(active.index, active.copy, active.ready, active.start, free, u.nbytes)
-            self.worker.release(active.slot, free)
+            free = self._unbind(active)
+            nbytes = self.units[active.index].nbytes
+            self.metrics.add(active.index, active.copy, active.ready, active.start, free, nbytes)
         finally:
             if active.holds_lock:
                 self._lock.release()
+
+    def _unbind(self, active: ActiveUnit) -> Any:
+        """The unit's parameters back on the host master, its slot back to the ring; returns the slot-free event."""
+        self.units[active.index].master.host_binding.apply()
+        free = self.backend.record()
+        self.worker.release(active.slot, free)
+        return free
 
     def _binding(self, u: UnitState, slot: int) -> Binding:
         binding = u.slot_bindings.get(slot)
