@@ -8,6 +8,7 @@ holds no weight alive.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -180,7 +181,7 @@ class TensorLayout:
         for entry in self.entries:
             current = entry.current() if entry.plain_param else None
             if current is not None and (current.is_meta or current.is_inference()):
-                param = nn.Parameter(views[entry.recipe], requires_grad=entry.requires_grad)
+                param = fresh_param(current, views[entry.recipe], entry.requires_grad)
                 for mod, name, k in entry.locations:
                     (mod._parameters if k == "param" else mod._buffers)[name] = param
 
@@ -204,6 +205,21 @@ class TensorLayout:
                     module._parameters[attr] = param
                 else:
                     module._buffers[attr] = value
+
+
+def fresh_param(like: torch.Tensor, view: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """A new parameter over `view` standing in for `like`: a tensor subclass that does not flatten (ComfyUI-GGUF's
+    GGMLTensor: quantized bytes with `tensor_type` / `tensor_shape` attributes) keeps its class and attributes, so
+    its layer still sees a quantized weight of its logical shape."""
+    cls = type(like)
+    if cls in (torch.Tensor, nn.Parameter) or not isinstance(like, torch.Tensor) or is_subclass_tensor(like):
+        return nn.Parameter(view, requires_grad=requires_grad)
+    fresh = view.as_subclass(cls)
+    for key, value in like.__dict__.items():
+        fresh.__dict__[key] = copy.copy(value) if isinstance(value, (list, dict, set)) else value
+    fresh.requires_grad_(requires_grad and fresh.is_floating_point())
+    fresh.__dict__["_is_param"] = True  # what nn.Parameter marks a subclass instance with (isinstance checks it)
+    return fresh  # type: ignore[return-value]
 
 
 # The recursive helpers are module-level on purpose: a recursive closure refers to itself through its cell, and
