@@ -38,15 +38,26 @@ def is_dynamic(patcher: Any) -> bool:
         return False
 
 
+def _legacy_unpin() -> Any:
+    """`comfy.pinned_memory.unpin_memory` (0.12 to 0.22) or None: since 0.23 pins live in `module._pins` and are
+    released by the dynamic patcher's own `unpin_all_weights`, and a module left with `_pins` but no `_v` never
+    reads them."""
+    try:
+        import comfy.pinned_memory as pinned_memory  # 0.12+ only
+    except Exception:  # noqa: BLE001 - an older ComfyUI has no module; a newer one may fail to import it on the CPU
+        return None
+    unpin = getattr(pinned_memory, "unpin_memory", None)
+    if not callable(unpin):
+        log_once("no-unpin-memory", "Layer Offload: comfy.pinned_memory.unpin_memory is not in this ComfyUI; "
+                 "DynamicVRAM pins are released through the model patcher instead.", level=logging.INFO)
+        return None
+    return unpin
+
+
 def strip_vbar_state(model: torch.nn.Module) -> int:
     """Remove DynamicVRAM's per-module and per-weight state (pins released through ComfyUI first); returns the
     number of modules that carried some."""
-    unpin = None
-    try:
-        import comfy.pinned_memory as pinned_memory  # 0.12+ only
-        unpin = pinned_memory.unpin_memory
-    except ImportError:
-        pass
+    unpin = _legacy_unpin()
     touched = 0
     for m in model.modules():
         carried = False
