@@ -15,7 +15,9 @@ update waits GPU-side for that copy. Restores come first: room for a layer neede
 offloading others, never the other way round. Offloads wait for their device-to-host copy before the device
 memory is reused. Keys and values are never changed: outputs are identical with and without offloading.
 
-Needs transformers >= 5 (its `Cache` / `CacheLayerMixin`); the rest of the engine does not import this module.
+Needs transformers >= 5 (its `Cache` / `CacheLayerMixin` layer API); the rest of the engine does not import this
+module. The cache is handed to `generate()` and the models under the name transformers reads now (`cache`; older 5.x
+releases: `past_key_values`, deprecated since and removed in 5.40): `CACHE_KWARG`, `generate_kwargs(cache)`.
 """
 from __future__ import annotations
 
@@ -30,6 +32,24 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 log = logging.getLogger(__name__)
+
+
+def _cache_kwarg() -> str:
+    """The keyword generate() and the models take a Cache under in the installed transformers."""
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+    except ImportError:  # pragma: no cover - very old layouts
+        return "past_key_values"
+    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
+
+
+CACHE_KWARG = _cache_kwarg()
+_CACHE_KWARGS = tuple(dict.fromkeys((CACHE_KWARG, "cache", "past_key_values")))
+
+
+def generate_kwargs(cache: "Cache") -> dict[str, "Cache"]:
+    """`{name: cache}` for `model.generate(**...)` / a forward, under the name the installed transformers reads."""
+    return {CACHE_KWARG: cache}
 
 
 class KVPager:
@@ -351,7 +371,7 @@ class PagedKVLayer(CacheLayerMixin):
 
 
 class PagedKVCache(Cache):
-    """A transformers Cache whose layers live in a KVPager (pass it as `past_key_values`)."""
+    """A transformers Cache whose layers live in a KVPager (pass it as `**generate_kwargs(cache)`)."""
 
     def __init__(self, pager: KVPager, num_layers: int | None = None, priority: int = 1) -> None:
         self.pager = pager
@@ -383,11 +403,12 @@ def paged_generation(model: Any, pager: KVPager) -> Iterator[None]:
     num_layers = decoder_layer_count(model)
 
     def prepare(generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
-        if model_kwargs.get("past_key_values") is not None or generation_config.cache_implementation is not None:
+        if (any(model_kwargs.get(k) is not None for k in _CACHE_KWARGS)
+                or generation_config.cache_implementation is not None):
             return original(generation_config, model_kwargs, *args, **kwargs)
         negative = "negative" in str(kwargs.get("max_length_attr_name", "")) or any(
             "negative" in str(a) for a in args if isinstance(a, str))
-        model_kwargs["past_key_values"] = pager.new_cache(num_layers, priority=0 if negative else 1)
+        model_kwargs[CACHE_KWARG] = pager.new_cache(num_layers, priority=0 if negative else 1)
         return None
 
     model._prepare_cache_for_generation = prepare

@@ -1,8 +1,10 @@
 """The paged KV cache (offload/kv_cache.py) on tiny transformers decoders: identical tokens and scores with and
-without paging and offloading, pages moving to host memory and back ahead of use, the budget holding."""
+without paging and offloading, pages moving to host memory and back ahead of use, the budget holding, and no
+transformers deprecation warning on the way (pyproject.toml turns transformers' FutureWarnings into errors)."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
-from offload.kv_cache import KVPager, PagedKVCache, paged_generation  # noqa: E402
+from offload.kv_cache import KVPager, PagedKVCache, generate_kwargs, paged_generation  # noqa: E402
 
 _caps = itertools.count(1)
 
@@ -35,7 +37,7 @@ def generate(model, cache=None, tokens: int = 40):
     kwargs = dict(max_new_tokens=tokens, do_sample=False, output_scores=True, return_dict_in_generate=True,
                   pad_token_id=0, min_new_tokens=tokens)
     if cache is not None:
-        kwargs["past_key_values"] = cache
+        kwargs.update(generate_kwargs(cache))
     with torch.no_grad():
         out = model.generate(ids, **kwargs)
     return out.sequences, torch.stack(out.scores)
@@ -102,6 +104,29 @@ def test_paged_generation_gives_generate_its_caches():
     assert kv["caches"] == 1, "generate used a paged cache"
     assert kv["pages_resident"] == 0 and kv["device_bytes"] == 0, "generate's own caches are gone with it"
     assert "_prepare_cache_for_generation" not in model.__dict__, "the model is left as it was"
+    handle.detach()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("how", ["explicit", "paged_generation"])
+def test_paged_generation_raises_no_future_warning(kind, how):
+    """transformers' current cache API: no FutureWarning (a deprecated `past_key_values`, a cache given twice) while
+    paged generation runs, whatever the test run's warning filters; tokens equal the resident model's."""
+    model = tiny_decoder(kind)
+    ref_seq, ref_scores = generate(model)
+    handle = offload_module(model, _cfg(), budget=VramBudget(None))
+    pager = handle.kv_pager(page_tokens=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "explicit":
+            seq, scores = generate(model, pager.new_cache(model.config.num_hidden_layers))
+        else:
+            with paged_generation(model, pager):
+                seq, scores = generate(model)
+    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert future == [], future
+    assert torch.equal(seq, ref_seq) and torch.equal(scores, ref_scores)
+    assert handle.report().kv["caches"] == 1, "the paged cache was used"
     handle.detach()
 
 
