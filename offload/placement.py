@@ -1,0 +1,214 @@
+"""Device placement of one model: its non-block weights, its resident units and its slot ring.
+
+`DevicePlacement` owns the device side of every unit (`UnitState`): which units hold a device copy of their own,
+the ring of slots streamed units are copied into, and the bytes all of that takes. It changes device memory
+only when told to (`apply`, `unload`), always with nothing in flight; the pass and its lock live in
+`ModelStreamer`, which calls it at safe points.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .backends.base import Backend
+from .layout import Binding
+from .prefetch import PrefetchWorker
+from .staging import StagedModel, StagedUnit, StagingBuffer
+from .storage import HostSource, resolve
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UnitState:
+    """One unit's device side: its resident copy or slot bindings, and what changed since it was placed."""
+
+    staged: StagedUnit
+    resident_buf: torch.Tensor | None = None
+    slot_bindings: dict[int, Binding] = field(default_factory=dict)
+    mark: int = 0  # version of the tensors bound between forwards, when last seen
+    device_newer: bool = False  # a resident copy was written in place: the host master must catch up
+
+    @property
+    def index(self) -> int:
+        return self.staged.index
+
+    @property
+    def nbytes(self) -> int:
+        return self.staged.nbytes
+
+    @property
+    def master(self) -> StagingBuffer:
+        return self.staged.master
+
+    @property
+    def tier(self) -> str:
+        return "vram" if self.resident_buf is not None else self.staged.source.tier
+
+
+def quiesce(staged: StagedModel, backend: Backend) -> None:
+    """Wait for every queued read and copy: nothing in flight may touch memory about to change hands."""
+    if staged.reader is not None:
+        staged.reader.drain()
+    backend.synchronize()
+
+
+class DevicePlacement:
+    """The resident set and the slot ring of one model on its device, and the device bytes they hold."""
+
+    def __init__(self, staged: StagedModel, units: list[UnitState], sources: list[Any], backend: Backend,
+                 worker: PrefetchWorker, promote_to_ram: Callable[[UnitState, torch.Tensor], None]) -> None:
+        self.staged = staged
+        self.units = units  # shared with the streamer (the same list object)
+        self.sources = sources  # shared with the worker: a promoted unit's source swaps here
+        self.backend = backend
+        self.worker = worker
+        self._promote_to_ram = promote_to_ram  # a disk-tier unit written on the device gets a RAM master
+        self.rest_source = HostSource(staged.rest.host, False, backend)
+        self.rest_buf: torch.Tensor | None = None
+        self.rest_mark = staged.rest.layout.version()
+        self.rest_device_newer = False
+        self.slots: list[torch.Tensor] = []
+        self.slot_ptrs: list[int] = []
+        self.slot_bytes = 0
+        self.resident_set: set[int] = set()
+        self.n_slots = 0  # slots the current plan asks for
+        self.loaded = False
+        self.peak_device_bytes = 0
+
+    @property
+    def rest_bytes(self) -> int:
+        return self.staged.rest_bytes
+
+    def streamed(self) -> list[int]:
+        """Units without a device copy of their own, in index order."""
+        return [u.index for u in self.units if u.index not in self.resident_set]
+
+    def device_bytes(self) -> int:
+        """Device bytes this model holds now."""
+        return ((self.rest_bytes if self.rest_buf is not None else 0)
+                + sum(u.nbytes for u in self.units if u.resident_buf is not None)
+                + len(self.slots) * self.slot_bytes)
+
+    def set_plan(self, resident: set[int], n_slots: int) -> bool:
+        """Adopt a resident set and slot count; returns whether device memory must change (when loaded)."""
+        n_streamed = len(self.units) - len(resident)
+        n_slots = min(n_slots, n_streamed) if n_streamed else 0
+        if n_streamed and n_slots < 1:
+            n_slots = 1
+        changed = resident != self.resident_set or n_slots != self.n_slots
+        self.resident_set = set(resident)
+        self.n_slots = n_slots
+        return changed and self.loaded
+
+    def apply(self) -> None:
+        """Make device memory match the plan: rest, resident units, slot ring (nothing may be computing)."""
+        with torch.inference_mode(False), torch.no_grad():
+            self._apply_plan()
+
+    def _apply_plan(self) -> None:
+        quiesce(self.staged, self.backend)  # nothing in flight may touch memory we are about to free
+        streamed = self.streamed()
+        slot_bytes = max((self.units[i].nbytes for i in streamed), default=0)
+        n_slots = self.n_slots if streamed else 0
+        # release first, so what we allocate next fits
+        for u in self.units:
+            if u.resident_buf is not None and u.index not in self.resident_set:
+                self.evict(u)
+        if len(self.slots) != n_slots or self.slot_bytes != slot_bytes:
+            self.free_slots()
+        try:
+            if self.rest_buf is None and self.rest_bytes:
+                self.rest_buf = self._to_device(self.rest_source, self.staged.rest)
+                self.rest_mark = self.staged.rest.layout.version()
+            for i in sorted(self.resident_set):
+                u = self.units[i]
+                if u.resident_buf is None:
+                    u.resident_buf = self._to_device(self.sources[i], u.master)
+                    u.mark = u.staged.layout.version()
+            if not self.slots and n_slots:
+                self.slot_bytes = slot_bytes
+                for _ in range(n_slots):
+                    self.slots.append(self.backend.alloc(slot_bytes))
+                self.slot_ptrs = [s.untyped_storage().data_ptr() for s in self.slots]  # read in every post hook
+        except torch.OutOfMemoryError:
+            self.free_slots()
+            raise
+        self.worker.configure(streamed, self.slots, self.sources)
+        self.loaded = True
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
+
+    def _to_device(self, source: Any, master: StagingBuffer) -> torch.Tensor:
+        buf = self.backend.alloc(master.layout.nbytes)
+        try:
+            self.backend.wait(resolve(source.issue(buf, None)))
+        except BaseException:
+            self.backend.release(buf)
+            raise
+        master.layout.build(buf).apply()
+        return buf
+
+    def evict(self, u: UnitState) -> None:
+        """Drop a resident unit's device copy (catching the host master up first if it was written)."""
+        if u.device_newer:
+            self._copy_back(u)
+            u.device_newer = False
+        u.master.host_binding.apply()
+        self.backend.release(u.resident_buf)
+        u.resident_buf = None
+        u.mark = u.staged.layout.version()
+
+    def _copy_back(self, u: UnitState) -> None:
+        # The only device-to-host copy in the engine, and only for bytes the user wrote on the device.
+        if u.master.host is None:
+            self._promote_to_ram(u, u.resident_buf)
+            return
+        self.backend.synchronize()
+        u.master.host.copy_(u.resident_buf)
+
+    def free_slots(self) -> None:
+        """Give the slot ring back to the device (the worker forgets it)."""
+        for u in self.units:
+            u.slot_bindings.clear()
+        for s in self.slots:
+            self.backend.release(s)
+        self.slots = []
+        self.slot_ptrs = []
+        self.slot_bytes = 0
+        self.worker.configure([], [], self.sources)
+
+    def unload(self, nbytes: int | None = None) -> int:
+        """Free at least `nbytes` device bytes (None: everything); nothing may be computing."""
+        before = self.device_bytes()
+        quiesce(self.staged, self.backend)
+        target = 0 if nbytes is None else max(0, before - int(nbytes))
+        # demote resident units (last first), then the ring, then the rest
+        for u in sorted((u for u in self.units if u.resident_buf is not None), key=lambda u: -u.index):
+            if self.device_bytes() <= target:
+                break
+            self.evict(u)
+        if self.device_bytes() > target:
+            self.free_slots()
+        if self.device_bytes() > target and self.rest_buf is not None:
+            if self.rest_device_newer:
+                self.backend.synchronize()
+                self.staged.rest.host.copy_(self.rest_buf)
+                self.rest_device_newer = False
+            self.staged.rest.host_binding.apply()
+            self.backend.release(self.rest_buf)
+            self.rest_buf = None
+        self.loaded = False
+        self.resident_set = {u.index for u in self.units if u.resident_buf is not None}
+        return before - self.device_bytes()
+
+    def binding(self, u: UnitState, slot: int) -> Binding:
+        """The unit's tensors as views of `slot` (built once per unit and slot)."""
+        binding = u.slot_bindings.get(slot)
+        if binding is None:
+            with torch.inference_mode(False):  # views made under inference_mode could not serve autograd later
+                binding = u.staged.layout.build(self.slots[slot])
+            u.slot_bindings[slot] = binding
+        return binding
