@@ -12,6 +12,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 import weakref
 from typing import Protocol
 
@@ -38,6 +39,8 @@ class BudgetMember(Protocol):
 
     def device_total(self) -> int | None: ...
 
+    def pass_thread(self) -> int | None: ...
+
 
 def _validate_total(total: object) -> None:
     check_bytes("VRAM budget", total)
@@ -62,6 +65,7 @@ class VramBudget:
         self.auto_sized = False  # sized from free device memory rather than by the user
         self._sized_from: object = None  # the backend a self-sized total was read from
         self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)  # told when a member ends a pass or gives bytes back
         # Weak references: a model its owner dropped without detach() must not be kept alive (with its device
         # memory) by the budget; the model and its handle refer to each other, so either keeps both alive.
         self._refs: list[weakref.ReferenceType] = []
@@ -280,6 +284,44 @@ class VramBudget:
                     if used + mine <= total:
                         break
             return int(max(0, min(mine, total - used)))
+
+    def others_bytes(self, member: BudgetMember) -> int:
+        """Device bytes the other members hold now."""
+        with self._lock:
+            return sum(m.device_bytes() for m in self._members if m is not member)
+
+    def wait_for_room(self, member: BudgetMember, need: int, timeout_s: float = 60.0) -> int:
+        """An allowance of at least `need` bytes for `member`, waiting while models running on other threads still
+        hold bytes the budget took from them (they give them back at their next safe point).
+
+        The caller holds no device bytes while it waits, so two models never wait on each other. Members running
+        on the caller's own thread (a model called inside another's forward) cannot reach a safe point before the
+        caller does: then, or after `timeout_s`, the caller gets `need` anyway and the total is exceeded for that
+        pass, with one log line, rather than failing the forward.
+        """
+        deadline = time.monotonic() + timeout_s
+        me = threading.get_ident()
+        with self._lock:
+            while True:
+                got = self.allowance(member)
+                if got >= need:
+                    return got
+                blockers = [m for m in self._members if m is not member and m.device_bytes() > 0
+                            and m.is_busy() and m.pass_thread() not in (None, me)]
+                left = deadline - time.monotonic()
+                if not blockers or left <= 0:
+                    break
+                self._room.wait(min(left, 0.05))  # woken when a member ends a pass; polls as a fallback
+            held = self.others_bytes(member)
+            log.warning("%s: the VRAM budget (%s bytes) cannot give it %d bytes while other models hold %d bytes "
+                        "in passes that have not reached a safe point; running this pass over the budget",
+                        member.name, self._total, need, held)
+            return need
+
+    def notify_room(self) -> None:
+        """A member ended a pass or gave bytes back: waiting members look again."""
+        with self._lock:
+            self._room.notify_all()
 
 
 _default_lock = threading.Lock()

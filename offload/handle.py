@@ -150,11 +150,20 @@ class OffloadHandle:
         if not self._measured_reserve:
             self.backend.reset_peak_allocated()
         allowance = self.budget.allowance(self)
+        need = min(self.floor_bytes(), self.want_bytes())
+        if allowance < need:
+            # Models running on other threads still hold bytes a lowered total took from them; they give them back
+            # at their next safe point. Hold nothing meanwhile (so none waits on us), then take our share.
+            self.streamer.unload()
+            self.budget.notify_room()
+            allowance = self.budget.wait_for_room(self, need)
         if allowance != self._allowance or not self.streamer.loaded or self._may_grow_back(allowance):
             self._replan(allowance, place=True)
+            self.budget.notify_room()  # a smaller plan may have given bytes back
 
     def after_pass(self) -> None:
         """After the first forward: correct the activation reserve of a self-sized budget from the real peak."""
+        self.budget.notify_room()  # models waiting for bytes this one holds look again
         if self._measured_reserve:
             return
         self._measured_reserve = True
@@ -203,6 +212,10 @@ class OffloadHandle:
     def is_busy(self) -> bool:
         return self.attached and self.streamer.is_busy()
 
+    def pass_thread(self) -> int | None:
+        """The thread running a pass over this model now (None between passes)."""
+        return self.streamer._pass_owner if self.attached else None
+
     def kv_device_bytes(self) -> int:
         """Device bytes of this model's paged KV caches now (a budget member of their own)."""
         return self._kv.device_bytes() if self._kv is not None else 0
@@ -233,7 +246,20 @@ class OffloadHandle:
             return plan_units(self._sizes, self._names, self.streamer.rest_bytes, allowance, self.config.prefetch,
                               stream_all=self.config.vram_fraction <= 0)
         except PlanError as exc:
-            raise DeviceMemoryError(f"{self.name}: {exc}. {self.budget.explain()}") from None
+            raise DeviceMemoryError(f"{self.name}: {exc}. {self._share_explained(allowance)}") from None
+
+    def _share_explained(self, allowance: int) -> str:
+        """Where this model's allowance came from: the budget's total, what the others hold, its own limit."""
+        total = self.budget.total_bytes
+        parts = []
+        if total is not None and allowance < total:
+            held = self.budget.others_bytes(self)
+            parts.append(f"This model's share is {allowance} bytes of the VRAM budget's {total} bytes "
+                         f"({held} bytes are held by other models)")
+        if self.config.vram_budget_bytes is not None and allowance >= int(self.config.vram_budget_bytes):
+            parts.append(f"vram_budget_bytes={int(self.config.vram_budget_bytes)} limits this model")
+        parts.append(self.budget.explain())
+        return ". ".join(parts)
 
     def _may_grow_back(self, allowance: int) -> bool:
         """After an out-of-memory shrink: whether the device has room again for the plan the budget allows."""

@@ -65,7 +65,7 @@ def plan_units(sizes: list[int], names: list[str], rest_bytes: int, allowance: i
     n = len(sizes)
     avail = allowance - rest_bytes
     if avail < 0:
-        raise PlanError(f"device budget {allowance} bytes cannot hold the model's non-block weights "
+        raise PlanError(f"{allowance} bytes of device memory cannot hold the model's non-block weights "
                         f"({rest_bytes} bytes); raise the budget")
     if not stream_all and sum(sizes) <= avail:
         return UnitPlan(set(range(n)), 0, 0, rest_bytes + sum(sizes))
@@ -76,7 +76,7 @@ def plan_units(sizes: list[int], names: list[str], rest_bytes: int, allowance: i
     while k > 1 and k * slot > avail:
         k -= 1
     if k * slot > avail:
-        raise PlanError(f"device budget {allowance} bytes cannot hold one slot for unit {names[biggest]!r} "
+        raise PlanError(f"{allowance} bytes of device memory cannot hold one slot for unit {names[biggest]!r} "
                         f"({sizes[biggest]} bytes) plus the non-block weights ({rest_bytes} bytes); "
                         f"raise the budget to at least {rest_bytes + sizes[biggest]} bytes")
     notes = []
