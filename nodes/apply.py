@@ -1,6 +1,7 @@
 """Offload Model / Offload CLIP / Offload Any: put models another node loaded under the engine."""
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -57,6 +58,53 @@ def _move_to_host(root: torch.nn.Module) -> None:
             return
 
 
+def _holds_gguf_weights(model: torch.nn.Module) -> bool:
+    """Whether a model holds GGUF-quantized weights (ComfyUI-GGUF's or the built-in GGMLTensor)."""
+    return any(patches.is_gguf(p) for p in model.parameters())
+
+
+def _private_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A new tensor object over the same storage: same class, same attributes (GGUF patches not carried over)."""
+    if t is None:
+        return None
+    cls = type(t)
+    fresh = t.as_subclass(torch.Tensor) if cls is torch.nn.Parameter else t.as_subclass(torch.Tensor).as_subclass(cls)
+    if cls is torch.nn.Parameter:
+        return torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
+    for key, value in t.__dict__.items():
+        fresh.__dict__[key] = list(value) if isinstance(value, list) else value
+    if patches.is_gguf(fresh):
+        fresh.__dict__["patches"] = []  # a LoRA another branch has loaded on the original is not ours
+    return fresh
+
+
+def private_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A structural copy of `model`: new module objects and new parameter objects over the same storage.
+
+    The engine stages the copy (its bytes go into the engine's host buffers and the copy's parameters are rebound to
+    them); the original module, which the loader's cached output holds, is never changed, so other branches of the
+    graph that use the loader's model keep working in any order. Used for GGUF models, whose weights are memory-mapped
+    from the file: copying them costs no second RAM copy.
+    """
+    memo: Dict[int, torch.nn.Module] = {}
+
+    def copy_module(m: torch.nn.Module) -> torch.nn.Module:
+        done = memo.get(id(m))
+        if done is not None:
+            return done
+        new = copy.copy(m)  # a new __dict__ holding the same values
+        memo[id(m)] = new
+        for key, value in list(new.__dict__.items()):
+            if key.startswith("_") and isinstance(value, dict):  # torch's own dicts: hooks, parameters, modules
+                new.__dict__[key] = copy.copy(value)
+        new._parameters = {k: _private_tensor(v) for k, v in m._parameters.items()}
+        new._buffers = dict(m._buffers)
+        new._modules = {k: (copy_module(c) if c is not None else None) for k, c in m._modules.items()}
+        return new
+
+    return copy_module(model)
+
+
 def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int, name: str, kind: str,
                   disk_path: Optional[str] = None, units: Optional[List[str]] = None) -> Optional[Managed]:
     """Offload `root` with the engine (or reuse/refresh an existing handle); None when the device is unsupported.
@@ -102,9 +150,15 @@ def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, prio
     if engine_device() is None:
         return patcher
     patcher = dynamic.prepare(patcher)
-    if not getattr(type(patcher), "_lo_offload", False):
+    fresh = not getattr(type(patcher), "_lo_offload", False)
+    private = fresh and isinstance(patcher.model, torch.nn.Module) and _holds_gguf_weights(patcher.model)
+    if fresh and not private:
         _evict_from_comfy(patcher)
     n = as_offload_patcher(patcher)
+    if private:  # the loader's cached model stays as it is (see private_model)
+        n.model = private_model(n.model)
+        log_once("gguf-private", "Layer Offload: a GGUF model is offloaded as its own copy of the module tree (the "
+                 "quantized bytes are staged as stored); the loader's model is left unchanged.", level=logging.INFO)
     model = n.model
     inner = getattr(model, "diffusion_model", None)
     root = inner if kind == "model" and isinstance(inner, torch.nn.Module) else model

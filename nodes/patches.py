@@ -271,7 +271,7 @@ def install(patcher: Any, root: torch.nn.Module, prefix: str) -> int:
                 if weight is None:
                     continue
                 key = "{}.{}".format(name, attr) if name else attr
-                if (key in patches or key in hooked) and is_gguf(weight):
+                if (key in patches or key in hooked) and gguf_quantized(weight):
                     # GGUF layers ignore weight_function: they dequantize and apply `weight.patches` themselves, as
                     # GGUF's own patcher sets them; the parameter keeps its identity while it streams
                     weight.patches = [(p[key], key) for p in (patches, hooked) if key in p]
@@ -306,6 +306,15 @@ def installed_for(patcher: Any, root: torch.nn.Module) -> bool:
 def is_gguf(weight: Any) -> bool:
     """A GGUF-quantized weight (ComfyUI-GGUF's or the built-in GGMLTensor): patches go in its `.patches`."""
     return hasattr(weight, "tensor_type") and hasattr(weight, "tensor_shape")
+
+
+def gguf_quantized(weight: Any) -> bool:
+    """A GGUF weight its layer dequantizes itself (applying `.patches`); F32 / F16 GGUF weights go through ComfyUI's
+    ordinary cast path instead (ComfyUI-GGUF bakes patches into those, as a full load does)."""
+    if not is_gguf(weight):
+        return False
+    qtype = weight.tensor_type
+    return qtype is not None and getattr(qtype, "name", str(qtype)) not in ("F32", "F16")
 
 
 def clear(patcher: Any, root: torch.nn.Module) -> None:

@@ -460,10 +460,11 @@ def test_text_encoder_through_offload_clip_is_bitwise_equal(env, te_name, preset
 
 # GGUF through Offload Model ---------------------------------------------------------------------------------------
 def _comfyui_gguf_dir() -> Tuple[Optional[str], str]:
-    """A ComfyUI-GGUF checkout: $LO_COMFYUI_GGUF, else a custom_nodes folder whose nodes.py has UnetLoaderGGUF."""
+    """A ComfyUI-GGUF checkout: $LO_COMFYUI_GGUF (or $GGUF_PACK, as comfy_envs/setup.sh names it), else a custom_nodes
+    folder whose nodes.py has UnetLoaderGGUF."""
     from conftest import COMFYUI_PATH
 
-    explicit = os.environ.get("LO_COMFYUI_GGUF")
+    explicit = os.environ.get("LO_COMFYUI_GGUF") or os.environ.get("GGUF_PACK")
     if explicit:
         return (explicit if os.path.isfile(os.path.join(explicit, "nodes.py")) else None), explicit
     root = os.path.join(COMFYUI_PATH, "custom_nodes")
@@ -514,6 +515,78 @@ def gguf_loader(env: Env, which: str):
     loader = module.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]()
     tensor_cls = importlib.import_module(module.__name__ + ".ops").GGMLTensor
     return (lambda n: loader.load_unet(n)[0]), tensor_cls
+
+
+def _gguf_file(env: Env, main: str) -> str:
+    from families import gguf_wan
+
+    name = gguf_wan.file_name(main)
+    path = os.path.join(env.folder, name)
+    if not os.path.exists(path):
+        gguf_wan.write_gguf(gguf_wan.state_dict(), path, main=main)
+    return name
+
+
+def _weights(model: Any) -> Dict[str, Any]:
+    """name -> (the parameter object, its class, its stored bytes' address and size) of a patcher's model."""
+    return {k: (p, type(p), p.data_ptr(), tuple(p.size())) for k, p in model.model.named_parameters()}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("first", ["plain-first", "offload-first"])
+@pytest.mark.parametrize("main", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("which", ["builtin", "ComfyUI-GGUF"])
+def test_gguf_loader_output_through_offload_model(env, which, main, first, lora):
+    """One GGUF loader output feeds a plain branch and an Offload Model branch (as a graph does: ComfyUI caches the
+    loader's output): both give the plain result bitwise, in either order, with and without a LoRA; the weights stream
+    as their quantized bytes; the loader's model is never changed."""
+    from families import gguf_wan
+    from families.wan import WAN21
+
+    load, tensor_cls = gguf_loader(env, which)
+    name = _gguf_file(env, main)
+    expected = set(gguf_wan.qtypes(gguf_wan.state_dict(), main).values()) - {"F32", "F16"} or {"F16"}
+    with torch.inference_mode():  # ComfyUI runs every node under inference_mode
+        cached = load(name)
+        fresh = load(name)
+    found = {getattr(getattr(p, "tensor_type", None), "name", None) for p in cached.model.parameters()}
+    assert expected <= found, (expected, found)
+    assert isinstance(cached.model.diffusion_model.blocks[1].self_attn.q.weight, tensor_cls)
+    ref = sample(env, WAN21, with_lora(env, WAN21, [fresh]) if lora else [fresh])
+    if lora:
+        assert not torch.equal(ref, sample(env, WAN21, [fresh])), "the LoRA must change the result"
+
+    def plain_branch() -> torch.Tensor:
+        return sample(env, WAN21, with_lora(env, WAN21, [cached]) if lora else [cached])
+
+    def offload_branch() -> Any:
+        with torch.inference_mode():
+            off = env.M["OffloadModel"]().apply(cached, "budget")[0]
+        assert isinstance(off, type(cached)), (type(off), type(cached))  # GGUFModelPatcher stays one
+        return with_lora(env, WAN21, [off])[0] if lora else off
+
+    if first == "plain-first":
+        assert torch.equal(ref, plain_branch()), "the plain branch differs before offloading"
+    env.mm.unload_all_models()  # a plain LoRA branch bakes F16 weights while its model is loaded
+    before = _weights(cached)
+    off = offload_branch()
+    assert torch.equal(ref, sample(env, WAN21, [off])), "GGUF {} ({}): offloaded result differs".format(main, which)
+    after = _weights(cached)
+    changed = [k for k in before if before[k][0] is not after[k][0] or before[k][1:] != after[k][1:]]
+    assert after.keys() == before.keys() and not changed, "the loader's cached model was changed: {}".format(changed)
+    assert torch.equal(ref, plain_branch()), "the plain branch differs after the offload branch ran"
+    assert torch.equal(ref, sample(env, WAN21, [off])), "a second offloaded run differs"
+    st = engine_state(off)
+    rep = st.handle.report()
+    assert rep.blocks and all(b.tier != "vram" for b in rep.blocks)
+    streamed = dict(off.model.diffusion_model.named_parameters())
+    q = streamed["blocks.1.self_attn.q.weight"]
+    assert isinstance(q, tensor_cls) and q.tensor_type.name == ("Q8_0" if main in gguf_wan.K_SCALES else main)
+    assert tuple(q.shape) == tuple(gguf_wan.state_dict()["blocks.1.self_attn.q.weight"].shape)
+    stored = [p.numel() * p.element_size() for k, p in streamed.items() if k.startswith("blocks.1.")]
+    block = [b for b in rep.blocks if b.name == "blocks.1"]
+    assert block and sum(stored) <= block[0].bytes <= sum(stored) + 512 * len(stored), \
+        "the block moves its quantized bytes as stored, not a dequantized copy"
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
