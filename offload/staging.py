@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from .blocks import Unit
 from .layout import Binding, TensorLayout, plan_layout, unit_tensors
+from .meta_buffers import materialize_non_persistent_buffers
 from .planner import bounce_buffers
 from .storage import (BouncedSource, BounceReader, CorruptFileError, DiskSource, HostSource, SafetensorsFile,
                       UnitSource)
@@ -176,15 +177,52 @@ def _key_namer(model: nn.Module) -> Callable[[nn.Module, str], str]:
     return key_of
 
 
+def _entry_name(file: SafetensorsFile, entry: Any, key_of: Callable[[nn.Module, str], str]) -> str:
+    """The state-dict name a tensor is saved under: of a tensor several modules share (tied embeddings), the name
+    the file holds (`safetensors.torch.save_model` keeps one of them), else the first."""
+    names = [key_of(mod, attr) for mod, attr, _ in entry.locations]
+    if len(names) > 1:
+        for name in names:
+            if any(k == name or k.endswith("." + name) for k in file.tensors):
+                return name
+    return names[0]
+
+
 def _file_keys(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str]) -> list[str]:
-    return file.match([key_of(*e.locations[0][:2]) for e in layout.entries], layout.leaves)
+    return file.match([_entry_name(file, e, key_of) for e in layout.entries], layout.leaves)
+
+
+def _meta_file_keys(file: SafetensorsFile, layout: TensorLayout,
+                    key_of: Callable[[nn.Module, str], str]) -> list[str | None]:
+    """The file key of every leaf still on the meta device (None for the others: already in RAM, such as the
+    recomputed non-persistent buffers, which no checkpoint holds)."""
+    meta = [e for e in layout.entries if layout.leaves[e.recipe].meta]
+    matched = file.match([_entry_name(file, e, key_of) for e in meta], [layout.leaves[e.recipe] for e in meta])
+    keys: list[str | None] = [None] * len(layout.leaves)
+    for entry, key in zip(meta, matched):
+        keys[entry.recipe] = key
+    return keys
+
+
+def _non_persistent(layout: TensorLayout) -> str | None:
+    """The name of a non-persistent buffer in the layout (no checkpoint holds it), if any."""
+    for entry in layout.entries:
+        for mod, name, kind in entry.locations:
+            if kind == "buffer" and name in mod._non_persistent_buffers_set:
+                return name
+    return None
 
 
 def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
                       strict: bool = False) -> list[str] | None:
     """The file keys of a unit whose current tensors the file holds byte for byte. When it does not (another dtype,
     keys, or values: ComfyUI may cast or convert weights when it loads a file): CorruptFileError when `strict`,
-    else None (logged), and the unit stays in RAM."""
+    else None (logged), and the unit stays in RAM. A unit holding a non-persistent buffer (in no checkpoint, so not
+    in the file) stays in RAM without complaint."""
+    buffer = _non_persistent(layout)
+    if buffer is not None:
+        log.debug("a block with the non-persistent buffer %r stays in RAM (no checkpoint holds it)", buffer)
+        return None
     try:
         keys = _file_keys(file, layout, key_of)
         for key, src in zip(keys, layout.sources()):
@@ -202,6 +240,8 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
                 host_tiers: Callable[[list[int]], dict[int, str]], file: SafetensorsFile | None, prefetch: int,
                 progress: Callable[[int, int], None] | None = None, file_optional: bool = False) -> StagedModel:
     """Stage `model`'s units on the host (see the module docstring); raises before touching the model on bad input."""
+    # 0. non-persistent buffers on the meta device are computed as the model computes them, never read from a file
+    materialize_non_persistent_buffers(model)
     # 1. plan every layout and check the file: nothing is touched until the whole model is known to work
     shared = shared_tensor_ids(model, units)
     layouts: list[TensorLayout] = []
@@ -223,7 +263,9 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
         if meta:
             if file is None or not layout.plain:
                 _refuse_meta(units[i].name, layout, file)
-            keys[i] = _file_keys(file, layout, key_of)  # the file is the only source: a mismatch is an error
+            keys[i] = _meta_file_keys(file, layout, key_of)  # the file is the only source: a mismatch is an error
+            if tiers.get(i) == "disk" and any(k is None for k in keys[i]):
+                tiers[i] = "pageable"  # part of the unit is in RAM already (recomputed buffers): no file view
         elif tiers.get(i) == "disk":
             # the weights are in RAM already: the file must hold these very bytes, or the unit stays in RAM
             keys[i] = file_keys_holding(file, layout, key_of, strict=not file_optional)
@@ -236,7 +278,7 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
     if any(leaf.meta for leaf in rest_layout.leaves):
         if file is None or not rest_layout.plain:
             _refuse_meta("the weights outside the blocks", rest_layout, file)
-        rest_keys = _file_keys(file, rest_layout, key_of)
+        rest_keys = _meta_file_keys(file, rest_layout, key_of)
 
     # 2. stage one unit at a time: each unit's originals are released before the next unit's buffer exists
     masters: list[StagingBuffer] = []
