@@ -2,7 +2,20 @@
 
 Everything a caller (the ComfyUI nodes included) may rely on is named in `__all__`; the modules behind it are
 free to change.
+
+PyTorch is not a dependency of the package (pip must never replace the torch build a user has for their GPU), so
+importing it without torch says which torch to install.
 """
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _exc:
+    raise ImportError(
+        "Layer Offload needs PyTorch, which this Python cannot import"
+        f" ({_exc}). Install the build for your machine first: pip install torch (CPU only: "
+        "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; for CUDA or ROCm pick the "
+        "command at https://pytorch.org/get-started/locally/). Inside ComfyUI the pack uses ComfyUI's own torch: "
+        "run ComfyUI's Python, not another environment's.") from _exc
+del _torch
 from .backends import device_memory, resolve_device
 from .budget import BudgetError, VramBudget, default_budget
 from .config import (DEFAULT_PRESET, PRESETS, OffloadConfig, PresetPolicy, budget_preset_tooltip, preset_tooltip,
