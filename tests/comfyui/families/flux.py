@@ -7,6 +7,8 @@ heads from it (newer ComfyUI); older ComfyUI fixes hidden_size 3072 / 24 heads, 
 """
 from __future__ import annotations
 
+from typing import Iterator, List, Sequence
+
 from .common import Family, Sampling, Shapes, block_list, linear
 
 HIDDEN = 128
@@ -18,6 +20,39 @@ DEPTH = 2
 DEPTH_SINGLE = 2
 
 
+def qk_norm_param() -> str:
+    """The name of the QK RMSNorm's parameter in this ComfyUI: `scale` (flux.layers.RMSNorm, before 0.14) or `weight`
+    (ComfyUI's own RMSNorm layer type since 0.14); asked of ComfyUI's QKNorm itself, never of a version number."""
+    import comfy.ldm.flux.layers as layers
+    import comfy.ops
+
+    norm = layers.QKNorm(4, device="meta", operations=comfy.ops.disable_weight_init)
+    return next(name for name, _ in norm.query_norm.named_parameters())
+
+
+class QKNormKeys(Sequence):
+    """Keys of QK-norm parameters, named once ComfyUI is imported (`{}` stands for the parameter's name)."""
+
+    def __init__(self, templates: List[str]) -> None:
+        self.templates = templates
+
+    def _keys(self) -> List[str]:
+        name = qk_norm_param()
+        return [t.format(name) for t in self.templates]
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._keys()[i]
+
+    def __len__(self) -> int:
+        return len(self.templates)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys()
+
+
 def mlp_embedder(s: Shapes, p: str, in_dim: int, hidden: int = HIDDEN) -> None:
     linear(s, p + ".in_layer", hidden, in_dim)
     linear(s, p + ".out_layer", hidden, hidden)
@@ -27,8 +62,8 @@ def double_block(s: Shapes, p: str, hidden: int = HIDDEN) -> None:
     for side in ("img", "txt"):
         linear(s, "{}.{}_mod.lin".format(p, side), 6 * hidden, hidden)
         linear(s, "{}.{}_attn.qkv".format(p, side), 3 * hidden, hidden)
-        s["{}.{}_attn.norm.query_norm.scale".format(p, side)] = (hidden,)
-        s["{}.{}_attn.norm.key_norm.scale".format(p, side)] = (hidden,)
+        s["{}.{}_attn.norm.query_norm.{}".format(p, side, qk_norm_param())] = (hidden,)
+        s["{}.{}_attn.norm.key_norm.{}".format(p, side, qk_norm_param())] = (hidden,)
         linear(s, "{}.{}_attn.proj".format(p, side), hidden, hidden)
         linear(s, "{}.{}_mlp.0".format(p, side), 4 * hidden, hidden)
         linear(s, "{}.{}_mlp.2".format(p, side), hidden, 4 * hidden)
@@ -37,8 +72,8 @@ def double_block(s: Shapes, p: str, hidden: int = HIDDEN) -> None:
 def single_block(s: Shapes, p: str, hidden: int = HIDDEN) -> None:
     linear(s, p + ".linear1", 3 * hidden + 4 * hidden, hidden)
     linear(s, p + ".linear2", hidden, hidden + 4 * hidden)
-    s[p + ".norm.query_norm.scale"] = (hidden,)
-    s[p + ".norm.key_norm.scale"] = (hidden,)
+    s[p + ".norm.query_norm." + qk_norm_param()] = (hidden,)
+    s[p + ".norm.key_norm." + qk_norm_param()] = (hidden,)
     linear(s, p + ".modulation.lin", 3 * hidden, hidden)
 
 
@@ -70,8 +105,9 @@ def stream_lora_targets(depth: int = DEPTH, depth_single: int = DEPTH_SINGLE):
     return t
 
 
-# plain parameters: the RMSNorm scales of the QK norms (flux.layers.RMSNorm is no ComfyUI layer type)
-STREAM_LORA_DIFFS = ["double_blocks.0.img_attn.norm.key_norm.scale", "single_blocks.1.norm.query_norm.scale"]
+# the QK norms' RMSNorm parameters: plain parameters before ComfyUI 0.14 (flux.layers.RMSNorm is no ComfyUI layer
+# type), a ComfyUI RMSNorm layer's weight since
+STREAM_LORA_DIFFS = QKNormKeys(["double_blocks.0.img_attn.norm.key_norm.{}", "single_blocks.1.norm.query_norm.{}"])
 
 FLUX = Family(
     name="flux", kind="diffusion_model", shapes=flux_shapes,

@@ -8,14 +8,16 @@ from the file, the test fails and asks for a full generator instead of silently 
 from __future__ import annotations
 
 from .common import Family, Shapes, linear
+from .flux import qk_norm_param
 
 W = 128
 
 
 def chroma_shapes() -> Shapes:
-    s: Shapes = {"double_blocks.0.img_attn.norm.key_norm.scale": (W,),
-                 "double_blocks.0.img_attn.norm.query_norm.scale": (W,),
-                 "single_blocks.0.norm.key_norm.scale": (W,), "distilled_guidance_layer.norms.0.scale": (W,)}
+    n = qk_norm_param()
+    s: Shapes = {"double_blocks.0.img_attn.norm.key_norm." + n: (W,),
+                 "double_blocks.0.img_attn.norm.query_norm." + n: (W,),
+                 "single_blocks.0.norm.key_norm." + n: (W,), "distilled_guidance_layer.norms.0.scale": (W,)}
     linear(s, "img_in", W, 64)
     linear(s, "txt_in", W, 64)
     linear(s, "distilled_guidance_layer.in_proj", 2 * W, 64)
@@ -46,8 +48,13 @@ def ace_step_shapes() -> Shapes:
 
 
 def ace_step15_shapes() -> Shapes:
-    s: Shapes = {"encoder.lyric_encoder.layers.0.input_layernorm.weight": (W,)}
+    s: Shapes = {"encoder.lyric_encoder.layers.0.input_layernorm.weight": (W,),
+                 "decoder.layers.0.self_attn_norm.weight": (W,)}
     linear(s, "layers.0.self_attn.q_proj", W, W, bias=False)
+    # since 0.19 detection reads the decoder's and the lyric encoder's widths, heads (128 per head) and MLP sizes
+    for p in ("decoder.layers.0", "encoder.lyric_encoder.layers.0"):
+        linear(s, p + ".self_attn.q_proj", W, W, bias=False)
+        linear(s, p + ".mlp.gate_proj", 3 * W, W, bias=False)
     return s
 
 
@@ -60,5 +67,7 @@ QWEN_IMAGE = Family(name="qwen_image", kind="probe", shapes=qwen_image_shapes,
                             "joint_attention_dim": 64, "num_layers": 1})
 ACE_STEP = Family(name="ace_step", kind="probe", shapes=ace_step_shapes,
                   expect={"audio_model": "ace", "inner_dim": W, "num_layers": 1, "num_attention_heads": 1})
+# fsq_dim (and the text / timbre widths) are the model class's full-size defaults, never read from the file
 ACE_STEP15 = Family(name="ace_step15", kind="probe", shapes=ace_step15_shapes,
-                    expect={"audio_model": "ace1.5", "hidden_size": W, "num_dit_layers": 1, "num_heads": 1})
+                    expect={"audio_model": "ace1.5", "hidden_size": W, "num_dit_layers": 1, "num_heads": 1,
+                            "fsq_dim": W})
