@@ -1,5 +1,9 @@
-"""The ComfyUI face of Layer Offload: node classes, display names, the tts model folder, the web panel's routes."""
+"""The ComfyUI face of Layer Offload: the V3 node classes and their extension, the tts model folder, the panel's routes."""
 from __future__ import annotations
+
+from typing import List
+
+from comfy_api.latest import ComfyExtension, io
 
 from .apply import OffloadAny, OffloadCLIP, OffloadModel
 from .budget import OffloadVramBudget
@@ -8,29 +12,27 @@ from .report import OffloadReport
 from .routes import register_routes
 from .tts import OffloadTTSGenerate, OffloadTTSLoader, register_tts_folder
 
-NODE_CLASS_MAPPINGS = {
-    "OffloadDiffusionModelLoader": OffloadDiffusionModelLoader,
-    "OffloadCheckpointLoader": OffloadCheckpointLoader,
-    "OffloadModel": OffloadModel,
-    "OffloadCLIP": OffloadCLIP,
-    "OffloadAny": OffloadAny,
-    "OffloadVramBudget": OffloadVramBudget,
-    "OffloadReport": OffloadReport,
-    "OffloadTTSLoader": OffloadTTSLoader,
-    "OffloadTTSGenerate": OffloadTTSGenerate,
-}
+NODES: List[type] = [OffloadDiffusionModelLoader, OffloadCheckpointLoader, OffloadModel, OffloadCLIP, OffloadAny,
+                     OffloadVramBudget, OffloadReport, OffloadTTSLoader, OffloadTTSGenerate]
 
-NODE_DISPLAY_NAME_MAPPINGS = {
-    "OffloadDiffusionModelLoader": "Offload Loader (Diffusion Model)",
-    "OffloadCheckpointLoader": "Offload Loader (Checkpoint)",
-    "OffloadModel": "Offload Model",
-    "OffloadCLIP": "Offload CLIP",
-    "OffloadAny": "Offload Any",
-    "OffloadVramBudget": "VRAM Budget",
-    "OffloadReport": "Offload Report",
-    "OffloadTTSLoader": "Offload TTS Loader",
-    "OffloadTTSGenerate": "Offload TTS Generate",
-}
+
+class LayerOffloadExtension(ComfyExtension):
+    """The pack's one extension: every node; the model folder and the panel's routes are set up on load."""
+
+    async def on_load(self) -> None:
+        """Register models/tts and the panel's HTTP routes (again: both are idempotent)."""
+        register_tts_folder()
+        register_routes()
+
+    async def get_node_list(self) -> List[type[io.ComfyNode]]:
+        """The node classes, each with its V3 schema."""
+        return list(NODES)
+
+
+def comfy_entrypoint() -> LayerOffloadExtension:
+    """ComfyUI's entry point for V3 node packs."""
+    return LayerOffloadExtension()
+
 
 register_tts_folder()
 register_routes()

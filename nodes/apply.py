@@ -11,11 +11,13 @@ import torch
 import comfy.model_management
 import comfy.utils
 from comfy.model_patcher import ModelPatcher
+from comfy_api.latest import io
 
 from ..offload import offload_module
 from . import dynamic, patches, status
 from .comfy_patcher import add_report_wrapper, as_offload_patcher
-from .common import ANY, CATEGORY, engine_device, log_once, make_config, optional_inputs, preset_input, resolve_budget
+from .common import (ANY, CATEGORY, engine_device, io_type, log_once, make_config, optional_inputs, preset_input,
+                     resolve_budget)
 from .registry import Managed, detach_managed, register, state_of, track_patcher
 
 log = logging.getLogger("layer_offload")
@@ -254,61 +256,69 @@ def _replace_in_place(container: Any, path: str, old: Any, new: Any) -> None:
                  path)
 
 
-class OffloadModel:
+class OffloadModel(io.ComfyNode):
     """MODEL -> MODEL: stream a diffusion model loaded by any other node (GGUF loaders included)."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        return {"required": {"model": ("MODEL", {"tooltip": "The diffusion model to stream (from any loader)."}),
-                             "preset": preset_input()},
-                "optional": optional_inputs()}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OffloadModel", display_name="Offload Model", category=CATEGORY,
+            description="Stream a MODEL block by block from host RAM under the pack's VRAM budget.",
+            inputs=[io.Model.Input("model", tooltip="The diffusion model to stream (from any loader)."),
+                    preset_input(), *optional_inputs()],
+            outputs=[io.Model.Output(tooltip="The same model; its blocks now stream from host RAM.")])
 
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The same model; its blocks now stream from host RAM.",)
-    FUNCTION = "apply"
-    CATEGORY = CATEGORY
-    DESCRIPTION = "Stream a MODEL block by block from host RAM under the pack's VRAM budget."
+    @classmethod
+    def execute(cls, model: Any, preset: str, budget: Any = None, priority: int = 0) -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(model, preset, budget, priority))
 
-    def apply(self, model: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+    @classmethod
+    def apply(cls, model: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+        """The node's work, as a tuple of its outputs."""
         return (offload_patcher(model, preset, budget, priority, kind="model"),)
 
 
-class OffloadCLIP:
+class OffloadCLIP(io.ComfyNode):
     """CLIP -> CLIP: stream a text encoder loaded by any other node."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        return {"required": {"clip": ("CLIP", {"tooltip": "The text encoder to stream (from any loader)."}),
-                             "preset": preset_input()},
-                "optional": optional_inputs()}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OffloadCLIP", display_name="Offload CLIP", category=CATEGORY,
+            description="Stream a CLIP text encoder block by block from host RAM under the pack's VRAM budget.",
+            inputs=[io.Clip.Input("clip", tooltip="The text encoder to stream (from any loader)."),
+                    preset_input(), *optional_inputs()],
+            outputs=[io.Clip.Output(tooltip="The same CLIP; its encoder blocks now stream from host RAM.")])
 
-    RETURN_TYPES = ("CLIP",)
-    OUTPUT_TOOLTIPS = ("The same CLIP; its encoder blocks now stream from host RAM.",)
-    FUNCTION = "apply"
-    CATEGORY = CATEGORY
-    DESCRIPTION = "Stream a CLIP text encoder block by block from host RAM under the pack's VRAM budget."
+    @classmethod
+    def execute(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0) -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(clip, preset, budget, priority))
 
-    def apply(self, clip: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+    @classmethod
+    def apply(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+        """The node's work, as a tuple of its outputs."""
         return (offload_clip(clip, preset, budget, priority),)
 
 
-class OffloadAny:
+class OffloadAny(io.ComfyNode):
     """* -> *: stream every nn.Module inside any object (other packs' TTS or custom model types)."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        return {"required": {"anything": (ANY, {"tooltip": "Any object: its nn.Modules (found a few attribute levels "
-                                                            "deep) are offloaded in place."}),
-                             "preset": preset_input()},
-                "optional": optional_inputs()}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OffloadAny", display_name="Offload Any", category=CATEGORY,
+            description=("Find every torch nn.Module inside the input (attributes walked a few levels deep) and stream "
+                         "it; use it for model objects of other packs."),
+            inputs=[io.AnyType.Input("anything", tooltip="Any object: its nn.Modules (found a few attribute levels "
+                                                         "deep) are offloaded in place."),
+                    preset_input(), *optional_inputs()],
+            outputs=[io_type(ANY).Output(display_name="anything", tooltip="The same object, its modules now streamed.")])
 
-    RETURN_TYPES = (ANY,)
-    RETURN_NAMES = ("anything",)
-    OUTPUT_TOOLTIPS = ("The same object, its modules now streamed.",)
-    FUNCTION = "apply"
-    CATEGORY = CATEGORY
-    DESCRIPTION = ("Find every torch nn.Module inside the input (attributes walked a few levels deep) and stream it; "
-                   "use it for model objects of other packs.")
+    @classmethod
+    def execute(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0) -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(anything, preset, budget, priority))
 
-    def apply(self, anything: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+    @classmethod
+    def apply(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+        """The node's work, as a tuple of its outputs."""
         return (offload_anything(anything, preset, budget, priority),)

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
-from ..offload import (DEFAULT_PRESET, PRESETS, BudgetError, VramBudget, budget_preset_tooltip, default_budget,
+from ..offload import (PRESETS, BudgetError, VramBudget, budget_preset_tooltip, default_budget,
                        device_memory)
-from .common import BUDGET_TYPE, CATEGORY, PRESET_CHOICES, engine_device
+from comfy_api.latest import io
+
+from .common import BUDGET_TYPE, CATEGORY, PRESET_CHOICES, engine_device, io_type, preset_input
 
 log = logging.getLogger("layer_offload")
 
@@ -84,28 +86,30 @@ class BudgetSpec:
         return "BudgetSpec({:.2f} GB, {})".format(self.total_bytes / GIB, self.origin)
 
 
-class OffloadVramBudget:
+class OffloadVramBudget(io.ComfyNode):
     """Set the process-wide VRAM budget (GB, or a preset when GB is 0); holds across prompts until changed."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        return {"required": {
-            "budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.25,
-                                    "tooltip": "Device memory (GB) all offloaded models together may hold; at least "
-                                               "{:.2f} GB. 0 = use the preset below.".format(MIN_BUDGET_BYTES / GIB)}),
-            "preset": (PRESET_CHOICES, {"default": DEFAULT_PRESET, "tooltip": budget_preset_tooltip()}),
-        }}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OffloadVramBudget", display_name="VRAM Budget", category=CATEGORY,
+            description=("One VRAM budget for every offloaded model in this ComfyUI process, shared by priority. "
+                         "It stays in force across prompts and workflows until another VRAM Budget node (or the Layer "
+                         "Offload panel) changes it."),
+            inputs=[io.Float.Input("budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25,
+                                   tooltip="Device memory (GB) all offloaded models together may hold; at least "
+                                           "{:.2f} GB. 0 = use the preset below.".format(MIN_BUDGET_BYTES / GIB)),
+                    preset_input(tooltip=budget_preset_tooltip())],
+            outputs=[io_type(BUDGET_TYPE).Output(display_name="budget", tooltip=(
+                "The process-wide budget; link it to Offload loaders to make the dependency explicit."))])
 
-    RETURN_TYPES = (BUDGET_TYPE,)
-    RETURN_NAMES = ("budget",)
-    OUTPUT_TOOLTIPS = ("The process-wide budget; link it to Offload loaders to make the dependency explicit.",)
-    FUNCTION = "set_budget"
-    CATEGORY = CATEGORY
-    DESCRIPTION = ("One VRAM budget for every offloaded model in this ComfyUI process, shared by priority. "
-                   "It stays in force across prompts and workflows until another VRAM Budget node (or the Layer "
-                   "Offload panel) changes it.")
+    @classmethod
+    def execute(cls, budget_gb: float, preset: str) -> io.NodeOutput:
+        return io.NodeOutput(*cls.set_budget(budget_gb, preset))
 
-    def set_budget(self, budget_gb: float, preset: str) -> Tuple[BudgetSpec]:
+    @classmethod
+    def set_budget(cls, budget_gb: float, preset: str) -> Tuple[BudgetSpec]:
+        """The node's work, as a tuple of its outputs."""
         if budget_gb != budget_gb or budget_gb < 0:  # NaN or negative
             raise ValueError("budget_gb must be >= 0, got {!r}".format(budget_gb))
         if budget_gb > 0:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, List, Optional
 
 from ..offload import DEFAULT_PRESET, PRESETS, OffloadConfig, VramBudget, default_budget, preset_tooltip
 
@@ -32,17 +32,27 @@ TIP_BUDGET = ("Optional link from a VRAM Budget node: the process-wide device bu
 TIP_PRIORITY = "Higher priority models keep more resident blocks when several offloaded models share the budget."
 
 
-def preset_input() -> tuple:
+def io_type(name: Any) -> Any:
+    """The V3 io class for a type name the pack defines (OFFLOAD_BUDGET, TTS_MODEL, the any-type `*`)."""
+    from comfy_api.latest import io
+
+    return io.Custom(name)
+
+
+def preset_input(name: str = "preset", tooltip: Optional[str] = None) -> Any:
     """The preset dropdown, identical on every node (choices and tooltip from the engine's preset table)."""
-    return (PRESET_CHOICES, {"default": DEFAULT_PRESET, "tooltip": preset_tooltip()})
+    from comfy_api.latest import io
+
+    return io.Combo.Input(name, options=list(PRESET_CHOICES), default=DEFAULT_PRESET,
+                          tooltip=tooltip if tooltip is not None else preset_tooltip())
 
 
-def optional_inputs() -> Dict[str, tuple]:
+def optional_inputs() -> List[Any]:
     """The optional `budget` link and `priority` shared by every offload node."""
-    return {
-        "budget": (BUDGET_TYPE, {"tooltip": TIP_BUDGET}),
-        "priority": ("INT", {"default": 0, "min": -100, "max": 100, "step": 1, "tooltip": TIP_PRIORITY}),
-    }
+    from comfy_api.latest import io
+
+    return [io_type(BUDGET_TYPE).Input("budget", optional=True, tooltip=TIP_BUDGET),
+            io.Int.Input("priority", default=0, min=-100, max=100, step=1, optional=True, tooltip=TIP_PRIORITY)]
 
 
 _logged_once: set = set()

@@ -10,6 +10,7 @@ import torch
 
 import comfy.sd
 import folder_paths
+from comfy_api.latest import io
 
 from .apply import offload_clip, offload_patcher
 from .common import CATEGORY, WEIGHT_DTYPES_FALLBACK, optional_inputs, preset_input
@@ -23,7 +24,10 @@ def weight_dtype_choices() -> List[str]:
     loader = getattr(core, "UNETLoader", None) if core is not None else None
     try:
         if loader is not None:
-            choices = loader.INPUT_TYPES()["required"]["weight_dtype"][0]
+            spec = loader.INPUT_TYPES()["required"]["weight_dtype"]
+            choices = spec[0]
+            if not isinstance(choices, (list, tuple)) and len(spec) > 1:  # a V3 node: ("COMBO", {"options": [...]})
+                choices = spec[1].get("options")
             if isinstance(choices, (list, tuple)) and choices:
                 return list(choices)
     except Exception:  # noqa: BLE001 - fall back to the long-standing list
@@ -58,27 +62,30 @@ def _non_dynamic_kwargs(fn: Any) -> Dict[str, Any]:
         return {}
 
 
-class OffloadDiffusionModelLoader:
+class OffloadDiffusionModelLoader(io.ComfyNode):
     """UNETLoader + Offload Model in one node."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        return {"required": {
-            "unet_name": (folder_paths.get_filename_list("diffusion_models"),
-                          {"tooltip": "A diffusion model file from models/diffusion_models."}),
-            "weight_dtype": (weight_dtype_choices(), {"tooltip": "Storage dtype of the weights, as in ComfyUI's "
-                                                                 "Load Diffusion Model node."}),
-            "preset": preset_input(),
-        }, "optional": optional_inputs()}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OffloadDiffusionModelLoader", display_name="Offload Loader (Diffusion Model)", category=CATEGORY,
+            description="Load a diffusion model and stream its blocks from pinned host RAM under the pack's VRAM budget.",
+            inputs=[io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
+                                   tooltip="A diffusion model file from models/diffusion_models."),
+                    io.Combo.Input("weight_dtype", options=weight_dtype_choices(),
+                                   tooltip="Storage dtype of the weights, as in ComfyUI's Load Diffusion Model node."),
+                    preset_input(), *optional_inputs()],
+            outputs=[io.Model.Output(tooltip="The diffusion model, streamed block by block from pinned RAM.")])
 
-    RETURN_TYPES = ("MODEL",)
-    OUTPUT_TOOLTIPS = ("The diffusion model, streamed block by block from pinned RAM.",)
-    FUNCTION = "load"
-    CATEGORY = CATEGORY
-    DESCRIPTION = "Load a diffusion model and stream its blocks from pinned host RAM under the pack's VRAM budget."
+    @classmethod
+    def execute(cls, unet_name: str, weight_dtype: str, preset: str, budget: Any = None,
+                priority: int = 0) -> io.NodeOutput:
+        return io.NodeOutput(*cls.load(unet_name, weight_dtype, preset, budget, priority))
 
-    def load(self, unet_name: str, weight_dtype: str, preset: str, budget: Any = None,
+    @classmethod
+    def load(cls, unet_name: str, weight_dtype: str, preset: str, budget: Any = None,
              priority: int = 0) -> Tuple[Any]:
+        """The node's work, as a tuple of its outputs."""
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         model = comfy.sd.load_diffusion_model(path, model_options=unet_model_options(weight_dtype),
                                               **_non_dynamic_kwargs(comfy.sd.load_diffusion_model))
@@ -86,25 +93,28 @@ class OffloadDiffusionModelLoader:
                                 disk_path=_streamable_file(path)),)
 
 
-class OffloadCheckpointLoader:
+class OffloadCheckpointLoader(io.ComfyNode):
     """CheckpointLoaderSimple + offloading of its MODEL and CLIP."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        return {"required": {
-            "ckpt_name": (folder_paths.get_filename_list("checkpoints"),
-                          {"tooltip": "A checkpoint file from models/checkpoints."}),
-            "preset": preset_input(),
-        }, "optional": optional_inputs()}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OffloadCheckpointLoader", display_name="Offload Loader (Checkpoint)", category=CATEGORY,
+            description="Load a checkpoint; its diffusion model and text encoder stream from pinned host RAM.",
+            inputs=[io.Combo.Input("ckpt_name", options=folder_paths.get_filename_list("checkpoints"),
+                                   tooltip="A checkpoint file from models/checkpoints."),
+                    preset_input(), *optional_inputs()],
+            outputs=[io.Model.Output(tooltip="The diffusion model, streamed."),
+                     io.Clip.Output(tooltip="The text encoder, streamed."),
+                     io.Vae.Output(tooltip="The VAE, loaded as ComfyUI does.")])
 
-    RETURN_TYPES = ("MODEL", "CLIP", "VAE")
-    OUTPUT_TOOLTIPS = ("The diffusion model, streamed.", "The text encoder, streamed.",
-                       "The VAE, loaded as ComfyUI does.")
-    FUNCTION = "load"
-    CATEGORY = CATEGORY
-    DESCRIPTION = "Load a checkpoint; its diffusion model and text encoder stream from pinned host RAM."
+    @classmethod
+    def execute(cls, ckpt_name: str, preset: str, budget: Any = None, priority: int = 0) -> io.NodeOutput:
+        return io.NodeOutput(*cls.load(ckpt_name, preset, budget, priority))
 
-    def load(self, ckpt_name: str, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any, Any, Any]:
+    @classmethod
+    def load(cls, ckpt_name: str, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any, Any, Any]:
+        """The node's work, as a tuple of its outputs."""
         path = folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)
         out = comfy.sd.load_checkpoint_guess_config(path, output_vae=True, output_clip=True,
                                                     embedding_directory=folder_paths.get_folder_paths("embeddings"),

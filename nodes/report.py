@@ -4,34 +4,40 @@ from __future__ import annotations
 import json
 from typing import Any, Dict
 
-from .common import ANY, CATEGORY
+from comfy_api.latest import io
+
+from .common import CATEGORY
 from .registry import managed_of
 from .status import build_report, publish, summary_text
 
 
-class OffloadReport:
+class OffloadReport(io.ComfyNode):
     """Output node: report JSON (STRING) + readable summary; link `anything` from a sampler or decoder."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        return {"required": {"anything": (ANY, {"tooltip": "Link any output (e.g. a sampler's LATENT) so the report "
-                                                           "runs after it."})},
-                "optional": {"model": ("MODEL", {"tooltip": "Report only this model; unlinked: every offloaded "
-                                                            "model under the budget."})}}
-
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("report_json",)
-    OUTPUT_TOOLTIPS = ("The report as JSON: budget, models, per-block tier/bytes/h2d/compute/stall.",)
-    FUNCTION = "report"
-    OUTPUT_NODE = True
-    CATEGORY = CATEGORY
-    DESCRIPTION = "Per-model and per-block figures of the last run: tiers, bytes, transfer/compute/stall times."
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OffloadReport", display_name="Offload Report", category=CATEGORY, is_output_node=True,
+            description="Per-model and per-block figures of the last run: tiers, bytes, transfer/compute/stall times.",
+            inputs=[io.AnyType.Input("anything", tooltip="Link any output (e.g. a sampler's LATENT) so the report "
+                                                         "runs after it."),
+                    io.Model.Input("model", optional=True, tooltip="Report only this model; unlinked: every "
+                                                                   "offloaded model under the budget.")],
+            outputs=[io.String.Output(display_name="report_json", tooltip=(
+                "The report as JSON: budget, models, per-block tier/bytes/h2d/compute/stall."))])
 
     @classmethod
-    def IS_CHANGED(cls, **kwargs: Any) -> float:
+    def fingerprint_inputs(cls, **kwargs: Any) -> float:
         return float("nan")  # always re-run: it reports the latest figures
 
-    def report(self, anything: Any, model: Any = None) -> Dict[str, Any]:
+    @classmethod
+    def execute(cls, anything: Any, model: Any = None) -> io.NodeOutput:
+        out = cls.report(anything, model)
+        return io.NodeOutput(*out["result"], ui=out["ui"])
+
+    @classmethod
+    def report(cls, anything: Any, model: Any = None) -> Dict[str, Any]:
+        """The node's work: {"ui": what the node shows, "result": its outputs}."""
         only = None
         if model is not None:
             st = managed_of(model)

@@ -15,11 +15,12 @@ import torch
 import comfy.model_management
 import comfy.utils
 import folder_paths
+from comfy_api.latest import io
 
 from ..offload.tts import vibevoice
 from .apply import attach_engine
 from .comfy_patcher import OffloadModelPatcher
-from .common import CATEGORY, engine_device, optional_inputs, preset_input
+from .common import CATEGORY, engine_device, io_type, optional_inputs, preset_input
 from .registry import Managed, track_patcher
 from . import status
 
@@ -123,34 +124,36 @@ def _kv_pager(tts: TTSModel, max_new_tokens: int, prompt_tokens: int, cfg_scale:
     return handle.kv_pager(PAGE_TOKENS, offload=offload)
 
 
-class OffloadTTSLoader:
+class OffloadTTSLoader(io.ComfyNode):
     """Load a transformers TTS model (VibeVoice) from models/tts/ and stream its blocks under the pack's budget."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        optional = optional_inputs()
-        optional["dtype"] = (DTYPE_CHOICES, {"default": "default", "tooltip":
-                             "Weight dtype: the checkpoint's (default), bf16, fp16, fp32, or fp8_e4m3fn (the decoder's "
-                             "linear weights stored and streamed as float8 with per-channel scales: half the bytes)."})
-        optional["kv_offload"] = (KV_CHOICES, {"default": "auto", "tooltip":
-                                  "Paged KV cache: auto keeps pages beyond the model's share of the VRAM budget in host "
-                                  "memory when long speech would not fit; on always pages and offloads; off uses "
-                                  "transformers' own cache (outside the budget)."})
-        return {"required": {
-            "model_name": (model_folders(), {"tooltip": "A model folder (holding config.json) under models/tts/, in the "
-                                                        "transformers layout (VibeVoice)."}),
-            "preset": preset_input(),
-        }, "optional": optional}
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="OffloadTTSLoader", display_name="Offload TTS Loader", category=CATEGORY,
+            description=("Load a VibeVoice text-to-speech model from models/tts/ (local files only) and stream its "
+                         "blocks under the pack's VRAM budget, with optional fp8 weights and a paged KV cache."),
+            inputs=[io.Combo.Input("model_name", options=model_folders(), tooltip=(
+                        "A model folder (holding config.json) under models/tts/, in the transformers layout "
+                        "(VibeVoice).")),
+                    preset_input(), *optional_inputs(),
+                    io.Combo.Input("dtype", options=list(DTYPE_CHOICES), default="default", optional=True, tooltip=(
+                        "Weight dtype: the checkpoint's (default), bf16, fp16, fp32, or fp8_e4m3fn (the decoder's "
+                        "linear weights stored and streamed as float8 with per-channel scales: half the bytes).")),
+                    io.Combo.Input("kv_offload", options=list(KV_CHOICES), default="auto", optional=True, tooltip=(
+                        "Paged KV cache: auto keeps pages beyond the model's share of the VRAM budget in host memory "
+                        "when long speech would not fit; on always pages and offloads; off uses transformers' own "
+                        "cache (outside the budget)."))],
+            outputs=[io_type(TTS_TYPE).Output(display_name="tts_model", tooltip=(
+                "The TTS model; its decoder layers (and large blocks) stream from host RAM."))])
 
-    RETURN_TYPES = (TTS_TYPE,)
-    RETURN_NAMES = ("tts_model",)
-    OUTPUT_TOOLTIPS = ("The TTS model; its decoder layers (and large blocks) stream from host RAM.",)
-    FUNCTION = "load"
-    CATEGORY = CATEGORY
-    DESCRIPTION = ("Load a VibeVoice text-to-speech model from models/tts/ (local files only) and stream its blocks "
-                   "under the pack's VRAM budget, with optional fp8 weights and a paged KV cache.")
+    @classmethod
+    def execute(cls, model_name: str, preset: str, budget: Any = None, priority: int = 0, dtype: str = "default",
+                kv_offload: str = "auto") -> io.NodeOutput:
+        return io.NodeOutput(*cls.load(model_name, preset, budget, priority, dtype, kv_offload))
 
-    def load(self, model_name: str, preset: str, budget: Any = None, priority: int = 0, dtype: str = "default",
+    @classmethod
+    def load(cls, model_name: str, preset: str, budget: Any = None, priority: int = 0, dtype: str = "default",
              kv_offload: str = "auto") -> Tuple[TTSModel]:
         if kv_offload not in KV_CHOICES:
             raise ValueError("kv_offload must be one of {}, got {!r}".format(", ".join(KV_CHOICES), kv_offload))
@@ -167,35 +170,40 @@ class OffloadTTSLoader:
         return (TTSModel(model_name, patcher, processor, managed, dtype, kv_offload),)
 
 
-class OffloadTTSGenerate:
+class OffloadTTSGenerate(io.ComfyNode):
     """Text (Speaker 1..4 lines) and optional voice references in, AUDIO out."""
 
     @classmethod
-    def INPUT_TYPES(cls) -> Dict[str, Any]:
-        voices = {"voice_{}".format(i): ("AUDIO", {"tooltip": "Speaker {}'s voice reference (any sample rate and "
-                                                              "channels: resampled to 24 kHz mono).".format(i)})
-                  for i in range(1, vibevoice.MAX_SPEAKERS + 1)}
-        return {"required": {
-            "tts_model": (TTS_TYPE, {"tooltip": "From Offload TTS Loader."}),
-            "text": ("STRING", {"multiline": True, "default": "Speaker 1: Hello, and welcome.\nSpeaker 2: Thanks!",
-                                "tooltip": "One line per turn: 'Speaker N: text' (N from 1 to 4)."}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 0xffffffffffffffff,
-                             "tooltip": "The same seed gives the same audio."}),
-            "cfg_scale": ("FLOAT", {"default": 1.3, "min": 1.0, "max": 10.0, "step": 0.05,
-                                    "tooltip": "Classifier-free guidance of the speech diffusion."}),
-            "diffusion_steps": ("INT", {"default": 10, "min": 1, "max": 100,
-                                        "tooltip": "Diffusion steps per speech token (7.5 tokens a second)."}),
-            "max_new_tokens": ("INT", {"default": 1024, "min": 1, "max": 65536,
-                                       "tooltip": "Upper bound on generated tokens (speech runs 7.5 tokens a second)."}),
-        }, "optional": voices}
+    def define_schema(cls) -> io.Schema:
+        voices = [io.Audio.Input("voice_{}".format(i), optional=True, tooltip=(
+                      "Speaker {}'s voice reference (any sample rate and channels: resampled to 24 kHz mono).".format(i)))
+                  for i in range(1, vibevoice.MAX_SPEAKERS + 1)]
+        return io.Schema(
+            node_id="OffloadTTSGenerate", display_name="Offload TTS Generate", category=CATEGORY,
+            description="Speak a script with an offloaded TTS model; voice references clone the speakers' voices.",
+            inputs=[io_type(TTS_TYPE).Input("tts_model", tooltip="From Offload TTS Loader."),
+                    io.String.Input("text", multiline=True,
+                                    default="Speaker 1: Hello, and welcome.\nSpeaker 2: Thanks!",
+                                    tooltip="One line per turn: 'Speaker N: text' (N from 1 to 4)."),
+                    io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff,
+                                 tooltip="The same seed gives the same audio."),
+                    io.Float.Input("cfg_scale", default=1.3, min=1.0, max=10.0, step=0.05,
+                                   tooltip="Classifier-free guidance of the speech diffusion."),
+                    io.Int.Input("diffusion_steps", default=10, min=1, max=100,
+                                 tooltip="Diffusion steps per speech token (7.5 tokens a second)."),
+                    io.Int.Input("max_new_tokens", default=1024, min=1, max=65536,
+                                 tooltip="Upper bound on generated tokens (speech runs 7.5 tokens a second)."),
+                    *voices],
+            outputs=[io.Audio.Output(tooltip="The speech, 24 kHz mono: {waveform [1, 1, T], sample_rate}.")])
 
-    RETURN_TYPES = ("AUDIO",)
-    OUTPUT_TOOLTIPS = ("The speech, 24 kHz mono: {waveform [1, 1, T], sample_rate}.",)
-    FUNCTION = "generate"
-    CATEGORY = CATEGORY
-    DESCRIPTION = "Speak a script with an offloaded TTS model; voice references clone the speakers' voices."
+    @classmethod
+    def execute(cls, tts_model: Any, text: str, seed: int, cfg_scale: float, diffusion_steps: int,
+                max_new_tokens: int, **voice_inputs: Any) -> io.NodeOutput:
+        return io.NodeOutput(*cls.generate(tts_model, text, seed, cfg_scale, diffusion_steps, max_new_tokens,
+                                           **voice_inputs))
 
-    def generate(self, tts_model: TTSModel, text: str, seed: int, cfg_scale: float, diffusion_steps: int,
+    @classmethod
+    def generate(cls, tts_model: TTSModel, text: str, seed: int, cfg_scale: float, diffusion_steps: int,
                  max_new_tokens: int, **voice_inputs: Any) -> Tuple[Dict[str, Any]]:
         if not isinstance(tts_model, TTSModel):
             raise ValueError("tts_model must come from Offload TTS Loader, got {}".format(type(tts_model).__name__))

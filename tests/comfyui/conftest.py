@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Any
+from typing import Any, Dict
 
 import pytest
 
@@ -77,6 +77,34 @@ def load_comfy_and_pack() -> Any:
     spec.loader.exec_module(module)
     _pack = module
     return module
+
+
+def node_classes(pack: Any) -> Dict[str, Any]:
+    """node id -> node class, as ComfyUI gets them: from the pack's `comfy_entrypoint` extension (V3)."""
+    if "classes" not in _nodes:
+        import asyncio
+
+        extension = pack.comfy_entrypoint()
+        classes = asyncio.run(extension.get_node_list())
+        _nodes["classes"] = {cls.GET_SCHEMA().node_id: cls for cls in classes}
+        _nodes["names"] = {cls.GET_SCHEMA().node_id: cls.GET_SCHEMA().display_name for cls in classes}
+    return _nodes["classes"]
+
+
+def display_names(pack: Any) -> Dict[str, str]:
+    """node id -> display name, from the nodes' V3 schemas."""
+    node_classes(pack)
+    return _nodes["names"]
+
+
+def combo_choices(spec: Any) -> list:
+    """The choices of a combo input in V1 form: (choices, opts) from a V1 node, ("COMBO", {"options": ...}) from V3."""
+    if isinstance(spec[0], (list, tuple)):
+        return list(spec[0])
+    return list(spec[1]["options"])
+
+
+_nodes: Dict[str, Any] = {}
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 
+from typing import Any, Dict
+
 import pytest
 
-from conftest import comfy_available, skip_reason
+from conftest import combo_choices, comfy_available, display_names, node_classes, skip_reason  # noqa: F401
 
 if not comfy_available():
     pytest.skip(skip_reason(), allow_module_level=True)
@@ -40,7 +42,7 @@ def env(pack, tmp_path_factory):
     folder_paths.add_model_folder_path("checkpoints", d)
     folder_paths.add_model_folder_path("diffusion_models", d)
     folder_paths.add_model_folder_path("loras", d)
-    return {"pack": pack, "mm": mm, "nodes": nodes, "M": pack.NODE_CLASS_MAPPINGS}
+    return {"pack": pack, "mm": mm, "nodes": nodes, "M": node_classes(pack)}
 
 
 def sample(env, model, steps: int = 3, seed: int = 3, callback=None) -> torch.Tensor:
@@ -84,12 +86,12 @@ def handle_of(model):
 # registration ---------------------------------------------------------------------------------------------------
 def test_all_node_ids_registered_with_category_and_tooltips(env):
     pack = env["pack"]
-    assert sorted(pack.NODE_CLASS_MAPPINGS) == sorted(NODE_IDS)
-    assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(NODE_IDS)
-    assert pack.NODE_DISPLAY_NAME_MAPPINGS["OffloadDiffusionModelLoader"] == "Offload Loader (Diffusion Model)"
-    assert pack.NODE_DISPLAY_NAME_MAPPINGS["OffloadVramBudget"] == "VRAM Budget"
+    assert sorted(node_classes(pack)) == sorted(NODE_IDS)
+    assert set(display_names(pack)) == set(NODE_IDS)
+    assert display_names(pack)["OffloadDiffusionModelLoader"] == "Offload Loader (Diffusion Model)"
+    assert display_names(pack)["OffloadVramBudget"] == "VRAM Budget"
     assert pack.WEB_DIRECTORY
-    for node_id, cls in pack.NODE_CLASS_MAPPINGS.items():
+    for node_id, cls in node_classes(pack).items():
         assert cls.CATEGORY == "Layer Offload", node_id
         spec = cls.INPUT_TYPES()
         for section in ("required", "optional"):
@@ -101,19 +103,69 @@ def test_preset_dropdowns_offer_the_five_presets(env):
     for node_id in ("OffloadDiffusionModelLoader", "OffloadCheckpointLoader", "OffloadModel", "OffloadCLIP",
                     "OffloadAny", "OffloadVramBudget"):
         spec = env["M"][node_id].INPUT_TYPES()["required"]["preset"]
-        assert list(spec[0]) == PRESETS, node_id
+        assert combo_choices(spec) == PRESETS, node_id
 
 
 def test_loader_inputs_match_comfy(env):
     spec = env["M"]["OffloadDiffusionModelLoader"].INPUT_TYPES()
     core = env["nodes"].UNETLoader.INPUT_TYPES()["required"]
-    assert list(spec["required"]["weight_dtype"][0]) == list(core["weight_dtype"][0])
-    assert UNET in spec["required"]["unet_name"][0]
+    assert combo_choices(spec["required"]["weight_dtype"]) == combo_choices(core["weight_dtype"])
+    assert UNET in combo_choices(spec["required"]["unet_name"])
     assert spec["optional"]["budget"][0] == "OFFLOAD_BUDGET"
     assert spec["optional"]["priority"][0] == "INT"
-    assert env["M"]["OffloadCheckpointLoader"].RETURN_TYPES == ("MODEL", "CLIP", "VAE")
+    assert tuple(env["M"]["OffloadCheckpointLoader"].RETURN_TYPES) == ("MODEL", "CLIP", "VAE")
     assert env["M"]["OffloadReport"].OUTPUT_NODE is True
-    assert env["M"]["OffloadReport"].RETURN_TYPES == ("STRING",)
+    assert tuple(env["M"]["OffloadReport"].RETURN_TYPES) == ("STRING",)
+
+
+WIDGET_KEYS = ("default", "min", "max", "step", "tooltip", "multiline")
+
+
+def _v1_view(cls: Any) -> Dict[str, Any]:
+    """A node's definition as the V1 API (and ComfyUI's /object_info) presents it."""
+    spec = cls.INPUT_TYPES()
+    inputs = {}
+    for section in ("required", "optional"):
+        for name, entry in spec.get(section, {}).items():
+            opts = dict(entry[1]) if len(entry) > 1 else {}
+            combo = isinstance(entry[0], (list, tuple)) or entry[0] == "COMBO"
+            item = {"section": section, "type": "COMBO" if combo else str(entry[0])}
+            if combo:
+                item["choices"] = combo_choices(entry)
+                opts.pop("options", None)
+            item["options"] = {k: v for k, v in opts.items() if k in WIDGET_KEYS}
+            inputs[name] = item
+    return {"inputs": inputs, "input_order": list(spec.get("required", {})) + list(spec.get("optional", {})),
+            "return_types": [str(t) for t in cls.RETURN_TYPES], "return_names": [str(n) for n in cls.RETURN_NAMES],
+            "output_tooltips": list(cls.OUTPUT_TOOLTIPS), "category": cls.CATEGORY, "description": cls.DESCRIPTION,
+            "output_node": bool(getattr(cls, "OUTPUT_NODE", False))}
+
+
+def test_v3_nodes_keep_the_saved_workflow_contract(env):
+    """The V3 schema gives every node the ids, input names and order, types, defaults, ranges, tooltips, outputs and
+    categories the V1 nodes had (tests/comfyui/node_defs_v1.json, recorded from the V1 classes), so saved workflows
+    and example_workflows/ load unchanged."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "node_defs_v1.json")) as f:
+        v1 = json.load(f)
+    classes = node_classes(env["pack"])
+    assert sorted(classes) == sorted(v1)
+    from comfy_api.latest import io
+
+    for node_id, want in v1.items():
+        cls = classes[node_id]
+        assert issubclass(cls, io.ComfyNode), node_id
+        got = _v1_view(cls)
+        assert display_names(env["pack"])[node_id] == want["display_name"]
+        assert got["input_order"] == want["input_order"], node_id
+        for name, item in want["inputs"].items():
+            g = got["inputs"][name]
+            assert (g["section"], g["type"]) == (item["section"], item["type"]), (node_id, name, g)
+            if "choices" in item:
+                assert g["choices"] == item["choices"], (node_id, name)
+            opts = {k: v for k, v in item["options"].items() if k in WIDGET_KEYS}
+            assert g["options"] == opts, (node_id, name, g["options"], item["options"])
+        for key in ("return_types", "return_names", "output_tooltips", "category", "description", "output_node"):
+            assert got[key] == want[key], (node_id, key, got[key], want[key])
 
 
 def test_unknown_preset_is_a_clear_error(env):

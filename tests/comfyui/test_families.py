@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from conftest import comfy_available, skip_reason
+from conftest import combo_choices, comfy_available, display_names, node_classes, skip_reason  # noqa: F401
 
 if not comfy_available():
     pytest.skip(skip_reason(), allow_module_level=True)
@@ -47,7 +47,7 @@ class Env:
         import nodes
 
         self.pack = pack
-        self.M = pack.NODE_CLASS_MAPPINGS
+        self.M = node_classes(pack)
         self.nodes = nodes
         self.mm = comfy.model_management
         self.md = comfy.model_detection
@@ -369,8 +369,13 @@ def build_text_encoder(te) -> Any:
         pytest.skip("this ComfyUI has no {}.{} / {}: {}".format(te.module, te.tokenizer, te.model, e))
     te_dir = os.path.join(os.path.dirname(os.path.abspath(comfy.sd.__file__)), "text_encoders")
     data = {k: os.path.join(te_dir, v) for k, v in te.tokenizer_data.items()}
-    clip = comfy.sd.CLIP(target=comfy.supported_models_base.ClipTarget(tokenizer, model),
-                         model_options=dict(te.model_options), tokenizer_data=data)
+    try:
+        clip = comfy.sd.CLIP(target=comfy.supported_models_base.ClipTarget(tokenizer, model),
+                             model_options=dict(te.model_options), tokenizer_data=data)
+    except FileNotFoundError as e:  # a tokenizer file ComfyUI ships is missing from this checkout (a partial snapshot)
+        if not str(getattr(e, "filename", "") or "").startswith(te_dir):
+            raise
+        pytest.skip("this ComfyUI checkout lacks {} (a tokenizer file ComfyUI ships)".format(e.filename))
     sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in clip.cond_stage_model.named_modules()
              if n.count(".") <= 2}
     if sizes[""] > families.text_encoders.MAX_PARAMS:

@@ -15,7 +15,7 @@ from importlib import import_module
 
 import pytest
 
-from conftest import comfy_available, skip_reason
+from conftest import combo_choices, comfy_available, display_names, node_classes, skip_reason  # noqa: F401
 
 if not comfy_available():
     pytest.skip(skip_reason(), allow_module_level=True)
@@ -52,7 +52,7 @@ def env(pack, tmp_path_factory):
     routes = import_module(pack.__name__ + ".nodes.routes")
     status = import_module(pack.__name__ + ".nodes.status")
     offload = import_module(pack.__name__ + ".offload")
-    model = pack.NODE_CLASS_MAPPINGS["OffloadDiffusionModelLoader"]().load(UNET, "default", "budget", None, 0)[0]
+    model = node_classes(pack)["OffloadDiffusionModelLoader"]().load(UNET, "default", "budget", None, 0)[0]
     plain = nodes.UNETLoader().load_unet(UNET, "default")[0]
     ref = sample(nodes, plain)
     assert torch.equal(ref, sample(nodes, model))
@@ -222,7 +222,7 @@ def test_changes_while_sampling_in_another_thread(env):
 
     d = os.path.dirname(folder_paths.get_full_path("diffusion_models", UNET))
     tiny_wan.write_wan(os.path.join(d, hi_name))  # the same weights under another name
-    hi = env["pack"].NODE_CLASS_MAPPINGS["OffloadDiffusionModelLoader"]().load(hi_name, "default", "high_end", None,
+    hi = node_classes(env["pack"])["OffloadDiffusionModelLoader"]().load(hi_name, "default", "high_end", None,
                                                                                0)[0]
     assert torch.equal(env["ref4"], sample(env["nodes"], hi, steps=4))
     assert entry(env, hi_name)["resident_blocks"] > 0, "under 4 GB the high_end model keeps blocks resident"
