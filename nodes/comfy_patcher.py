@@ -140,10 +140,15 @@ def _patch_hooks_outside(patcher: Any, hooks: Any, combined: Dict[str, list]) ->
     """Weight hooks on weights outside the offloaded root (ComfyUI keeps those on the device): patched in place, with
     ComfyUI's backups, exactly as ComfyUI patches them on a plain model."""
     counter = None
-    if patcher.hook_mode == comfy.hooks.EnumHookMode.MaxSpeed:
-        counter = comfy.model_patcher.MemoryCounter(
-            initial=comfy.model_management.get_free_memory(patcher.load_device),
-            minimum=comfy.model_management.minimum_inference_memory() * 2)
+    counter_cls = getattr(comfy.model_patcher, "MemoryCounter", None)
+    max_speed = getattr(getattr(comfy.hooks, "EnumHookMode", None), "MaxSpeed", None)
+    if max_speed is not None and getattr(patcher, "hook_mode", None) == max_speed:
+        if counter_cls is None:
+            log_once("no-memory-counter", "Layer Offload: comfy.model_patcher.MemoryCounter is not in this ComfyUI; "
+                     "weight hooks outside the offloaded blocks are patched without caching.", level=logging.INFO)
+        else:
+            counter = counter_cls(initial=comfy.model_management.get_free_memory(patcher.load_device),
+                                  minimum=comfy.model_management.minimum_inference_memory() * 2)
     originals = patcher.get_key_patches()
     keys = set(patcher.model_state_dict().keys())
     for key in combined:
