@@ -22,11 +22,12 @@ from .config import (DEFAULT_PRESET, PRESETS, OffloadConfig, PresetPolicy, budge
                      presets_markdown_table)
 from .handle import DetachedError, OffloadHandle, offload_module
 from .metrics import BlockReport, OffloadReport, summarize
-from .planner import PlanError
+from .planner import PlanError, RamCeilingError
 from .storage import CorruptFileError, SourceChangedError
 from .streamer import DeviceMemoryError
 
 __all__ = ["OffloadConfig", "PRESETS", "PresetPolicy", "DEFAULT_PRESET", "preset_tooltip", "budget_preset_tooltip",
            "presets_markdown_table", "offload_module", "OffloadHandle", "VramBudget", "default_budget",
            "OffloadReport", "BlockReport", "summarize", "device_memory", "resolve_device", "DeviceMemoryError",
-           "PlanError", "BudgetError", "CorruptFileError", "SourceChangedError", "DetachedError"]
+           "PlanError", "RamCeilingError", "BudgetError", "CorruptFileError", "SourceChangedError",
+           "DetachedError"]

@@ -92,7 +92,8 @@ class OffloadConfig:
     disk_path: str | None = None  # safetensors file with the model's weights, for the disk tier
     disk_optional: bool = False  # True: blocks the file does not hold exactly stay in RAM instead of raising
     profile: bool = False
-    ram_budget_bytes: int | None = None  # host bytes for staging; None: planner reads MemAvailable / cgroup
+    ram_budget_bytes: int | None = None  # ceiling on this model's host RAM (blocks, non-block weights, bounce
+    # buffers; blocks past it stream from disk_path); None: the planner reads MemAvailable / the cgroup limit
     reserve_bytes: int | None = None  # device bytes kept free for activations; None: planner estimates
     preset: str | None = None
     allow_disk: bool = True

@@ -20,7 +20,8 @@ from .budget import VramBudget, default_budget
 from .config import OffloadConfig
 from .layout import unit_tensors
 from .metrics import OffloadReport, effective_gbps, overlap_ratio
-from .planner import GIB, MIB, PlanError, UnitPlan, estimate_reserve, plan_host, plan_units, read_host_memory, ring_slots
+from .planner import (GIB, MIB, HostPlan, PlanError, RamCeilingError, UnitPlan, estimate_reserve, plan_host,
+                      plan_host_capped, plan_units, read_host_memory, ring_slots)
 from .staging import stage_model
 from .storage import SafetensorsFile
 from .streamer import DeviceMemoryError, ModelStreamer
@@ -74,6 +75,8 @@ class OffloadHandle:
             raise
         self.streamer = ModelStreamer(model, staged, self.backend, self, config.pin_memory, config.prefetch,
                                       config.profile)
+        if config.ram_budget_bytes is not None:
+            self._check_ram_ceiling(int(config.ram_budget_bytes))
         self._sizes = [u.nbytes for u in self.streamer.units]
         self._names = [u.staged.name for u in self.streamer.units]
         self._plan: UnitPlan | None = None
@@ -103,6 +106,22 @@ class OffloadHandle:
             raise
         log.info("offloaded %s: %d units (%s), %s", name, len(found), self.backend.describe(), self.plan_summary())
 
+    def _check_ram_ceiling(self, ceiling: int) -> None:
+        """After staging: blocks planned for disk that could not go there (tensor subclasses, misaligned tensors,
+        bytes the file does not hold) may push host RAM over the ceiling; then the model is given back as it was."""
+        ram = self.streamer.host_memory()["ram"]
+        if ram <= ceiling:
+            return
+        kept = sum(1 for u in self.streamer.units if u.master.host is not None)
+        if self.config.disk_optional:  # asked for: blocks the file does not hold stay in RAM rather than fail
+            log.warning("%s: host RAM is %d bytes, over ram_budget_bytes=%d: %d block(s) could not go to the disk tier "
+                        "(disk_optional=True keeps them in RAM)", self.name, ram, ceiling, kept)
+            return
+        self.streamer.detach()
+        raise RamCeilingError(f"{self.name}: ram_budget_bytes={ceiling} cannot be kept: {kept} block(s) cannot stream "
+                              f"from disk (tensor subclasses, misaligned tensors, or bytes {self._file_path} does not "
+                              f"hold) and need {ram} bytes of host RAM; raise ram_budget_bytes to at least {ram}")
+
     @property
     def model(self) -> nn.Module | None:
         """The offloaded model (None once it was garbage collected)."""
@@ -121,27 +140,34 @@ class OffloadHandle:
         if kind not in self._notices:
             self._notices[kind] = message
 
-    def _host_tiers(self, sizes: list[int]) -> dict[int, str]:
-        """Tiers for the units' host masters: pinned RAM, pageable RAM, or the disk file."""
+    def _host_tiers(self, sizes: list[int], rest_bytes: int) -> HostPlan:
+        """Tiers for the units' host masters: pinned RAM, pageable RAM, or the disk file.
+
+        `ram_budget_bytes` is a ceiling on everything the engine holds in host RAM for this model (the weights
+        outside the blocks, the blocks kept in RAM and the read-ahead bounce buffers); without it the planner
+        reads what the machine has free and only warns when the blocks need more.
+        """
         cfg = self.config
         mem = read_host_memory()
+        allow_disk = cfg.allow_disk and cfg.disk_path is not None
+        pin = cfg.pin_memory and self.backend.supports_pinned_host
         if cfg.ram_budget_bytes is not None:
             ram_budget = int(cfg.ram_budget_bytes)
+            plan = plan_host_capped(sizes, rest_bytes, ram_budget, mem.pin_limit if pin else 0, allow_disk, pin,
+                                    cfg.prefetch, self.backend.supports_pinned_host)
         else:
             margin = min(4 * GIB, int(psutil.virtual_memory().total * 0.1))
             ram_budget = max(0, mem.available + self._in_ram - margin)
-        allow_disk = cfg.allow_disk and cfg.disk_path is not None
-        pin = cfg.pin_memory and self.backend.supports_pinned_host
-        plan = plan_host(sizes, ram_budget, mem.pin_limit if pin else 0, allow_disk, pin)
-        if plan.ram_bytes > ram_budget:
-            log.warning("%s needs %.2f GiB of host RAM for its blocks but about %.2f GiB is available; "
-                        "give disk_path (its safetensors file) to stream the rest from disk", self.name,
-                        plan.ram_bytes / GIB, ram_budget / GIB)
+            plan = plan_host(sizes, ram_budget, mem.pin_limit if pin else 0, allow_disk, pin)
+            if plan.ram_bytes > ram_budget:
+                log.warning("%s needs %.2f GiB of host RAM for its blocks but about %.2f GiB is available; "
+                            "give disk_path (its safetensors file) to stream the rest from disk", self.name,
+                            plan.ram_bytes / GIB, ram_budget / GIB)
         disk = sum(1 for t in plan.tiers.values() if t == "disk")
         if disk:
             log.info("%s: %d unit(s) stream from %s (RAM budget %.1f MB)", self.name, disk, cfg.disk_path,
                      ram_budget / MIB)
-        return dict(plan.tiers)
+        return plan
 
     # pass listener ------------------------------------------------------------------
     def before_pass(self) -> None:
@@ -492,6 +518,23 @@ def _check_priority(priority: Any) -> int:
     return int(priority)
 
 
+def _check_arguments(model: Any, name: Any, budget: Any, units: Any, progress: Any) -> None:
+    """Wrong argument types fail here, naming the argument and what it takes, before anything is touched."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str (shown in logs and the report), got {type(name).__name__} {name!r}")
+    if budget is not None and not isinstance(budget, VramBudget):
+        hint = (" (a size in bytes goes in VramBudget(nbytes), e.g. budget=VramBudget(4 << 30) for 4 GiB, or in "
+                "OffloadConfig(vram_budget_bytes=...) for this model alone)")
+        raise TypeError(f"budget must be a VramBudget or None (the process-wide default_budget()), got "
+                        f"{type(budget).__name__} {budget!r}{hint}")
+    if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
+        raise TypeError(f"units must be a list of module names (e.g. ['blocks.0', 'blocks.1']) or None, got {units!r}")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable(done, total) or None, got {type(progress).__name__}")
+
+
 def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: str | None = None,
                    priority: int = 0, budget: VramBudget | None = None, units: list[str] | None = None,
                    progress: Callable[[int, int], None] | None = None) -> OffloadHandle:
@@ -499,5 +542,6 @@ def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: 
     config = config if config is not None else OffloadConfig.from_preset("auto")
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig (OffloadConfig.from_preset(...)), got {type(config).__name__}")
+    _check_arguments(model, name, budget, units, progress)
     with torch.inference_mode(False):  # our buffers and views must serve grad-mode and inference-mode calls
         return OffloadHandle(model, config, name or type(model).__name__, priority, budget, units, progress)

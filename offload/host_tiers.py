@@ -102,10 +102,11 @@ class HostTiers:
             if sum(u.nbytes for u in candidates) <= extra:
                 return 0  # moving every block could not even pay for the bounce buffers
         freed = cost = 0
+        refused: list[str] = []
         for u in candidates:
             if freed - cost >= nbytes:
                 break
-            keys = file_keys_holding(file, u.staged.layout, staged.key_of)
+            keys = file_keys_holding(file, u.staged.layout, staged.key_of, refused=refused)
             if keys is None or not all(file.aligned(k) for k in keys):
                 continue
             quiesce(staged, self.backend)  # no read or copy may still use the RAM master about to go
@@ -116,6 +117,9 @@ class HostTiers:
                                                                   staged.reader)
             u.mark = u.staged.layout.version()
             freed += u.nbytes
+        if refused:
+            log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
+                        f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
         if freed:
             self.worker.restart()  # copies queued from the old masters are replaced by reads of the file
             log.info("moved %.1f MB of blocks to the disk tier (%s) to give RAM back", freed / 2 ** 20, file.path)

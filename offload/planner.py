@@ -168,6 +168,7 @@ class HostPlan:
     tiers: dict[int, str]  # unit index -> pinned | pageable | disk
     ram_bytes: int
     pinned_bytes: int
+    bounce_bytes: int | None = None  # size of each bounce buffer under a RAM ceiling (None: the largest unit)
 
 
 def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: bool, pin: bool,
@@ -187,6 +188,55 @@ def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: boo
         else:
             tiers[i] = "disk"
     return HostPlan(tiers, ram, pinned)
+
+
+MIN_BOUNCE = 4096  # the smallest bounce buffer a RAM ceiling may shrink the read-ahead ring to
+PREFERRED_BOUNCE = 4 * MIB  # below a whole block, reads of this size keep the disk tier near its sequential speed
+
+
+class RamCeilingError(ValueError):
+    """`ram_budget_bytes` is below what the model needs in host RAM at the least: names that minimum."""
+
+
+def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_limit: int, allow_disk: bool,
+                     pin: bool, prefetch: int, bounces_pageable: bool) -> HostPlan:
+    """Host tiers under a hard RAM ceiling: the non-block weights, the blocks kept in RAM and the read-ahead
+    thread's bounce buffers together stay within `ram_budget`; the rest of the blocks go to the disk tier.
+
+    Bounce buffers are needed for disk blocks, and for pageable blocks where the device has pinned memory
+    (`bounces_pageable`). They are whole blocks or PREFERRED_BOUNCE when RAM allows (a quarter of it at most);
+    when RAM is tight, blocks kept in RAM come first and the buffers get what is left (MIN_BOUNCE at the least):
+    a block is then read in ranges. A ceiling below the least such a plan needs raises RamCeilingError.
+    """
+    count = bounce_buffers(prefetch)
+    biggest = max(sizes, default=0)
+    least_bounce = count * min(biggest, MIN_BOUNCE)
+    avail = ram_budget - rest_bytes
+    in_ram = plan_host(sizes, max(0, avail), pin_limit, False, pin)  # every block in RAM
+    bounced_in_ram = bounces_pageable and any(t == "pageable" for t in in_ram.tiers.values())
+    if allow_disk:
+        minimum = rest_bytes + least_bounce
+        how = "or give it more RAM"
+    else:
+        minimum = rest_bytes + sum(sizes) + (least_bounce if bounced_in_ram else 0)
+        how = "or give disk_path (the model's safetensors file) so blocks can stream from disk"
+    if ram_budget < minimum:
+        raise RamCeilingError(
+            f"ram_budget_bytes={ram_budget} is below the {minimum} bytes this model needs in host RAM at the least "
+            f"({rest_bytes} bytes of weights outside the blocks"
+            + (f", {least_bounce} bytes of bounce buffers" if allow_disk else f", {sum(sizes)} bytes of blocks")
+            + f"); raise ram_budget_bytes to at least {minimum} {how}")
+    if in_ram.ram_bytes <= avail and not bounced_in_ram:
+        return in_ram  # everything in RAM, no bounce buffer at all
+    preferred = min(biggest, max(PREFERRED_BOUNCE, avail // 4 // count // 4096 * 4096))
+    if count * preferred <= avail // 2:
+        chunk = preferred
+        plan = plan_host(sizes, avail - count * chunk, pin_limit, allow_disk, pin)
+    else:  # tight: blocks in RAM first, the bounce buffers share what they leave
+        plan = plan_host(sizes, avail - least_bounce, pin_limit, allow_disk, pin)
+        chunk = min(biggest, max(MIN_BOUNCE, (avail - plan.ram_bytes) // count // 4096 * 4096))
+    plan.bounce_bytes = chunk
+    return plan
 
 
 def default_reserve(total_device_bytes: int, backend_name: str) -> int:

@@ -18,7 +18,7 @@ import torch.nn as nn
 from .blocks import Unit
 from .layout import Binding, TensorLayout, plan_layout, unit_tensors
 from .meta_buffers import materialize_non_persistent_buffers
-from .planner import bounce_buffers
+from .planner import HostPlan, bounce_buffers
 from .storage import (BouncedSource, BounceReader, CorruptFileError, DiskSource, HostSource, SafetensorsFile,
                       UnitSource)
 
@@ -214,7 +214,7 @@ def _non_persistent(layout: TensorLayout) -> str | None:
 
 
 def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
-                      strict: bool = False) -> list[str] | None:
+                      strict: bool = False, refused: list[str] | None = None) -> list[str] | None:
     """The file keys of a unit whose current tensors the file holds byte for byte. When it does not (another dtype,
     keys, or values: ComfyUI may cast or convert weights when it loads a file): CorruptFileError when `strict`,
     else None (logged), and the unit stays in RAM. A unit holding a non-persistent buffer (in no checkpoint, so not
@@ -231,13 +231,16 @@ def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Calla
     except CorruptFileError as exc:
         if strict:
             raise
-        log.warning("not streaming a block from disk: %s; it stays in RAM", exc)
+        if refused is not None:
+            refused.append(str(exc))  # the caller logs one line for all of them
+        else:
+            log.warning("not streaming a block from disk: %s; it stays in RAM", exc)
         return None
     return keys
 
 
 def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
-                host_tiers: Callable[[list[int]], dict[int, str]], file: SafetensorsFile | None, prefetch: int,
+                host_tiers: Callable[[list[int], int], HostPlan], file: SafetensorsFile | None, prefetch: int,
                 progress: Callable[[int, int], None] | None = None, file_optional: bool = False) -> StagedModel:
     """Stage `model`'s units on the host (see the module docstring); raises before touching the model on bad input."""
     # 0. non-persistent buffers on the meta device are computed as the model computes them, never read from a file
@@ -253,9 +256,11 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
         del tensors
     rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
                                if (id(sub), name, kind) not in in_units])
-    tiers = host_tiers([layout.nbytes for layout in layouts])
+    host_plan = host_tiers([layout.nbytes for layout in layouts], rest_layout.nbytes)
+    tiers = dict(host_plan.tiers)
     key_of = _key_namer(model)
     keys: dict[int, list[str]] = {}
+    refused: list[str] = []  # blocks the file does not hold exactly (disk_optional): one log line for all
     for i, layout in enumerate(layouts):
         meta = any(leaf.meta for leaf in layout.leaves)
         if tiers.get(i) == "disk" and not (layout.plain and file is not None):
@@ -268,12 +273,18 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
                 tiers[i] = "pageable"  # part of the unit is in RAM already (recomputed buffers): no file view
         elif tiers.get(i) == "disk":
             # the weights are in RAM already: the file must hold these very bytes, or the unit stays in RAM
-            keys[i] = file_keys_holding(file, layout, key_of, strict=not file_optional)
+            keys[i] = file_keys_holding(file, layout, key_of, strict=not file_optional, refused=refused)
             if keys[i] is None:
                 tiers[i] = "pageable"
                 continue
         if tiers.get(i) == "disk" and not all(file.aligned(k) for k in keys[i]):
             tiers[i] = "pageable"  # a misaligned tensor cannot be viewed in place: keep it in RAM
+        if (file is not None and not file_optional and i not in keys and layout.plain
+                and _non_persistent(layout) is None):
+            _file_keys(file, layout, key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
+    if refused:
+        log.warning("not streaming %d block(s) from disk: %s%s; each stays in RAM", len(refused), refused[0],
+                    f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
     rest_keys = None
     if any(leaf.meta for leaf in rest_layout.leaves):
         if file is None or not rest_layout.plain:
@@ -301,7 +312,8 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
         bounced = [m.layout.nbytes for m in masters if m.host is None or
                    (not m.pinned and backend.supports_pinned_host)]
         if bounced:
-            reader = BounceReader(backend, max(bounced), bounce_buffers(prefetch))
+            size = max(bounced) if host_plan.bounce_bytes is None else min(max(bounced), host_plan.bounce_bytes)
+            reader = BounceReader(backend, size, bounce_buffers(prefetch))  # a smaller buffer reads a unit in ranges
     except BaseException:
         for m in reversed(masters + ([rest] if rest is not None else [])):
             m.restore_ordinary()

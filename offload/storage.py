@@ -258,6 +258,21 @@ class SafetensorsFile:
         self.check_unchanged()  # a write that raced the read must not pass as the original bytes
         return total
 
+    def read_range(self, dst: torch.Tensor, pieces: list[tuple[str, int]], start: int, end: int) -> int:
+        """Read the bytes [start, end) of a unit laid out as (key, unit offset) pieces into `dst[:end - start]`;
+        returns bytes read. A bounce buffer smaller than the unit reads it in such ranges."""
+        total = 0
+        for key, off in pieces:
+            ft = self.tensors[key]
+            n = ft.end - ft.start
+            lo, hi = max(start, off), min(end, off + n)
+            if lo >= hi:
+                continue
+            self._read_at(dst[lo - start:hi - start], ft.start + (lo - off))
+            total += hi - lo
+        self.check_unchanged()  # a write that raced the read must not pass as the original bytes
+        return total
+
     def read_tensor(self, key: str) -> torch.Tensor:
         """One tensor as an ordinary, independent CPU tensor (read from the descriptor, not the map)."""
         ft = self.tensors[key]
@@ -330,29 +345,34 @@ class ReadCounters:
 
 def _read_ahead(jobs: queue.Queue, free: queue.Queue, backend: Any, counters: ReadCounters) -> None:
     # The thread holds only the queues, never the reader: dropping a model stops it (see BounceReader).
+    # A job is one unit's bytes in one or more ranges (a bounce buffer smaller than the unit); its copy is
+    # done when the copy of its last range is, since copies run in order on the transfer stream.
     while True:
         item = jobs.get()
         if item is None:
             jobs.task_done()
             return
-        fill, nbytes, dst, after, job = item
+        fill, start, end, dst, after, job, last = item
         try:
-            buf, last = free.get()
-            try:
-                if last is not None:
-                    backend.event_synchronize(last)  # its previous copy must have left the bounce buffer
-                counters.bytes_read += fill(buf)
-                counters.reads += 1
-                event = backend.copy_h2d(dst[:nbytes], buf[:nbytes], after)
-            except BaseException:
-                free.put((buf, None))
-                raise
-            free.put((buf, event))
-            job.event = event
+            if job.error is None:  # an earlier range of this unit failed: skip the rest
+                buf, prev = free.get()
+                try:
+                    if prev is not None:
+                        backend.event_synchronize(prev)  # its previous copy must have left the bounce buffer
+                    counters.bytes_read += fill(buf, start, end)
+                    event = backend.copy_h2d(dst[start:end], buf[:end - start], after)
+                except BaseException:
+                    free.put((buf, None))
+                    raise
+                free.put((buf, event))
+                job.event = event
+                if last:
+                    counters.reads += 1
         except BaseException as exc:  # surfaced to the forward that waits for this unit
             job.error = exc
         finally:
-            job._done.set()
+            if last:
+                job._done.set()
             del item, fill, dst, after, job  # the idle thread must not keep the last buffers alive
             jobs.task_done()
 
@@ -382,11 +402,17 @@ class BounceReader:
         thread.start()
         self._stop = weakref.finalize(self, _stop_read_ahead, self._jobs, thread)  # also runs at exit
 
-    def submit(self, fill: Callable[[torch.Tensor], int], nbytes: int, dst: torch.Tensor, after: Any) -> DeferredCopy:
+    def submit(self, fill: Callable[[torch.Tensor, int, int], int], nbytes: int, dst: torch.Tensor,
+               after: Any) -> DeferredCopy:
+        """Queue `nbytes` into `dst` after event `after`, in ranges of at most one bounce buffer each:
+        `fill(buf, start, end)` puts the bytes [start, end) into `buf` and returns the bytes it read from files."""
         if not self._stop.alive:
             raise RuntimeError("the read-ahead thread was stopped (the model was detached)")
         job = DeferredCopy()
-        self._jobs.put((fill, nbytes, dst, after, job))
+        step = self.bounce_bytes
+        starts = list(range(0, nbytes, step)) or [0]
+        for k, start in enumerate(starts):
+            self._jobs.put((fill, start, min(nbytes, start + step), dst, after, job, k == len(starts) - 1))
         return job
 
     def drain(self) -> None:
@@ -439,12 +465,12 @@ class BouncedSource:
         self.reader = reader
         self.reads = 0
 
-    def _fill(self, buf: torch.Tensor) -> int:
-        self.reads += 1
-        buf[:self.nbytes].copy_(self.host)
+    def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        buf[:end - start].copy_(self.host[start:end])
         return 0
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        self.reads += 1
         return self.reader.submit(self._fill, self.nbytes, dst, after)
 
 
@@ -461,9 +487,11 @@ class DiskSource:
         self.pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
         self.reads = 0
 
-    def _fill(self, buf: torch.Tensor) -> int:
-        self.reads += 1
-        return self.file.read_into(buf, self.pieces)
+    def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        if start == 0 and end == self.nbytes:
+            return self.file.read_into(buf, self.pieces)
+        return self.file.read_range(buf, self.pieces, start, end)
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        self.reads += 1
         return self.reader.submit(self._fill, self.nbytes, dst, after)

@@ -52,9 +52,15 @@ def _save(model, path, prefix="model.", drop=(), dtype=None):
 BLK = aligned_bytes(_model().layers[0])
 
 
+REST = aligned_bytes(_model()) - DEPTH * BLK  # the weights outside the blocks, always in RAM
+
+
 def _cfg(path, ram_units=2, preset="budget", **kw):
+    """`ram_units` blocks' worth of RAM; 0: the least that streams every block from disk (the weights outside the
+    blocks plus one block's worth, shared by the bounce buffers: ram_budget_bytes caps the engine's host RAM)."""
     kw.setdefault("device", "sim")
-    return OffloadConfig.from_preset(preset, disk_path=str(path), ram_budget_bytes=ram_units * BLK, **kw)
+    ram = ram_units * BLK if ram_units else REST + BLK
+    return OffloadConfig.from_preset(preset, disk_path=str(path), ram_budget_bytes=ram, **kw)
 
 
 def _reads(h):
@@ -191,7 +197,12 @@ def test_no_disk_when_the_preset_forbids_it(tmp_path, offload):
     x = _x()
     ref = run(model, (x,))
     path = _save(model, tmp_path / "m.safetensors")
-    h = offload(model, _cfg(path, ram_units=1, preset="high_end"))
+    from offload.planner import RamCeilingError
+
+    with pytest.raises(RamCeilingError, match=f"at least {REST + DEPTH * BLK}"):  # a ceiling it cannot keep
+        offload(model, _cfg(path, ram_units=1, preset="high_end"))
+    assert torch.equal(run(model, (x,)), ref)
+    h = offload(model, _cfg(path, ram_units=DEPTH + 1, preset="high_end"))
     assert "disk" not in [b.tier for b in h.report().blocks]
     assert torch.equal(run(model, (x,)), ref)
 
@@ -390,7 +401,18 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, offload, monkey
         finished[unit] += 1
         return n
 
+    real_read_range = SafetensorsFile.read_range
+
+    def read_range(file, dst, pieces, start, end):  # the least RAM budget reads a unit in ranges
+        read_threads.append(threading.get_ident())
+        n = real_read_range(file, dst, pieces, start, end)
+        unit = unit_of.setdefault(pieces[0][0], len(unit_of))
+        if end >= max(off + file.tensors[k].end - file.tensors[k].start for k, off in pieces):
+            finished[unit] += 1  # its last range: the unit's read is complete
+        return n
+
     monkeypatch.setattr(SafetensorsFile, "read_into", read_into)
+    monkeypatch.setattr(SafetensorsFile, "read_range", read_range)
     assert torch.equal(run(model, (x,)), ref)  # warm-up: the order is learned, the pipeline wraps around
     # the warm-up forward has no slow compute, so let the reads it queued for the next forward finish
     _reads(h)
