@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from offload import CorruptFileError, OffloadConfig, VramBudget, offload_module
+from offload import CorruptFileError, OffloadConfig, offload_module
 from offload import RamCeilingError
 from tests.models import LayersModel, aligned_bytes, run, seeded
 
