@@ -1,4 +1,4 @@
-"""The ComfyUI face of Layer Offload: the V3 node classes and their extension, the tts model folder, the panel's routes."""
+"""The ComfyUI face of Layer Offload: the V3 node classes and their extension, the tts folder, the panel's routes."""
 from __future__ import annotations
 
 from typing import List

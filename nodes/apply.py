@@ -312,7 +312,8 @@ class OffloadAny(io.ComfyNode):
             inputs=[io.AnyType.Input("anything", tooltip="Any object: its nn.Modules (found a few attribute levels "
                                                          "deep) are offloaded in place."),
                     preset_input(), *optional_inputs()],
-            outputs=[io_type(ANY).Output(display_name="anything", tooltip="The same object, its modules now streamed.")])
+            outputs=[io_type(ANY).Output(display_name="anything",
+                                         tooltip="The same object, its modules now streamed.")])
 
     @classmethod
     def execute(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0) -> io.NodeOutput:

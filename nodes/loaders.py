@@ -69,7 +69,8 @@ class OffloadDiffusionModelLoader(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="OffloadDiffusionModelLoader", display_name="Offload Loader (Diffusion Model)", category=CATEGORY,
-            description="Load a diffusion model and stream its blocks from pinned host RAM under the pack's VRAM budget.",
+            description=("Load a diffusion model and stream its blocks from pinned host RAM under the pack's VRAM "
+                         "budget."),
             inputs=[io.Combo.Input("unet_name", options=folder_paths.get_filename_list("diffusion_models"),
                                    tooltip="A diffusion model file from models/diffusion_models."),
                     io.Combo.Input("weight_dtype", options=weight_dtype_choices(),

@@ -176,7 +176,8 @@ class OffloadTTSGenerate(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         voices = [io.Audio.Input("voice_{}".format(i), optional=True, tooltip=(
-                      "Speaker {}'s voice reference (any sample rate and channels: resampled to 24 kHz mono).".format(i)))
+                      "Speaker {}'s voice reference (any sample rate and channels: resampled to 24 kHz "
+                      "mono).".format(i)))
                   for i in range(1, vibevoice.MAX_SPEAKERS + 1)]
         return io.Schema(
             node_id="OffloadTTSGenerate", display_name="Offload TTS Generate", category=CATEGORY,

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from conftest import comfy_available, skip_reason
+from conftest import combo_choices, comfy_available, skip_reason
 
 if not comfy_available():
     pytest.skip(skip_reason(), allow_module_level=True)
@@ -136,8 +136,8 @@ def test_pack_imports_and_registers_every_node(server):
     loader = info["OffloadDiffusionModelLoader"]
     assert loader["category"] == "Layer Offload"
     assert loader["display_name"] == "Offload Loader (Diffusion Model)"
-    assert list(loader["input"]["required"]["preset"][0]) == PRESETS
-    assert UNET in loader["input"]["required"]["unet_name"][0]
+    assert combo_choices(loader["input"]["required"]["preset"]) == PRESETS
+    assert UNET in combo_choices(loader["input"]["required"]["unet_name"])
     assert "budget" in loader["input"]["optional"] and "priority" in loader["input"]["optional"]
     assert info["OffloadVramBudget"]["output"] == ["OFFLOAD_BUDGET"]
     assert info["OffloadReport"]["output_node"] is True

@@ -14,7 +14,7 @@ from typing import Any, Dict
 
 import pytest
 
-from conftest import comfy_available, load_tests_module, skip_reason
+from conftest import combo_choices, comfy_available, load_tests_module, skip_reason
 
 if not comfy_available():
     pytest.skip(skip_reason(), allow_module_level=True)
@@ -89,7 +89,7 @@ def test_tts_nodes_are_registered_and_list_the_model(server):
     info = server.get_json("/object_info")
     loader = info["OffloadTTSLoader"]
     assert loader["category"] == "Layer Offload" and loader["output"] == ["TTS_MODEL"]
-    assert MODEL in loader["input"]["required"]["model_name"][0]
+    assert MODEL in combo_choices(loader["input"]["required"]["model_name"])
     assert info["OffloadTTSGenerate"]["output"] == ["AUDIO"]
 
 
