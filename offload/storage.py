@@ -42,6 +42,10 @@ _DTYPES = {
 }
 
 
+_IOV_MAX = 1024  # iovecs one preadv takes (Linux IOV_MAX)
+_GAP_MAX = 1 << 16  # file ranges at most this far apart are read by one positioned read
+
+
 class CorruptFileError(ValueError):
     """A safetensors file that is truncated, corrupt or does not match the model: names the file."""
 
@@ -230,48 +234,75 @@ class SafetensorsFile:
     # reading --------------------------------------------------------------------
     def _read_at(self, dst: torch.Tensor, offset: int) -> None:
         """Fill a contiguous uint8 CPU tensor from `offset` with positioned reads; short reads are errors."""
-        view = _writable_bytes(dst)
+        self._readv_at([_writable_bytes(dst)], offset)
+
+    def _readv_at(self, views: list[memoryview], offset: int) -> None:
+        """Fill `views` in turn from the file range starting at `offset` (one `os.preadv` while none comes up short)."""
+        views = [v for v in views if len(v)]
+        want = sum(len(v) for v in views)
         done = 0
-        while done < len(view):
+        while views:
             if hasattr(os, "preadv"):
-                n = os.preadv(self._fd, [view[done:]], offset + done)
+                n = os.preadv(self._fd, views, offset + done)
             else:  # pragma: no cover - Windows
                 with self._seek_lock:
                     os.lseek(self._fd, offset + done, os.SEEK_SET)
-                    chunk = os.read(self._fd, len(view) - done)
-                    view[done:done + len(chunk)] = chunk
+                    chunk = os.read(self._fd, len(views[0]))
+                    views[0][:len(chunk)] = chunk
                     n = len(chunk)
             if n <= 0:
                 self.check_unchanged()
-                raise SourceChangedError(f"{self.path}: read {done} of {len(view)} bytes at offset {offset}: the "
+                raise SourceChangedError(f"{self.path}: read {done} of {want} bytes at offset {offset}: the "
                                          f"file ends early (was it truncated?)")
             done += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+
+    def _read_spans(self, spans: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Read file ranges [lo, hi) into uint8 CPU tensors. Ranges at most `_GAP_MAX` apart in the file are read
+        together, by ONE positioned read scattering into their destinations (the gaps go to a scratch buffer):
+        a unit whose tensors are contiguous in the file (a packed model's unit) is one sequential read."""
+        spans = sorted((s for s in spans if s[1] > s[0]), key=lambda s: s[0])
+        i = 0
+        while i < len(spans):
+            lo, hi, dst = spans[i]
+            views = [_writable_bytes(dst)]
+            i += 1
+            while i < len(spans) and len(views) < _IOV_MAX - 1 and 0 <= spans[i][0] - hi <= _GAP_MAX:
+                if spans[i][0] > hi:
+                    views.append(memoryview(bytearray(spans[i][0] - hi)))
+                views.append(_writable_bytes(spans[i][2]))
+                hi = spans[i][1]
+                i += 1
+            self._readv_at(views, lo)
 
     def read_into(self, dst: torch.Tensor, pieces: list[tuple[str, int]]) -> int:
         """Read (key, dst_offset) tensors into a flat uint8 `dst`; returns bytes read. Raises if the file changed."""
-        total = 0
+        spans = []
         for key, off in pieces:
             ft = self.tensors[key]
-            n = ft.end - ft.start
-            self._read_at(dst[off:off + n], ft.start)
-            total += n
+            spans.append((ft.start, ft.end, dst[off:off + ft.end - ft.start]))
+        self._read_spans(spans)
         self.check_unchanged()  # a write that raced the read must not pass as the original bytes
-        return total
+        return sum(hi - lo for lo, hi, _ in spans)
 
     def read_range(self, dst: torch.Tensor, pieces: list[tuple[str, int]], start: int, end: int) -> int:
         """Read the bytes [start, end) of a unit laid out as (key, unit offset) pieces into `dst[:end - start]`;
         returns bytes read. A bounce buffer smaller than the unit reads it in such ranges."""
-        total = 0
+        spans = []
         for key, off in pieces:
             ft = self.tensors[key]
             n = ft.end - ft.start
             lo, hi = max(start, off), min(end, off + n)
             if lo >= hi:
                 continue
-            self._read_at(dst[lo - start:hi - start], ft.start + (lo - off))
-            total += hi - lo
+            spans.append((ft.start + (lo - off), ft.start + (hi - off), dst[lo - start:hi - start]))
+        self._read_spans(spans)
         self.check_unchanged()  # a write that raced the read must not pass as the original bytes
-        return total
+        return sum(hi - lo for lo, hi, _ in spans)
 
     def read_tensor(self, key: str) -> torch.Tensor:
         """One tensor as an ordinary, independent CPU tensor (read from the descriptor, not the map)."""
