@@ -24,6 +24,16 @@ class BlockReport:
     calls: int = 0
     bytes_streamed: int = 0
     reads: int = 0  # times its bytes went through a bounce buffer (read from disk, or bounced pageable RAM)
+    # backward through the streamed unit (training): times it came back to a slot, bytes copied, copy time, the time
+    # autograd held it (its backward, checkpoint re-forward included) and the time backward waited for its copy
+    backward_calls: int = 0
+    backward_bytes_streamed: int = 0
+    backward_h2d_ms: float = 0.0
+    backward_ms: float = 0.0
+    backward_stall_ms: float = 0.0
+    # placement from measured costs: the stall per pass the planner predicted for this unit, and why it is where it is
+    predicted_stall_ms: float = 0.0
+    placement: str = ""
 
 
 TIERS = ("vram", "pinned", "pageable", "disk")
@@ -61,6 +71,11 @@ class OffloadReport:
         return sum(b.bytes for b in self.blocks if b.tier != "vram")
 
     @property
+    def backward_bytes_streamed(self) -> int:
+        """Bytes copied to the device for backward through streamed units (training)."""
+        return sum(b.backward_bytes_streamed for b in self.blocks)
+
+    @property
     def tiers(self) -> dict[str, int]:
         """Blocks per tier: vram (resident), pinned / pageable RAM, disk."""
         return {t: sum(1 for b in self.blocks if b.tier == t) for t in TIERS}
@@ -73,6 +88,8 @@ class OffloadReport:
         d["streamed_bytes"] = self.streamed_bytes
         d["resident_blocks"] = tiers["vram"]
         d["streamed_blocks"] = len(self.blocks) - tiers["vram"]
+        d["backward_bytes_streamed"] = self.backward_bytes_streamed
+        d["backward_ms"] = sum(b.backward_ms for b in self.blocks)
         return d
 
     def summary(self) -> str:
@@ -92,6 +109,9 @@ def summarize(d: dict[str, Any]) -> str:
              f"device {d['device_bytes'] / mb:.1f} MB (peak {d['peak_device_bytes'] / mb:.1f} MB)")
     runs = (f"  last runs: {d['forwards']} forward(s), {d['total_bytes_streamed'] / mb:.1f} MB streamed, "
             f"overlap {d['overlap_ratio']:.2f}, {d['effective_gbps']:.2f} GB/s, stall {d['stall_ms']:.1f} ms")
+    if d.get("backward_bytes_streamed"):
+        runs += (f"; backward {d['backward_bytes_streamed'] / mb:.1f} MB streamed in "
+                 f"{d.get('backward_ms', 0.0):.1f} ms")
     return head + "\n" + runs
 
 
@@ -103,6 +123,7 @@ class _Record:
     start: Any  # compute start (after the wait)
     end: Any  # compute end
     nbytes: int
+    backward: bool = False
 
 
 class MetricsCollector:
@@ -128,13 +149,18 @@ class MetricsCollector:
         self.stall_ms = [0.0] * self.n_units
         self.calls = [0] * self.n_units
         self.bytes_streamed = [0] * self.n_units
+        self.bwd_calls = [0] * self.n_units
+        self.bwd_bytes = [0] * self.n_units
+        self.bwd_h2d_ms = [0.0] * self.n_units
+        self.bwd_ms = [0.0] * self.n_units
+        self.bwd_stall_ms = [0.0] * self.n_units
         self.forwards = 0
         self.timeline: list[dict[str, Any]] = []
         self._pending.clear()
 
-    def add(self, unit: int, copy: Any, ready: Any, start: Any, end: Any, nbytes: int) -> None:
+    def add(self, unit: int, copy: Any, ready: Any, start: Any, end: Any, nbytes: int, backward: bool = False) -> None:
         with self.lock:
-            self._pending.append(_Record(unit, copy, ready, start, end, nbytes))
+            self._pending.append(_Record(unit, copy, ready, start, end, nbytes, backward))
             full = len(self._pending) > MAX_PENDING
         if full:
             self.harvest(block=True)
@@ -156,6 +182,16 @@ class MetricsCollector:
             elif not b.is_done(rec.end) or (rec.copy is not None and not b.is_done(rec.copy)):
                 break
             u = rec.unit
+            if rec.backward:
+                self.bwd_calls[u] += 1
+                self.bwd_ms[u] += max(0.0, b.elapsed_ms(rec.start, rec.end))
+                if rec.copy is not None:
+                    self.bwd_h2d_ms[u] += b.copy_span_ms(rec.copy)
+                    stall = max(0.0, b.elapsed_ms(rec.ready, rec.copy))
+                    self.bwd_stall_ms[u] += stall if math.isfinite(stall) else 0.0
+                    self.bwd_bytes[u] += rec.nbytes
+                done += 1
+                continue
             self.calls[u] += 1
             self.compute_ms[u] += max(0.0, b.elapsed_ms(rec.start, rec.end))
             if rec.copy is not None:

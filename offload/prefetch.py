@@ -1,8 +1,10 @@
 """The prefetch pipeline: keeps the next streamed units copying into free slots of the ring.
 
 Lookahead is counted in streamed units: whenever a slot is freed (its unit finished), the next streamed unit
-in the predicted order is queued into it, wrapping into the next forward. A unit that arrives out of order
-(an interrupted forward, a different call order) resyncs the pipeline instead of computing on stale bytes.
+in the predicted order is queued into it, wrapping into the next forward. While autograd runs backward through
+the streamed units (offload/backward.py) the worker follows the reversed forward order instead. A unit that
+arrives out of order (an interrupted forward, a different call order) resyncs the pipeline instead of computing
+on stale bytes.
 The worker refers to the sources and the slots, never back to the streamer that owns it.
 """
 from __future__ import annotations
@@ -30,6 +32,8 @@ class PrefetchWorker:
         self.next_pos = 0
         self.resyncs = 0
         self.skip: frozenset[int] = frozenset()  # units in the order not to copy (another owner's weights are in place)
+        self.reversed = False  # following the reversed forward order (backward); `_forward` keeps the forward one
+        self._forward: list[int] | None = None
 
     def configure(self, order: list[int], slots: Sequence[torch.Tensor], sources: Sequence[UnitSource]) -> None:
         """New plan: predicted order of streamed units, the slot buffers and every unit's source (nothing in flight)."""
@@ -39,12 +43,41 @@ class PrefetchWorker:
         self.inflight.clear()
         self.free = deque((s, None) for s in range(len(slots)))
         self.next_pos = 0
+        self.reversed = False
+        self._forward = None
 
     def _issue(self, unit: int, slot: int, after: Any) -> Any:
         return self.sources[unit].issue(self.slots[slot], after)
 
+    def reverse_order(self, forward: list[int]) -> None:
+        """Backward: copy units in the reverse of the forward order `forward` (the last forward's streamed units),
+        starting now; queued forward copies are dropped."""
+        if not forward or not self.slots:
+            return
+        if not self.reversed:
+            self._forward = self.order
+            self.reversed = True
+        self.order = list(reversed(forward))
+        self.next_pos = 0
+        self._cancel_inflight()
+        self.fill()
+
+    def forward_order(self) -> None:
+        """Back to the forward order after backward (queued backward copies are dropped)."""
+        if not self.reversed:
+            return
+        self.reversed = False
+        self.order = self._forward if self._forward is not None else self.order[::-1]
+        self._forward = None
+        self.next_pos = 0
+        self._cancel_inflight()
+        self.fill()
+
     def set_order(self, order: list[int]) -> None:
         """Adopt an observed execution order; takes effect from the next resync or fill."""
+        if self.reversed:
+            self.reversed = False
+            self._forward = None
         if order and order != self.order:
             self.order = list(order)
             self.next_pos = 0

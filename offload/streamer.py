@@ -7,7 +7,9 @@ copied device-to-host: the host buffer is the truth and a slot is just reused.
 
 `ModelStreamer` owns the pass (its lock, the hooks, the learned call order) and composes the parts that act at
 its safe points: `DevicePlacement` (resident set, slot ring, device bytes), `HostTiers` (RAM and disk masters)
-and `WriteWatch` (weights written in place, parameters another owner replaced).
+and `WriteWatch` (weights written in place, parameters another owner replaced). Backward through streamed units
+(training adapters on an offloaded base) is `BackwardStreamer` (offload/backward.py): the hooks here hand it the
+unit's slot while it computes with grad, and route a forward that re-runs inside backward (checkpointing) to it.
 
 Ownership runs one way: the model keeps its engine alive (through the handle stored on it), and the hooks and
 the streamer refer back to the model and to the pass listener only weakly, so dropping a model frees its host
@@ -26,9 +28,11 @@ import torch
 import torch.nn as nn
 
 from .backends.base import Backend
+from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
+                       trainable_weight_error)
 from .host_tiers import HostTiers
 from .metrics import BlockReport, MetricsCollector
-from .outputs import guard_backward, unalias
+from .outputs import unalias
 from .pass_lock import PassLock, module_call_frame
 from .placement import DevicePlacement, UnitState
 from .prefetch import PrefetchWorker
@@ -78,6 +82,7 @@ class ActiveUnit:
     ready: Any  # compute stream reached the unit (before waiting for the copy)
     start: Any  # compute started (after the wait)
     holds_lock: bool = False  # entered outside a root pass: the unit holds the pass lock until it finishes
+    hooks: Any = None  # the saved-tensor hooks pushed while it computes with grad (offload/backward.py)
 
 
 class ModelStreamer:
@@ -99,6 +104,10 @@ class ModelStreamer:
                                          self.host.promote_to_ram)
         self.writes = WriteWatch(staged, self.units, self.placement, self.host, self.worker)
         self.metrics = MetricsCollector(backend, len(self.units), profile)
+        self.backward = BackwardStreamer(self.units, self.placement, self.worker, backend, self.metrics,
+                                         _WeakHook(self, ModelStreamer._fetch),
+                                         _WeakHook(self, ModelStreamer.ensure_loaded),
+                                         _WeakHook(self, ModelStreamer._after_backward))
         self.order_learned = False
         self.active: ActiveUnit | None = None
         self._resident_start: dict[int, tuple[Any, bool]] = {}
@@ -108,6 +117,7 @@ class ModelStreamer:
         self._root_calls = 0  # root-module forwards in progress on the owning thread (nested calls count)
         self._pass_owner: int | None = None
         self._last_unit_outside_root: int | None = None
+        self._refusal: TrainableWeightError | None = None  # this pass computes with a streamed weight requiring grad
         self._hooks: list[Any] = []
         self._install_hooks(model)
 
@@ -162,8 +172,8 @@ class ModelStreamer:
         self._hooks.clear()
 
     def is_busy(self) -> bool:
-        """A pass (or a unit outside one) is running."""
-        return self._root_calls > 0 or self.active is not None
+        """A pass (or a unit outside one, or a backward holding a unit) is running."""
+        return self._root_calls > 0 or self.active is not None or self.backward.busy
 
     @contextlib.contextmanager
     def exclusive(self, blocking: bool = True) -> Iterator[bool]:
@@ -176,6 +186,8 @@ class ModelStreamer:
                 self._lock.release()
 
     def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if in_backward():
+            return  # the whole model re-runs inside backward (checkpointing): no pass, its units come in by themselves
         self._lock.acquire(frame=module_call_frame())  # another thread's pass over this model finishes first
         self._pass_owner = threading.get_ident()
         self._root_calls += 1
@@ -184,13 +196,16 @@ class ModelStreamer:
             self._begin_pass()  # if this raises, _root_post (always called) ends the pass and releases
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._root_calls == 0 or self._pass_owner != threading.get_ident():
+        if self._root_calls == 0 or self._pass_owner != threading.get_ident() or in_backward():
             return  # an earlier pre-hook raised before ours ran: this pass never started
         try:
             self._root_calls -= 1
             if self._root_calls == 0:
                 if self.active is not None:  # a unit raised: give its slot back
                     self._finish_active()
+                self.backward.after_forward(self._seen)
+                if self._refusal is not None:
+                    refuse_backward(output, self._refusal)
                 listener = self._listener()
                 if listener is not None:
                     listener.after_pass()
@@ -208,6 +223,8 @@ class ModelStreamer:
                     "its own) is closed now", type(model).__name__ if model is not None else "model", holder)
         active, self.active = self.active, None
         if active is not None:
+            if active.hooks is not None:
+                active.hooks.pop()
             self._unbind(active)  # no timing: the unit never finished
         self._resident_start.clear()
         self._root_calls = 0
@@ -224,16 +241,40 @@ class ModelStreamer:
         self.metrics.harvest()
         self.writes.reclaim()
         self.writes.check_writes()
+        self.backward.before_forward()
         listener = self._listener()
         if listener is not None:
             listener.before_pass()
         self.ensure_loaded()
+        self._refusal = None
+        if torch.is_grad_enabled():
+            self._check_trainable(self.streamed())
         if self._seen and not self.order_learned:
             self.order_learned = True
             self.worker.set_order(self._seen)
         self._seen = []
         self.metrics.forward_started()
         self.worker.fill()
+
+    def _check_trainable(self, streamed: list[int]) -> None:
+        """A streamed weight that requires grad is refused (the error names the parameter): at once when it was made
+        trainable after offloading (a training setup), else at the start of a backward (see offload/backward.py)."""
+        if self._refusal is not None:
+            return
+        found = trainable_streamed_weight(self.units, [i for i in streamed if i not in self.writes.foreign])
+        if found is not None:
+            i, module, attr, made_trainable = found
+            error = trainable_weight_error(self._model(), self.units[i].staged.name, module, attr)
+            if made_trainable:
+                raise error
+            self._refusal = error
+
+    def _after_backward(self) -> None:
+        """A backward through the streamed units ended: the listener may measure what training holds."""
+        listener = self._listener()
+        after = getattr(listener, "after_backward", None)
+        if after is not None:
+            after()
 
     def _enter_outside_root(self, index: int) -> None:
         """A unit called without the root module (a text encoder entered through another method): a unit at or
@@ -242,7 +283,11 @@ class ModelStreamer:
             self._begin_pass()
         self._last_unit_outside_root = index
 
-    def _pre(self, index: int, module: nn.Module, args: Any) -> None:
+    def _pre(self, index: int, module: nn.Module, args: Any, whole_unit: bool = True) -> None:
+        if in_backward():
+            if index not in self.writes.foreign:
+                self.backward.recompute_pre(index, whole_unit)
+            return
         outside = self._root_calls == 0 or self._pass_owner != threading.get_ident()
         if outside:
             self._lock.acquire(frame=module_call_frame(caller_of_call=True))
@@ -261,11 +306,14 @@ class ModelStreamer:
             if u.resident_buf is not None:
                 self._resident_start[index] = (self.backend.record(), outside)
                 return
+            if torch.is_grad_enabled():
+                self._check_trainable([index])
             self._seen.append(index)
             slot, copy_event, ready = self._fetch(index)
             start = self.backend.record()
             self.placement.binding(u, slot).apply()
             self.active = ActiveUnit(index, slot, copy_event, ready, start, outside)
+            self.active.hooks = self.backward.hooks_for(index, slot)
         except BaseException:
             if outside:
                 self._lock.release()
@@ -293,12 +341,19 @@ class ModelStreamer:
         raise AssertionError("unreachable")
 
     def _child_pre(self, index: int, module: nn.Module, args: Any) -> None:
+        if in_backward():
+            held = self.backward.held
+            if (held is None or held.index != index) and self.units[index].resident_buf is None:
+                self._pre(index, module, args, whole_unit=False)
+            return
         active = self.active
         if (active is not None and active.index == index) or self.units[index].resident_buf is not None:
             return
         self._pre(index, module, args)  # stays in until the next unit comes in or the forward ends
 
     def _post(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
+        if in_backward():
+            return self.backward.recompute_post(index, output) if index not in self.writes.foreign else None
         u = self.units[index]
         if u.resident_buf is not None:
             started = self._resident_start.pop(index, None)
@@ -311,14 +366,17 @@ class ModelStreamer:
         if active is not None and active.index == index:
             replaced = unalias(output, self.placement.slot_ptrs[active.slot])
             self._finish_active()
-            if torch.is_grad_enabled():
-                replaced = guard_backward(output if replaced is None else replaced, u.staged.name)
+            self.backward.arm(index, output if replaced is None else replaced)
+            if self._refusal is not None:
+                refuse_backward(output if replaced is None else replaced, self._refusal)
             return replaced
         return None
 
     def _finish_active(self) -> None:
         active, self.active = self.active, None
         try:
+            if active.hooks is not None:
+                active.hooks.pop()
             free = self._unbind(active)
             nbytes = self.units[active.index].nbytes
             self.metrics.add(active.index, active.copy, active.ready, active.start, free, nbytes)
@@ -362,6 +420,7 @@ class ModelStreamer:
         """Make device memory match the plan; the streamed set may have changed, so the call order is learned anew."""
         if self.active is not None:
             self._finish_active()
+        self.backward.close()
         self.placement.apply()
         self.order_learned = False
         self._seen = []
@@ -371,6 +430,7 @@ class ModelStreamer:
         with self._lock:
             if self.active is not None:
                 self._finish_active()
+            self.backward.close()
             return self.placement.unload(nbytes)
 
     # host memory -----------------------------------------------------------------------
@@ -392,7 +452,9 @@ class ModelStreamer:
             m._harvest(block=True)
             return [BlockReport(u.staged.name, u.tier, u.nbytes, m.h2d_ms[u.index], m.compute_ms[u.index],
                                 m.stall_ms[u.index], m.calls[u.index], m.bytes_streamed[u.index],
-                                self.sources[u.index].reads) for u in self.units]
+                                self.sources[u.index].reads, m.bwd_calls[u.index], m.bwd_bytes[u.index],
+                                m.bwd_h2d_ms[u.index], m.bwd_ms[u.index], m.bwd_stall_ms[u.index])
+                    for u in self.units]
 
     # detach ----------------------------------------------------------------------------
     def detach(self) -> None:
@@ -403,6 +465,7 @@ class ModelStreamer:
             self.writes.check_writes()  # disk units written in place take their written bytes along
             self.remove_hooks()
             self.unload()
+            self.backward.detached = True  # a graph left from a forward before detach() cannot stream any more
             self.metrics.harvest(block=True)
             self.worker.configure([], [], [])
             for i, u in enumerate(self.units):
