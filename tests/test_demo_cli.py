@@ -1,4 +1,5 @@
-"""`python -m offload demo`: every configuration runs, offloaded outputs are bitwise equal, exit code tells."""
+"""`python -m offload demo`: every configuration runs (in rounds, with progress on stderr), offloaded outputs are
+bitwise equal, the table holds medians and their spread, exit code tells."""
 from __future__ import annotations
 
 import json
@@ -76,6 +77,8 @@ def test_demo_rejects_unknown_preset():
     (["--presets", " , "], ["no preset to run"]),
     (["--iters", "x"], ["--iters", "whole number"]),
     (["--sim-gbps", "-1"], ["--sim-gbps", "> 0"]),
+    (["--rounds", "0"], ["--rounds", "at least 1"]),
+    (["--threads", "0"], ["--threads", "at least 1"]),
     (["--budget-frac", "nan"], ["--budget-frac", "> 0"]),
 ])
 def test_demo_usage_errors_are_messages_not_tracebacks(args, words):
@@ -114,3 +117,54 @@ def test_demo_on_cuda():
     proc = _run("--device", "cuda", "--dim", "128", "--depth", "4", "--tokens", "64", "--iters", "2", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert all(r["equal"] for r in json.loads(proc.stdout)["rows"])
+
+
+def test_demo_repeats_each_configuration_and_reports_median_and_spread():
+    proc = _run(*SMALL, "--rounds", "2", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["rounds"] == 2
+    for row in result["rows"]:
+        # the resident model is timed alongside each of the two presets in each round
+        assert row["rounds"] == (4 if row["config"].startswith("resident") else 2), row
+        assert row["ms_min"] <= row["ms_per_forward"] <= row["ms_max"], row
+    for row in result["rows"][1:]:
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"], row
+
+
+def test_demo_shows_progress_per_configuration_on_stderr():
+    """Progress while it works: a line per configuration and round on stderr; stdout stays the table."""
+    proc = _run(*SMALL, "--rounds", "2", "--presets", "budget")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("[demo]")]
+    for tag in ("round 1/2: offload: budget", "round 2/2: offload: budget", "round 2/2 done"):
+        assert any(tag in ln for ln in progress), proc.stderr
+    assert not any(ln.startswith("[demo]") for ln in proc.stdout.splitlines())
+    assert "ms min-max" in proc.stdout and "ratio min-max" in proc.stdout, proc.stdout
+    assert "Medians of 2 rounds" in proc.stdout
+    quiet = _run(*SMALL, "--rounds", "1", "--presets", "budget", "--quiet")
+    assert quiet.returncode == 0 and "[demo]" not in quiet.stderr, quiet.stderr
+
+
+def test_median_row_takes_medians_spread_and_all_rounds_equality():
+    from offload.demo import Row, median_row
+
+    rows = [Row("offload: x", ms, ratio=ratio, equal=eq, max_abs_diff=d, peak_device_bytes=p)
+            for ms, ratio, eq, d, p in [(10.0, 1.1, True, 0.0, 5), (30.0, 1.5, True, 0.0, 7), (20.0, 1.2, False, 0.5, 6)]]
+    row = median_row(rows)
+    assert (row.ms_per_forward, row.ms_min, row.ms_max) == (20.0, 10.0, 30.0)
+    assert (row.ratio, row.ratio_min, row.ratio_max) == (1.2, 1.1, 1.5)
+    assert row.equal is False, "one differing round makes the configuration differ"
+    assert row.max_abs_diff == 0.5 and row.peak_device_bytes == 7 and row.rounds == 3
+
+
+def test_demo_threads_setting_is_restored():
+    import torch
+
+    from offload.demo import run_demo
+
+    before = torch.get_num_threads()
+    rows, info = run_demo(device="sim", dim=64, depth=2, tokens=4, iters=1, warmup=0, presets=("budget",), rounds=1,
+                          threads=1, progress=lambda line: None)
+    assert info["threads"] == 1 and torch.get_num_threads() == before
+    assert all(r.equal for r in rows)

@@ -10,15 +10,17 @@ import argparse
 import copy
 import json
 import logging
-from typing import Any, Sequence
+import sys
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from .. import backends
 from ..config import PRESETS, OffloadConfig
-from .measure import (MIB, Row, calibrate_sim_gbps_model, format_table, resolve_device, run_offloaded,
-                      time_forwards, torch_device, weight_bytes)
+from .measure import (MIB, Row, calibrate_sim_gbps_model, format_table, median_row, resolve_device, run_offloaded,
+                      torch_device, weight_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -51,44 +53,70 @@ def build_demo_model(model: str, dim: int, depth: int, tokens: int,
 def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, depth: int = 8,
              tokens: int = 256, iters: int = 3, warmup: int = 2, presets: Sequence[str] = ("mid_range", "budget"),
              sim_gbps: float | None = None, copy_to_compute: float = 0.5, budget_frac: float = 1.0,
-             seed: int = 0) -> tuple[list[Row], dict]:
-    """Resident run, then one offloaded run per preset on the same model and input; rows plus run info."""
+             seed: int = 0, rounds: int = 3, progress: Callable[[str], None] | None = None,
+             threads: int | None = None) -> tuple[list[Row], dict]:
+    """`rounds` rounds of one offloaded run per preset, each timed in alternation with a resident copy of the model,
+    on the same model and input.
 
+    Returns one row per configuration (medians over the rounds, with their spread; each ratio is against the
+    resident forwards timed alongside, so a slow spell of a shared machine moves both) plus run info. `progress(line)` is
+    told what runs and what each configuration measured, as it goes (default: the module's logger, INFO).
+    `threads`: torch's CPU threads while measuring (default on the simulated device: 1, so the copy thread and
+    other processes on a small shared CPU disturb the timings least; elsewhere torch's own setting)."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a whole number >= 1, got {threads!r}")
+    if threads is None and resolve_device(device) == "sim":
+        threads = 1
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        rows, info = _run_demo(device, model, dim, depth, tokens, iters, warmup, presets, sim_gbps, copy_to_compute,
+                               budget_frac, seed, rounds, progress)
+    finally:
+        torch.set_num_threads(before)
+    info["threads"] = threads if threads is not None else before
+    return rows, info
+
+
+def _run_demo(device: str, model: str, dim: int, depth: int, tokens: int, iters: int, warmup: int,
+              presets: Sequence[str], sim_gbps: float | None, copy_to_compute: float, budget_frac: float,
+              seed: int, rounds: int, progress: Callable[[str], None] | None) -> tuple[list[Row], dict]:
+    say = progress or log.info
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a whole number >= 1, got {rounds!r}")
     device = resolve_device(device)
     if not presets:
         raise ValueError(f"no preset to run; give one or more of: {', '.join(PRESETS)}")
     for preset in presets:  # fail before any work on a typo
         OffloadConfig.from_preset(preset, device=device)
+    started = time.perf_counter()
+
+    def elapsed() -> str:
+        return f"{time.perf_counter() - started:.0f} s"
+
     net, inputs, block, block_inputs = build_demo_model(model, dim, depth, tokens, seed)
     total = weight_bytes(net)
     info: dict[str, Any] = {"device": device, "model": model, "dim": dim, "depth": depth, "tokens": tokens,
-                            "weight_bytes": total, "torch": torch.__version__}
+                            "weight_bytes": total, "torch": torch.__version__, "rounds": rounds}
     tdev = torch_device(device)
+    say(f"{model} dim={dim} depth={depth} tokens={tokens}: {total / MIB:.1f} MiB of weights on {device}; "
+        f"{rounds} round(s) of {', '.join(presets)}, each against the resident model, {warmup} warm-up + {iters} "
+        f"timed forward(s) per side")
 
     overrides: dict[str, Any] = {"device": device}
     # On the simulated device the calibration's forwards also warm the process up (allocator, thread pool), so
     # the resident baseline timed next is not charged for first-run costs the offloaded rows never pay.
     if device == "sim":
         if sim_gbps is None:
+            say("calibrating the simulated copy bandwidth from the blocks' compute ...")
             blocks = [b for lst in net.children() if isinstance(lst, nn.ModuleList) for b in lst]
             sim_gbps, block_ms = calibrate_sim_gbps_model(net, inputs, blocks, copy_to_compute)
             info["block_compute_ms"] = block_ms
-            log.info("simulated device: a block computes in %.2f ms on average; bandwidth set to %.3f GB/s "
-                     "(copies take %.0f%% of block compute)", block_ms, sim_gbps, 100 * copy_to_compute)
+            say(f"a block computes in {block_ms:.2f} ms; simulated copy bandwidth {sim_gbps:.3f} GB/s "
+                f"(copies take {100 * copy_to_compute:.0f}% of block compute) [{elapsed()}]")
         overrides["sim_bandwidth_gbps"] = sim_gbps
         info["sim_bandwidth_gbps"] = sim_gbps
-
-    # Resident reference: the whole model on the device, no hooks.
-    resident = net if device == "sim" else copy.deepcopy(net).to(tdev)
-    dev_inputs = [x.to(tdev) for x in inputs]
-    ms_res, ref = time_forwards(lambda: resident(*dev_inputs), iters, device, warmup)
-    ref = ref.detach().cpu()
-    rows = [Row(config="resident (no offload)", ms_per_forward=ms_res, ratio=1.0, peak_device_bytes=total,
-                max_abs_diff=0.0, equal=True, note="all on device")]
-    if resident is not net:
-        del resident
-        if device != "sim":
-            backends.get_backend(OffloadConfig(device=device)).empty_cache()
 
     # The VRAM budget plays the card: as big as the model's weights (budget_frac=1), so a preset that keeps
     # a share of it (mid_range: 65%) streams the rest, and "budget" streams everything through the ring.
@@ -96,20 +124,36 @@ def run_demo(device: str = "auto", model: str = "transformer", dim: int = 512, d
     info["budget_bytes"] = budget_bytes
     if device == "sim":  # the simulated card must hold the budget (the engine refuses a budget over the device)
         overrides["sim_capacity_bytes"] = max(8 << 30, 2 * budget_bytes)
-    for preset in presets:
-        cfg = OffloadConfig.from_preset(preset, **overrides)
-        row, report = run_offloaded(net, dev_inputs, cfg, ref, iters, warmup, name=f"offload: {preset}",
-                                    budget_bytes=budget_bytes)
-        rows.append(row)
-        info.setdefault("reports", {})[preset] = report
-    if device == "sim":
-        # Time the resident model once more: detach() gave it freshly allocated weights, like the engine's own
-        # buffers. On a shared CPU the weights allocated at model build are sometimes markedly slower, and
-        # ratios below 1.00x would credit the engine with an effect of memory placement, not of streaming.
-        again, _ = time_forwards(lambda: net(*dev_inputs), iters, device, warmup)
-        rows[0].ms_per_forward = ms_res = min(ms_res, again)
-    for row in rows[1:]:
-        row.ratio = row.ms_per_forward / ms_res if ms_res > 0 else None
+    dev_inputs = [x.to(tdev) for x in inputs]
+    # The resident reference: a copy of the whole model on the device, no hooks (freshly allocated, like the
+    # engine's own buffers: on a shared CPU the weights allocated at model build are sometimes markedly slower).
+    # It is timed forward for forward in alternation with each offloaded run (see time_paired), so a slow spell
+    # of a busy machine lands on both sides of a ratio.
+    resident = copy.deepcopy(net).to(tdev)
+    with torch.inference_mode():
+        ref = resident(*dev_inputs).detach().cpu()
+    per_config: dict[str, list[Row]] = {"resident (no offload)": []}
+    for r in range(rounds):
+        tag = f"round {r + 1}/{rounds}"
+        ratios = []
+        for preset in presets:
+            cfg = OffloadConfig.from_preset(preset, **overrides)
+            row, report = run_offloaded(net, dev_inputs, cfg, ref, iters, warmup, name=f"offload: {preset}",
+                                        budget_bytes=budget_bytes, baseline=lambda: resident(*dev_inputs))
+            base_ms = report["baseline_ms_per_forward"]
+            per_config["resident (no offload)"].append(
+                Row(config="resident (no offload)", ms_per_forward=base_ms, ratio=1.0, peak_device_bytes=total,
+                    max_abs_diff=0.0, equal=True, note="all on device"))
+            per_config.setdefault(row.config, []).append(row)
+            info.setdefault("reports", {})[preset] = report
+            ratios.append(f"{preset} {row.ratio:.2f}x" if row.ratio is not None else preset)
+            say(f"{tag}: offload: {preset}: {row.ms_per_forward:.1f} ms/forward vs resident {base_ms:.1f} "
+                f"({ratios[-1].split()[-1]}), "
+                f"{'bitwise equal' if row.equal else 'DIFFERS from the resident output'} ({row.note}) [{elapsed()}]")
+        say(f"{tag} done: {', '.join(ratios)} [{elapsed()}]")
+    rows = [median_row(rs) for rs in per_config.values()]
+    rows[0].ratio, rows[0].ratio_min, rows[0].ratio_max = 1.0, None, None
+    info["seconds"] = round(time.perf_counter() - started, 1)
     return rows, info
 
 
@@ -158,7 +202,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=_int_at_least(1, "--tokens"), default=256,
                         help="sequence length of the random input")
     parser.add_argument("--iters", type=_int_at_least(1, "--iters"), default=3,
-                        help="timed forwards per configuration (after warm-up)")
+                        help="timed forwards per configuration and round (after warm-up)")
+    parser.add_argument("--rounds", type=_int_at_least(1, "--rounds"), default=3,
+                        help="rounds of every configuration; the table shows medians and their min-max (default 3)")
     parser.add_argument("--warmup", type=_int_at_least(0, "--warmup"), default=2,
                         help="untimed forwards per configuration")
     parser.add_argument("--presets", type=_presets, default=["mid_range", "budget"],
@@ -171,15 +217,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="VRAM budget given to each offloaded run, as a multiple of the model's weight bytes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--threads", type=_int_at_least(1, "--threads"), default=None,
+                        help="torch CPU threads while measuring (default: 1 on the simulated device, else torch's)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed arguments, print the table; non-zero exit when any output differs."""
     presets = list(args.presets)
+    quiet = getattr(args, "quiet", False)
+
+    def progress(line: str) -> None:  # the CLI's own progress lines: stderr, so stdout stays the table / JSON
+        if not quiet:
+            print(f"[demo] {line}", file=sys.stderr, flush=True)
+
     rows, info = run_demo(device=args.device, model=args.model, dim=args.dim, depth=args.depth,
                           tokens=args.tokens, iters=args.iters, warmup=args.warmup, presets=presets,
                           sim_gbps=args.sim_gbps, copy_to_compute=args.copy_to_compute,
-                          budget_frac=args.budget_frac, seed=args.seed)
+                          budget_frac=args.budget_frac, seed=args.seed, rounds=getattr(args, "rounds", 3),
+                          progress=progress, threads=getattr(args, "threads", None))
     offloaded = rows[1:]
     ok = bool(offloaded) and all(r.equal for r in rows)
     if args.json:
@@ -194,6 +250,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"Layer Offload demo: {info['model']} dim={info['dim']} depth={info['depth']} "
               f"tokens={info['tokens']}, {info['weight_bytes'] / MIB:.1f} MiB of weights, on {dev}, "
               f"torch {info['torch']}; VRAM budget per offloaded run {info['budget_bytes'] / MIB:.1f} MiB")
+        if info["rounds"] > 1:
+            print(f"Medians of {info['rounds']} rounds; min-max: their spread. Each offloaded run is timed forward for "
+                  f"forward in alternation with the resident model, and its ratio is against those resident forwards; "
+                  f"{info['threads']} torch thread(s), {info['seconds']:.0f} s in all")
         print(format_table(rows))
         if not offloaded:
             print("FAIL: no offloaded configuration ran, so nothing was compared")
