@@ -4,6 +4,7 @@
 #   make test     python -m pytest -q      (tests/)
 #   make test-comfy  the ComfyUI tests against COMFYUI_PATH (skipped by make test without it)
 #   make bench    benchmarks/bench_offload.py on the scaled-down shapes (BENCH_ARGS="..." to change)
+#   make bench-hooks  benchmarks/bench_hooks.py: hook CPU cost per unit vs accelerate/diffusers (BENCH_HOOKS_ARGS)
 #
 # Environment: a .venv is created when missing. torch is never a project dependency; it is installed
 # only when the chosen interpreter cannot import one, and an installed torch (e.g. a CUDA build) is kept:
@@ -22,6 +23,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -q
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+BENCH_HOOKS_ARGS ?=
 
 ifeq ($(PY),$(VENV)/bin/python)
 STAMP := $(VENV)/.layer-offload-installed
@@ -29,7 +31,7 @@ else
 STAMP := .make/installed-$(subst /,_,$(PY))
 endif
 
-.PHONY: env demo test test-comfy bench bench-deps clean
+.PHONY: env demo test test-comfy bench bench-deps bench-hooks clean
 
 env: $(STAMP)
 
@@ -95,6 +97,11 @@ bench: env
 	  echo "[make] accelerate/diffusers not installed: their baselines are skipped (make bench-deps installs them)"; fi
 	$(PY) benchmarks/bench_offload.py --model flux --repeat 3 $(BENCH_ARGS)
 	$(PY) benchmarks/bench_offload.py --model decoder7b --repeat 3 $(BENCH_ARGS)
+
+bench-hooks: env
+	@if $(PY) -c "import accelerate, diffusers" >/dev/null 2>&1; then :; else \
+	  echo "[make] accelerate/diffusers not installed: their rows are skipped (make bench-deps installs them)"; fi
+	$(PY) benchmarks/bench_hooks.py $(BENCH_HOOKS_ARGS)
 
 clean:
 	rm -rf .make .pytest_cache build *.egg-info
