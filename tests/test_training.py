@@ -21,7 +21,12 @@ class LoRAHook:
         self.A = nn.Parameter(torch.randn(lin.in_features, rank, generator=g) * 0.1)
         self.B = nn.Parameter(torch.randn(rank, lin.out_features, generator=g) * 0.1)
 
+    owns = None  # set on the offloaded run: backend.owns, to record where the base weight was each call
+    on_host: list = []
+
     def __call__(self, module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+        if LoRAHook.owns is not None and not LoRAHook.owns(module.weight):
+            LoRAHook.on_host.append(torch.is_grad_enabled())  # a forward (or re-forward in backward) off the device
         x = args[0]
         return out + (x.to(self.A.dtype) @ self.A @ self.B).to(out.dtype)
 
@@ -139,7 +144,14 @@ def run_training(build, make_inputs, offload=None, cfg=None, style="hook", ckpt=
         handle = offload(model, cfg(vram_budget_bytes=budget))
     params = add_adapters(model, style)
     add_checkpointing(model, ckpt)
-    losses, trained = train(model, params, inputs, optimizer, autocast)
+    LoRAHook.owns = handle.backend.owns if handle is not None else None
+    LoRAHook.on_host = []
+    try:
+        losses, trained = train(model, params, inputs, optimizer, autocast)
+    finally:
+        LoRAHook.owns = None
+    # every block computed on weights in device memory, re-forwards inside backward (checkpointing) included
+    assert not LoRAHook.on_host, f"{len(LoRAHook.on_host)} block layer call(s) ran on host weights"
     return model, handle, losses, trained
 
 
