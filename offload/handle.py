@@ -83,6 +83,7 @@ class OffloadHandle:
         self._allowance: int | None = None
         self._oom_free: int | None = None  # free device bytes after an out-of-memory shrink; None: not capped
         self._measured_reserve = False
+        self._measured_backward = False  # the reserve was re-measured after a training step (after_backward)
         self._grad_said = False
         self._final_report: OffloadReport | None = None
         self._reads_base: dict[int, int] = {}
@@ -203,14 +204,32 @@ class OffloadHandle:
                      self.reserve_bytes / GIB, measured / GIB)
             self.reserve_bytes = measured
 
+    def after_backward(self) -> None:
+        """After the first backward through streamed blocks (training): a step's peak holds the activations saved
+        for backward, the gradients and the trainable adapters, more than a forward's; the activation reserve of a
+        self-sized budget grows to it (it never shrinks here)."""
+        if self._measured_backward:
+            return
+        self._measured_backward = True
+        peak = self.backend.peak_allocated()
+        if peak is None or not self.budget.auto_sized or self.config.reserve_bytes is not None:
+            return
+        measured = int(max(0, peak - self.budget.used_bytes) * 1.25) + 256 * MIB
+        if measured > self.reserve_bytes + 64 * MIB:
+            self.budget.adjust_total(self.reserve_bytes - measured, self.device_total())
+            log.info("activation reserve grown from %.2f to %.2f GiB after the first training step",
+                     self.reserve_bytes / GIB, measured / GIB)
+            self.reserve_bytes = measured
+
     def _warn_grad(self) -> None:
         if self._grad_said or not torch.is_grad_enabled():
             return
         model = self.model
         if model is not None and any(p.requires_grad for p in model.parameters()):
             self._grad_said = True
-            log.warning("%s: running with gradients enabled; backward through streamed blocks raises "
-                        "(their slots are reused), so use torch.no_grad() for inference", self.name)
+            log.info("%s: running with gradients enabled: backward brings streamed blocks back in reverse order "
+                     "(adapters added after offloading train; streamed weights that require grad are refused); "
+                     "use torch.no_grad() for inference", self.name)
 
     # budget member --------------------------------------------------------------------
     def floor_bytes(self) -> int:

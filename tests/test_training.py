@@ -325,3 +325,26 @@ def test_full_fine_tuning_of_streamed_blocks_is_refused_at_backward_start(offloa
     with pytest.raises(TrainableWeightError, match=r"'blocks\.0\.\w+\.weight' requires grad"):
         out.square().mean().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_first_training_step_grows_the_activation_reserve(offload, budget_cfg):
+    """The budget accounts for what training holds: after the first backward, a self-sized budget's activation
+    reserve grows to the step's measured peak (saved activations, gradients, adapters), so later steps keep to it."""
+    build, make_inputs = MODELS["mlp"]
+    model = build().requires_grad_(False)
+    x = make_inputs()
+    handle = offload(model, budget_cfg(sim_capacity_bytes=8 << 30))  # no vram_budget_bytes: the budget sizes itself
+    assert handle.budget.auto_sized
+    params = add_adapters(model, "hook")
+    total_before, reserve_before = handle.budget.total_bytes, handle.reserve_bytes
+    step_peak = 3 << 30  # what the device's allocator would report as the step's peak
+    with torch.no_grad():
+        model(*x)  # the first forward (the simulated device has no allocator peak: the reserve stays)
+    assert handle.reserve_bytes == reserve_before
+    handle.backend.peak_allocated = lambda: step_peak
+    train(model, params, [x], "sgd")
+    assert handle.reserve_bytes >= step_peak - handle.budget.used_bytes
+    assert handle.budget.total_bytes < total_before
+    total = handle.budget.total_bytes
+    train(model, params, [x], "sgd")
+    assert handle.budget.total_bytes == total  # measured once
