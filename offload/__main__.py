@@ -1,4 +1,5 @@
-"""Command line: `python -m offload demo [...]` (see `python -m offload demo --help`)."""
+"""Command line: `python -m offload demo [...]` (see `python -m offload demo --help`) and
+`python -m offload pack SRC.safetensors OUT_DIR` (the packed disk format, offload/packed.py)."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     from . import demo as demo_mod
 
     demo_mod.add_arguments(demo)
+    pack = sub.add_parser("pack", help="rewrite a safetensors file as a packed folder: every block's bytes "
+                                       "contiguous, in execution order, at 4 KiB-aligned offsets, plus index.json")
+    pack.add_argument("src", help="the model's .safetensors file")
+    pack.add_argument("out_dir", help="the folder to write (give it as disk_path)")
+    pack.add_argument("--shard-gb", type=float, default=4.0, help="largest shard file, in GiB (default 4)")
+    pack.add_argument("--force", action="store_true", help="replace a packed model already in OUT_DIR")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -27,8 +34,30 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("python -m offload demo: interrupted", file=sys.stderr)
             return 130
+    if args.command == "pack":
+        return _pack(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _pack(args: argparse.Namespace) -> int:
+    import json
+
+    from .packed import pack_file
+    from .storage import CorruptFileError
+
+    try:
+        index = pack_file(args.src, args.out_dir, shard_bytes=max(4096, int(args.shard_gb * 2 ** 30)),
+                          overwrite=args.force)
+    except (ValueError, OSError) as exc:  # CorruptFileError is a ValueError
+        kind = "bad input" if isinstance(exc, CorruptFileError) else "error"
+        print(f"python -m offload pack: {kind}: {exc}", file=sys.stderr)
+        return 2
+    info = json.loads(index.read_text())
+    total = sum(s["nbytes"] for s in info["shards"])
+    print(f"packed {len(info['units'])} units and {len(info['other'])} other tensors into {len(info['shards'])} "
+          f"shard(s), {total / 2 ** 20:.1f} MiB: {index}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -263,21 +263,31 @@ class SafetensorsFile:
 
     def _read_spans(self, spans: list[tuple[int, int, torch.Tensor]]) -> None:
         """Read file ranges [lo, hi) into uint8 CPU tensors. Ranges at most `_GAP_MAX` apart in the file are read
-        together, by ONE positioned read scattering into their destinations (the gaps go to a scratch buffer):
-        a unit whose tensors are contiguous in the file (a packed model's unit) is one sequential read."""
+        together, by ONE positioned read scattering into their destinations; a gap goes to a scratch buffer, or
+        straight into the destination when it lies as far apart there (the padding of a unit laid out as in the
+        file). A unit whose tensors are contiguous in the file (a packed model's unit) is one sequential read."""
         spans = sorted((s for s in spans if s[1] > s[0]), key=lambda s: s[0])
+        by_address = sorted(s[2].data_ptr() for s in spans)
+        after = dict(zip(by_address, by_address[1:]))  # the next destination in memory: nothing lies between
         i = 0
         while i < len(spans):
             lo, hi, dst = spans[i]
-            views = [_writable_bytes(dst)]
+            prev = dst.data_ptr()
+            parts: list[Any] = [[prev, hi - lo]]  # [address, length] or a scratch gap
             i += 1
-            while i < len(spans) and len(views) < _IOV_MAX - 1 and 0 <= spans[i][0] - hi <= _GAP_MAX:
-                if spans[i][0] > hi:
-                    views.append(memoryview(bytearray(spans[i][0] - hi)))
-                views.append(_writable_bytes(spans[i][2]))
-                hi = spans[i][1]
+            while i < len(spans) and len(parts) < _IOV_MAX - 1 and 0 <= spans[i][0] - hi <= _GAP_MAX:
+                nlo, nhi, ndst = spans[i]
+                last, ptr = parts[-1], ndst.data_ptr()
+                if isinstance(last, list) and after.get(prev) == ptr and ptr == last[0] + last[1] + (nlo - hi):
+                    last[1] += (nlo - hi) + (nhi - nlo)  # the gap is the destination's own padding
+                else:
+                    if nlo > hi:
+                        parts.append(memoryview(bytearray(nlo - hi)))
+                    parts.append([ptr, nhi - nlo])
+                prev, hi = ptr, nhi
                 i += 1
-            self._readv_at(views, lo)
+            self._readv_at([memoryview((ctypes.c_ubyte * p[1]).from_address(p[0])).cast("B")
+                            if isinstance(p, list) else p for p in parts], lo)
 
     def read_into(self, dst: torch.Tensor, pieces: list[tuple[str, int]]) -> int:
         """Read (key, dst_offset) tensors into a flat uint8 `dst`; returns bytes read. Raises if the file changed."""
