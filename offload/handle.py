@@ -23,7 +23,7 @@ from .metrics import OffloadReport, effective_gbps, overlap_ratio
 from .planner import (GIB, MIB, HostPlan, PlanError, RamCeilingError, UnitPlan, estimate_reserve, plan_host,
                       plan_host_capped, plan_units, read_host_memory, ring_slots)
 from .staging import stage_model
-from .storage import SafetensorsFile
+from .packed import open_weights
 from .streamer import DeviceMemoryError, ModelStreamer
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class OffloadHandle:
         self._notices: dict[str, str] = {}
         self._in_ram = sum(t.numel() * t.element_size() for u in found for _, _, _, t in unit_tensors(u.module)
                            if t.device.type == "cpu")
-        file = SafetensorsFile(config.disk_path) if config.disk_path else None
+        file = open_weights(config.disk_path) if config.disk_path else None  # a safetensors file or a packed folder
         self._file_path = str(file.path) if file is not None else None
         try:
             staged = stage_model(model, found, self.backend, config.pin_memory, self._host_tiers, file,
@@ -528,6 +528,15 @@ class OffloadHandle:
         if model is not None and model.__dict__.get(HANDLE_ATTR) is self:
             del model.__dict__[HANDLE_ATTR]
         self._final_report = final
+
+    def pack(self, out_dir: str, shard_bytes: int | None = None, overwrite: bool = False) -> str:
+        """Write this model's weights as a packed folder (offload/packed.py): units in the call order the engine
+        learned, each laid out as the engine's flat buffer, so `disk_path=out_dir` streams each unit with one read.
+        Returns the index path."""
+        self._check_attached("pack")
+        from .packed import DEFAULT_SHARD_BYTES, pack_handle
+
+        return str(pack_handle(self, out_dir, shard_bytes or DEFAULT_SHARD_BYTES, overwrite))
 
 
 def _check_priority(priority: Any) -> int:
