@@ -60,9 +60,15 @@ def _move_to_host(root: torch.nn.Module) -> None:
             return
 
 
-def _holds_gguf_weights(model: torch.nn.Module) -> bool:
-    """Whether a model holds GGUF-quantized weights (ComfyUI-GGUF's or the built-in GGMLTensor)."""
-    return any(patches.is_gguf(p) for p in model.parameters())
+def _flattens(t: torch.Tensor) -> bool:
+    """A tensor subclass that describes its inner tensors (ComfyUI 0.33's QuantizedTensor layouts)."""
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__")
+
+
+def _holds_quantized_weights(model: torch.nn.Module) -> bool:
+    """Whether a model holds quantized weights: GGUF (ComfyUI-GGUF's or the built-in GGMLTensor) or a quantized
+    tensor type ComfyUI loads itself (QuantizedTensor)."""
+    return any(patches.is_gguf(p) or _flattens(p) for p in model.parameters())
 
 
 def _private_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -70,6 +76,12 @@ def _private_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if t is None:
         return None
     cls = type(t)
+    if _flattens(t):  # a new outer object over the same inner tensors; the engine re-points only the new one's
+        names, ctx = t.__tensor_flatten__()
+        fresh = cls.__tensor_unflatten__({n: getattr(t, n) for n in names}, ctx, t.size(), t.stride())
+        if getattr(t, "_is_param", False):
+            fresh._is_param = True
+        return fresh
     fresh = t.as_subclass(torch.Tensor) if cls is torch.nn.Parameter else t.as_subclass(torch.Tensor).as_subclass(cls)
     if cls is torch.nn.Parameter:
         return torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
@@ -80,13 +92,16 @@ def _private_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return fresh
 
 
-def private_model(model: torch.nn.Module) -> torch.nn.Module:
+def private_model(model: torch.nn.Module, originals: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
     """A structural copy of `model`: new module objects and new parameter objects over the same storage.
 
     The engine stages the copy (its bytes go into the engine's host buffers and the copy's parameters are rebound to
     them); the original module, which the loader's cached output holds, is never changed, so other branches of the
-    graph that use the loader's model keep working in any order. Used for GGUF models, whose weights are memory-mapped
-    from the file: copying them costs no second RAM copy.
+    graph that use the loader's model keep working in any order. Used for quantized models another node loaded
+    (GGUF, whose weights are memory-mapped from the file, and ComfyUI's own QuantizedTensor layouts, memory-mapped
+    from the safetensors file by the ComfyUI versions that have them): the copy costs no second copy in RAM.
+    `originals` (key -> tensor or object): what another loaded clone of the model replaced (ComfyUI's backups of
+    weights it baked a patch into, of object patches): the copy gets the originals.
     """
     memo: Dict[int, torch.nn.Module] = {}
 
@@ -104,7 +119,32 @@ def private_model(model: torch.nn.Module) -> torch.nn.Module:
         new._modules = {k: (copy_module(c) if c is not None else None) for k, c in m._modules.items()}
         return new
 
-    return copy_module(model)
+    out = copy_module(model)
+    for key, value in (originals or {}).items():
+        owner_name, _, attr = key.rpartition(".")
+        owner = out.get_submodule(owner_name) if owner_name else out
+        if attr in owner._parameters and isinstance(value, torch.Tensor):
+            owner._parameters[attr] = _private_tensor(value)
+        elif attr in owner._buffers:
+            owner._buffers[attr] = value
+        elif attr in owner._modules:
+            owner._modules[attr] = value
+        else:
+            object.__setattr__(owner, attr, value)
+    return out
+
+
+def _clone_backups(patcher: Any) -> Dict[str, Any]:
+    """The originals of whatever another loaded clone of this model has patched in place (ComfyUI's backups of
+    baked weights, weight hooks and object patches), by key; the private copy starts from them."""
+    originals: Dict[str, Any] = {}
+    for key, bk in (getattr(patcher, "hook_backup", None) or {}).items():
+        originals[key] = bk[0] if isinstance(bk, tuple) else bk
+    for key, bk in (getattr(patcher, "backup", None) or {}).items():
+        originals[key] = getattr(bk, "weight", bk)
+    for key, obj in (getattr(patcher, "object_patches_backup", None) or {}).items():
+        originals[key] = obj
+    return originals
 
 
 def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int, name: str, kind: str,
@@ -147,20 +187,31 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
 
 
 def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, priority: int = 0,
-                    name: Optional[str] = None, kind: str = "model", disk_path: Optional[str] = None) -> ModelPatcher:
-    """An offload patcher for `patcher`'s model, whose root module the engine streams."""
+                    name: Optional[str] = None, kind: str = "model", disk_path: Optional[str] = None,
+                    shared: bool = True) -> ModelPatcher:
+    """An offload patcher for `patcher`'s model, whose root module the engine streams.
+
+    `shared`: the model came from another node (whose cached output keeps using it); False for a model the caller
+    loaded itself (the Offload Loaders).
+    """
     if engine_device() is None:
         return patcher
     patcher = dynamic.prepare(patcher)
     fresh = not getattr(type(patcher), "_lo_offload", False)
-    private = fresh and isinstance(patcher.model, torch.nn.Module) and _holds_gguf_weights(patcher.model)
+    private = shared and fresh and isinstance(patcher.model, torch.nn.Module) and \
+        _holds_quantized_weights(patcher.model)
     if fresh and not private:
         _evict_from_comfy(patcher)
     n = as_offload_patcher(patcher)
     if private:  # the loader's cached model stays as it is (see private_model)
-        n.model = private_model(n.model)
-        log_once("gguf-private", "Layer Offload: a GGUF model is offloaded as its own copy of the module tree (the "
-                 "quantized bytes are staged as stored); the loader's model is left unchanged.", level=logging.INFO)
+        n.model = private_model(n.model, _clone_backups(n))
+        # the backups belong to the clones of the loader's model; the copy has none (and nothing baked)
+        for attr in ("backup", "hook_backup", "object_patches_backup"):
+            if isinstance(getattr(n, attr, None), dict):
+                setattr(n, attr, type(getattr(n, attr))())
+        log_once("quantized-private", "Layer Offload: a quantized (GGUF or QuantizedTensor) model is offloaded as its "
+                 "own copy of the module tree (the quantized bytes are staged as stored); the loader's model is left "
+                 "unchanged.", level=logging.INFO)
     model = n.model
     inner = getattr(model, "diffusion_model", None)
     root = inner if kind == "model" and isinstance(inner, torch.nn.Module) else model
@@ -179,7 +230,10 @@ def offload_clip(clip: Any, preset: str, budget: Any = None, priority: int = 0, 
         return clip
     out = clip.clone()
     inner = type(getattr(out, "cond_stage_model", None)).__name__
+    same = getattr(out, "cond_stage_model", None) is out.patcher.model
     out.patcher = offload_patcher(out.patcher, preset, budget, priority, name or "clip:{}".format(inner), kind="clip")
+    if same and out.cond_stage_model is not out.patcher.model:  # a private copy: the clone encodes with the copy
+        out.cond_stage_model = out.patcher.model
     return out
 
 

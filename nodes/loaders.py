@@ -91,7 +91,7 @@ class OffloadDiffusionModelLoader(io.ComfyNode):
         model = comfy.sd.load_diffusion_model(path, model_options=unet_model_options(weight_dtype),
                                               **_non_dynamic_kwargs(comfy.sd.load_diffusion_model))
         return (offload_patcher(model, preset, budget, priority, name=unet_name, kind="model",
-                                disk_path=_streamable_file(path)),)
+                                disk_path=_streamable_file(path), shared=False),)
 
 
 class OffloadCheckpointLoader(io.ComfyNode):
@@ -123,7 +123,7 @@ class OffloadCheckpointLoader(io.ComfyNode):
         model, clip, vae = out[:3]
         if model is not None:
             model = offload_patcher(model, preset, budget, priority, name=ckpt_name, kind="model",
-                                    disk_path=_streamable_file(path))
+                                    disk_path=_streamable_file(path), shared=False)
         if clip is not None:
             clip = offload_clip(clip, preset, budget, priority, name=ckpt_name + ":clip")
         return (model, clip, vae)

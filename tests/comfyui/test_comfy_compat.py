@@ -201,6 +201,46 @@ def test_scaled_fp8_weights_with_a_lora_match_a_full_load(env, preset):
     assert blocks and all(b.bytes < 700_000 for b in blocks), "fp8 blocks move as fp8, not upcast"
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+def test_offload_model_on_a_loaded_quantized_model_leaves_the_loader_model_unchanged(env, lora):
+    """UNETLoader's scaled-fp8 model (QuantizedTensor layouts where ComfyUI has them, fp8 weights with scales before)
+    through Offload Model: equal to the loader alone, before and after, with and without a LoRA; where the weights
+    are a quantized tensor type, the loader's model keeps every weight object and its bytes (Offload Model works on
+    its own copy), and the copy streams the quantized bytes as stored."""
+    cached = plain(env, UNET_FP8)
+    ref = sample(env, with_lora(env, plain(env, UNET_FP8), 0.7) if lora else plain(env, UNET_FP8))
+
+    def run(model):
+        return sample(env, with_lora(env, model, 0.7) if lora else model)
+
+    def weights():
+        out = {}
+        for k, p in cached.model.named_parameters():
+            inner = [getattr(p, n) for n in p.__tensor_flatten__()[0]] if hasattr(p, "__tensor_flatten__") else [p]
+            out[k] = (p, type(p), [(t.data_ptr(), tuple(t.shape)) for t in inner])
+        return out
+
+    first = plain(env, UNET_FP8)  # plain branch first, then Offload Model on the same loader output
+    assert torch.equal(ref, run(first)), "the plain branch before offloading"
+    with torch.inference_mode():
+        assert torch.equal(ref, run(env["M"]["OffloadModel"]().apply(first, "budget")[0])), "offloaded after plain"
+    before = weights()  # Offload Model first, then the plain branch
+    with torch.inference_mode():
+        off = env["M"]["OffloadModel"]().apply(cached, "budget")[0]
+    assert torch.equal(ref, run(off))
+    quantized = [k for k, p in cached.model.named_parameters() if hasattr(p, "__tensor_flatten__")]
+    if quantized:
+        after = weights()
+        changed = [k for k in before if before[k][0] is not after[k][0] or before[k][1:] != after[k][1:]]
+        assert not changed, "the loader's model was changed: {}".format(changed[:5])
+        q = dict(off.model.named_parameters())[quantized[0]]
+        assert type(q) is type(dict(cached.model.named_parameters())[quantized[0]])
+    assert torch.equal(ref, run(cached)), "the plain branch after offloading"
+    assert torch.equal(ref, run(off)), "a second offloaded run"
+    blocks = managed(off).handle.report().blocks
+    assert blocks and all(b.tier != "vram" for b in blocks) and all(b.bytes < 700_000 for b in blocks)
+
+
 # DynamicVRAM ----------------------------------------------------------------------------------------------------
 def _dynamic_patcher(dynamic_cls: Any, base: Any, monkeypatch: Any) -> Any:
     """A real ModelPatcherDynamic over `base`'s model (on the CPU its __new__ reroutes to ModelPatcher: build the class
