@@ -287,7 +287,10 @@ def test_changed_shard_detected_while_streaming(tmp_path, offload, how):
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_pack_from_handle_follows_the_learned_order(tmp_path, offload, monkeypatch):
+@pytest.mark.parametrize("masters", ["disk", "ram"])
+def test_pack_from_handle_follows_the_learned_order(tmp_path, offload, monkeypatch, masters):
+    """A model that runs its blocks in reverse, its blocks on the disk tier or in RAM: the handle's pack lists them
+    in that order, laid out as the engine lays them out, bytes bitwise those of the model."""
     depth = 6
     model = seeded(ReorderStack, dim=64, depth=depth)
     model.order = list(reversed(range(depth)))
@@ -295,7 +298,11 @@ def test_pack_from_handle_follows_the_learned_order(tmp_path, offload, monkeypat
     ref = run(model, (x,))
     blocks = list(model.blocks)
     src = _save(model, tmp_path / "m.safetensors")
-    h = offload(model, _cfg(src, _least_ram(model, blocks)))
+    # the prefetch worker learns the order of the blocks it streams: stream them all (from RAM, or from disk)
+    cfg = (_cfg(src, _least_ram(model, blocks)) if masters == "disk" else
+           OffloadConfig(device="sim", vram_fraction=0.0))
+    h = offload(model, cfg)
+    assert all((b.tier == "disk") == (masters == "disk") for b in h.report().blocks)
     for _ in range(2):  # the order is learned at the start of the second forward
         assert torch.equal(run(model, (x,)), ref)
     out = tmp_path / "from_handle"
@@ -339,6 +346,25 @@ def test_pack_refuses_a_non_empty_folder(tmp_path):
     pack_file(src, out, overwrite=True)
     assert isinstance(open_weights(out), PackedWeights)
     assert isinstance(open_weights(src), SafetensorsFile)
+
+
+def test_bench_disk_runs(tmp_path, capsys):
+    """benchmarks/bench_disk.py runs at the tiniest scale and reports its rows (no figure is checked)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_disk.py"
+    spec = importlib.util.spec_from_file_location("bench_disk", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--dim", "64", "--blocks", "4", "--repeat", "1", "--cache", "fadvise", "--dir",
+                       str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert rows["disk tier: packed"]["reads_per_block"] == 1
+    assert rows["disk tier: original .safetensors"]["reads_per_block"] >= 1
+    assert result["bitwise"] and result["page_cache"] == "posix_fadvise(DONTNEED)"
 
 
 def test_command_line(tmp_path, capsys):
