@@ -329,11 +329,15 @@ def test_pack_from_handle_follows_the_learned_order(tmp_path, offload, monkeypat
     assert [b.tier for b in h2.report().blocks] == ["disk"] * depth
     assert torch.equal(run(fresh, (x,)), ref)
     h2.report()
+    ranges = -(-h2.streamer.units[0].nbytes // h2.streamer.staged.reader.bounce_bytes)
+    reads0 = [b.reads for b in h2.report().blocks]
     count = CountPreadv(monkeypatch)
     for _ in range(2):
         assert torch.equal(run(fresh, (x,)), ref)
-    h2.report()
-    assert count.calls and all(n == 1 for _, n, _, _ in count.calls), "the unit's bytes land in place: one iovec"
+    uses = sum(a - b for a, b in zip([b.reads for b in h2.report().blocks], reads0))
+    assert uses >= 2 * depth
+    assert len(count.calls) == uses * ranges, "one positioned read per bounce-buffer range of a unit"
+    assert all(n == 1 for _, n, _, _ in count.calls), "the unit's bytes land in place: one iovec"
 
 
 def test_pack_refuses_a_non_empty_folder(tmp_path):
