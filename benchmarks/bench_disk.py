@@ -16,11 +16,12 @@ block in execution order, with the page cache of the files dropped before each p
 - `disk tier: packed, page cache warm`: a packed pass right after another, the shards cached (what dropping the
   cache takes away).
 
-Columns: GB/s (bytes of the blocks over the time; median of `--repeat` passes, each round runs every row once, in an
-order rotated from round to round), positioned reads per block per pass, and the share of the O_DIRECT figure. The page cache is dropped
-with `echo 3 > /proc/sys/vm/drop_caches` where permitted, else with `posix_fadvise(POSIX_FADV_DONTNEED)` on every
-file read (clean pages are dropped; the files are fsynced first); the output says which was used. Every block
-read is compared bitwise with the source. No figure is a pass/fail bound.
+Columns: GB/s (bytes of the blocks over the time; median of `--repeat` rounds, each round runs every row once, in
+an order rotated from round to round), positioned reads per block per pass, and the share of the O_DIRECT figure.
+The page cache is dropped with `echo 3 > /proc/sys/vm/drop_caches` where permitted (`--cache drop`, the default),
+else with `posix_fadvise(POSIX_FADV_DONTNEED)` on every file read (`--cache fadvise`; clean pages are dropped, the
+files are fsynced first); the output says which was used. Every block read is compared bitwise with the source. No
+figure is a pass/fail bound.
 
     .venv/bin/python benchmarks/bench_disk.py                    # ~400 MB, a table
     .venv/bin/python benchmarks/bench_disk.py --blocks 24 --dim 1024 --json out.json

@@ -4,7 +4,7 @@
 order the engine learned) writes shard files and `index.json`:
 
     {"format": "layer-offload-packed", "version": 1, "alignment": 4096,
-     "shards": [{"path": "shard-00000.bin", "nbytes": <int>}, ...],
+     "shards": [{"path": "shard-00000.bin", "nbytes": <int>, "sha256": <hex>}, ...],
      "units": [{"name": "blocks.0", "path": "shard-00000.bin", "offset": <int>, "nbytes": <int>,
                 "tensors": [{"name", "offset", "nbytes", "dtype", "shape", "scale"}, ...]}, ...],
      "other": [{"name", "path", "offset", "nbytes", "dtype", "shape", "scale"}, ...]}
@@ -19,10 +19,12 @@ weight goes with, else null. Bytes are those of the source, bit for bit; padding
 aligned, view, read_tensor, read_into, read_range, check_unchanged, close): each shard is read by a
 `SafetensorsFile` whose tensors come from the index, so positioned reads, the private map, and the change
 detection (inotify + size/mtime: a truncated or rewritten shard is refused) are those of a safetensors file. A shard
-whose size is not the one the index records is refused when the folder is opened. `open_weights(path)` opens either.
+whose size is not the one the index records is refused when the folder is opened; `PackedWeights.verify()` reads
+every shard through and checks the SHA-256 recorded when it was written. `open_weights(path)` opens either.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -148,13 +150,15 @@ class _ShardWriter:
         self.shards: list[dict[str, Any]] = []
         self.fd = -1
         self.pos = 0
+        self.hash: Any = None
 
     def _open(self) -> None:
         self.close()
         name = f"shard-{len(self.shards):05d}.bin"
         self.fd = os.open(self.out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
-        self.shards.append({"path": name, "nbytes": 0})
+        self.shards.append({"path": name, "nbytes": 0, "sha256": None})
         self.pos = 0
+        self.hash = hashlib.sha256()
 
     def place(self, nbytes: int, alignment: int) -> tuple[str, int]:
         """Room for `nbytes` at an `alignment` boundary (a new shard when this one would pass shard_bytes)."""
@@ -165,29 +169,34 @@ class _ShardWriter:
             self._open()
             start = 0
         if start > self.pos:
-            _write_all(self.fd, memoryview(bytes(start - self.pos)))
+            self._write(memoryview(bytes(start - self.pos)))
         self.pos = start
         return self.shards[-1]["path"], start
 
+    def _write(self, data: memoryview) -> None:
+        _write_all(self.fd, data)
+        self.hash.update(data)
+
     def write(self, buf: torch.Tensor) -> None:
-        _write_all(self.fd, _writable_bytes(buf))
+        self._write(_writable_bytes(buf))
         self.pos += buf.numel()
 
     def close(self) -> None:
         if self.fd >= 0:
             pad = (-self.pos) % UNIT_ALIGN  # shards end on a 4 KiB boundary: O_DIRECT reads of the last unit fit
             if pad:
-                _write_all(self.fd, memoryview(bytes(pad)))
+                self._write(memoryview(bytes(pad)))
                 self.pos += pad
             os.fsync(self.fd)
             os.close(self.fd)
             self.shards[-1]["nbytes"] = self.pos
+            self.shards[-1]["sha256"] = self.hash.hexdigest()
             self.fd = -1
 
 
-def write_packed(out_dir: str | os.PathLike, units: list[PackUnit], other: list[tuple[PackTensor, Callable[[], torch.Tensor]]],
-                 names: set[str], shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                 source: str | None = None) -> Path:
+def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
+                 other: list[tuple[PackTensor, Callable[[], torch.Tensor]]], names: set[str],
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, source: str | None = None) -> Path:
     """Write `units` (in this order) and the `other` tensors as a packed folder; returns the index path."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -296,7 +305,8 @@ def pack_handle(handle: Any, out_dir: str | os.PathLike, shard_bytes: int = DEFA
             plan.append(PackUnit(su.name, layout.nbytes, tensors, _unit_filler(su.master)))
         rest = staged.rest
         if not rest.layout.plain:
-            raise ValueError("the weights outside the blocks hold tensor subclasses, which the packed format cannot hold")
+            raise ValueError("the weights outside the blocks hold tensor subclasses, which the packed format "
+                             "cannot hold")
         views = rest.layout.leaf_views(rest.host)
         other = [(PackTensor(key_of(*e.locations[0][:2]), 0, views[e.recipe].dtype, tuple(views[e.recipe].shape)),
                   lambda v=views[e.recipe]: v.clone())
@@ -381,6 +391,7 @@ class PackedWeights:
             if index.get("format") != FORMAT or int(index.get("version", 0)) > VERSION:
                 raise CorruptFileError(f"{index_path}: not a {FORMAT} index of version <= {VERSION}")
             sizes = {str(s["path"]): int(s["nbytes"]) for s in index["shards"]}
+            self._sha256 = {str(s["path"]): s.get("sha256") for s in index["shards"]}
             self.units: list[dict[str, Any]] = list(index["units"])
             self.other: list[dict[str, Any]] = list(index["other"])
             entries = [(u["path"], t) for u in self.units for t in u["tensors"]] + [(t["path"], t) for t in self.other]
@@ -417,6 +428,26 @@ class PackedWeights:
     def shard(self, key: str) -> SafetensorsFile:
         """The reader of the shard holding `key`."""
         return self._shards[self._shard_of[key]]
+
+    def verify(self) -> None:
+        """Read every shard through and compare its SHA-256 with the one recorded when it was packed (a full read:
+        not done at open, where the sizes are checked); raises CorruptFileError naming the first shard that differs."""
+        for name, shard in self._shards.items():
+            want = self._sha256.get(name)
+            if not want:
+                continue
+            h = hashlib.sha256()
+            buf = torch.empty(min(64 << 20, max(1, shard._identity[0])), dtype=torch.uint8)
+            off, size = 0, shard._identity[0]
+            while off < size:
+                n = min(buf.numel(), size - off)
+                shard._read_at(buf[:n], off)
+                h.update(_writable_bytes(buf[:n]))
+                off += n
+            if h.hexdigest() != want:
+                raise CorruptFileError(f"{shard.path}: the packed shard's bytes differ from those packed (SHA-256 "
+                                       f"{h.hexdigest()[:16]}..., the index records {want[:16]}...); pack it again")
+        self.check_unchanged()
 
     def check_unchanged(self) -> None:
         """Raise SourceChangedError if any shard was truncated or rewritten since it was opened."""

@@ -259,6 +259,28 @@ def test_truncated_shard_refused_at_open(tmp_path):
         open_weights(tmp_path)  # a folder that is not a packed model
 
 
+def test_verify_finds_a_changed_byte(tmp_path):
+    model = seeded(LayersModel, dim=64, depth=4)
+    out = tmp_path / "m.packed"
+    pack_file(_save(model, tmp_path / "m.safetensors"), out)
+    assert all(len(s["sha256"]) == 64 for s in _index(out)["shards"])
+    w = PackedWeights(out)
+    w.verify()
+    w.close()
+    unit = _index(out)["units"][1]
+    with open(out / unit["path"], "r+b") as f:  # same size, one byte flipped: only the checksum sees it at open
+        f.seek(unit["tensors"][0]["offset"])
+        b = f.read(1)
+        f.seek(unit["tensors"][0]["offset"])
+        f.write(bytes([b[0] ^ 1]))
+    w = PackedWeights(out)
+    try:
+        with pytest.raises(CorruptFileError, match="SHA-256"):
+            w.verify()
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize("how", ["truncate", "rewrite"])
 def test_changed_shard_detected_while_streaming(tmp_path, offload, how):
     model = seeded(LayersModel, dim=64, depth=DEPTH)
