@@ -18,6 +18,7 @@ from .backends import get_backend
 from .blocks import find_units
 from .budget import VramBudget, default_budget
 from .config import OffloadConfig
+from .cost_model import CostPlan, CostTracker, plan_by_cost
 from .layout import unit_tensors
 from .metrics import OffloadReport, effective_gbps, overlap_ratio
 from .planner import (GIB, MIB, HostPlan, PlanError, RamCeilingError, UnitPlan, estimate_reserve, plan_host,
@@ -80,6 +81,8 @@ class OffloadHandle:
         self._sizes = [u.nbytes for u in self.streamer.units]
         self._names = [u.staged.name for u in self.streamer.units]
         self._plan: UnitPlan | None = None
+        self._costs = CostTracker(self._sizes)  # per-unit compute and copy times, for placement from measured costs
+        self._cost_cache: tuple[Any, ...] | None = None
         self._allowance: int | None = None
         self._oom_free: int | None = None  # free device bytes after an out-of-memory shrink; None: not capped
         self._measured_reserve = False
@@ -188,9 +191,23 @@ class OffloadHandle:
             self._replan(allowance, place=True)
             self.budget.notify_room()  # a smaller plan may have given bytes back
 
+    def _fold_costs(self) -> bool:
+        """Read the last passes' per-unit timings; True when placement should be re-planned from them (the first
+        time every unit was measured, and whenever a unit's times moved a lot since)."""
+        if not self._costs.update(*self.streamer.metrics.lifetime()):
+            return False
+        if self._oom_free is not None:
+            return False  # capped after an out-of-memory shrink: the plan grows back only when memory frees up
+        first = self._plan is not None and not isinstance(self._plan, CostPlan) and self._costs.ready
+        return first or self._costs.shifted()
+
     def after_pass(self) -> None:
         """After the first forward: correct the activation reserve of a self-sized budget from the real peak."""
         self.budget.notify_room()  # models waiting for bytes this one holds look again
+        if self._allowance is not None and self.streamer.loaded and self._fold_costs():
+            # re-placed at the end of a pass, so the next pass's first blocks are prefetched in the gap before it
+            self._replan(self._allowance, place=True)
+            self.streamer.worker.fill()
         if self._measured_reserve:
             return
         self._measured_reserve = True
@@ -287,9 +304,23 @@ class OffloadHandle:
 
     # planning -----------------------------------------------------------------------------
     def _make_plan(self, allowance: int) -> UnitPlan:
+        """Count-based until every unit was measured; from measured costs after that (see cost_model.py)."""
+        stream_all = self.config.vram_fraction <= 0
         try:
-            return plan_units(self._sizes, self._names, self.streamer.rest_bytes, allowance, self.config.prefetch,
-                              stream_all=self.config.vram_fraction <= 0)
+            if not self._costs.ready:
+                return plan_units(self._sizes, self._names, self.streamer.rest_bytes, allowance,
+                                  self.config.prefetch, stream_all=stream_all)
+            costs = self._costs.costs()
+            same_share = self._plan is not None and allowance == self._allowance
+            current = set(self._plan.resident) if same_share else None
+            key = (allowance, stream_all, tuple(costs.compute_ms), tuple(costs.copy_ms),
+                   None if current is None else tuple(sorted(current)))
+            if self._cost_cache is not None and self._cost_cache[0] == key:
+                return self._cost_cache[1]
+            plan = plan_by_cost(self._sizes, self._names, self.streamer.rest_bytes, allowance, self.config.prefetch,
+                                costs, stream_all=stream_all, current=current)
+            self._cost_cache = (key, plan, costs)
+            return plan
         except PlanError as exc:
             raise DeviceMemoryError(f"{self.name}: {exc}. {self._share_explained(allowance)}") from None
 
@@ -330,6 +361,8 @@ class OffloadHandle:
                 self._notice("lookahead_shrunk", note)
         self._allowance = allowance
         self._plan = plan
+        if isinstance(plan, CostPlan) and self._cost_cache is not None:
+            self._costs.planned(self._cost_cache[2])
         if not (place or self.streamer.loaded):
             self.streamer.set_plan(plan.resident, plan.n_slots)
             return
@@ -498,6 +531,9 @@ class OffloadHandle:
         blocks = s.block_reports()
         for b, src in zip(blocks, s.sources):
             b.reads = max(0, b.reads - self._reads_base.get(id(src), 0))
+        if isinstance(self._plan, CostPlan):
+            for b, stall, reason in zip(blocks, self._plan.predicted_stall_ms, self._plan.reasons):
+                b.predicted_stall_ms, b.placement = stall, reason
         h2d, compute, stall, nbytes = s.metrics.totals()
         return OffloadReport(
             name=self.name, device=self.backend.describe(), preset=self.config.preset, priority=self.priority,

@@ -135,13 +135,27 @@ class MetricsCollector:
         self._pending: list[_Record] = []
         self.lock = threading.Lock()  # a report read from another thread (a UI route) while a pass runs
         self.n_units = n_units
+        self._lifetime_base: list[list] = [[0] * n_units, [0.0] * n_units, [0.0] * n_units, [0] * n_units]
         self._zero()
 
     def reset(self) -> None:
         """Start counting afresh: records not yet harvested are waited for and dropped."""
         with self.lock:
             self._harvest(block=True)
+            base = self._lifetime_base
+            for k, now in enumerate(self._forward_totals()):
+                base[k] = [a + b for a, b in zip(base[k], now)]
             self._zero()
+
+    def _forward_totals(self) -> tuple[list, list, list, list]:
+        return self.calls, self.compute_ms, self.h2d_ms, self.bytes_streamed
+
+    def lifetime(self) -> tuple[list[int], list[float], list[float], list[int]]:
+        """Forward calls, compute ms, copy ms and bytes streamed per unit since setup, resets included (the
+        placement planner's running totals; a user's reset_stats() must not make it forget)."""
+        with self.lock:
+            return tuple([a + b for a, b in zip(base, now)]  # type: ignore[return-value]
+                         for base, now in zip(self._lifetime_base, self._forward_totals()))
 
     def _zero(self) -> None:
         self.h2d_ms = [0.0] * self.n_units
