@@ -15,6 +15,11 @@ module by module, by the first of these that works:
 
 Values are cast to the meta buffer's dtype (a model cast with `.to(dtype)` casts its buffers too). A buffer neither
 way can make is a ValueError naming it; nothing is ever expected from the file for a non-persistent buffer.
+
+`tie_meta_weights` ties again the weights a model declares tied (transformers' `tie_weights()`, as
+`from_pretrained` does after loading): `accelerate.init_empty_weights()` replaces every parameter registered while
+it is active by a new object, which unties `lm_head.weight` from the embeddings, and a checkpoint holds a tied
+weight once.
 """
 from __future__ import annotations
 
@@ -38,6 +43,21 @@ def meta_non_persistent_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, 
         if names:
             found[path] = (mod, names)
     return found
+
+
+def tie_meta_weights(model: nn.Module) -> bool:
+    """Call the model's own `tie_weights()` when some parameter is still on the meta device (see the module
+    docstring); True when it was called. Nothing is read or computed: tied parameters become one object."""
+    tie = getattr(model, "tie_weights", None)
+    if not callable(tie) or not any(p.is_meta for p in model.parameters()):
+        return False
+    try:
+        tie()
+    except Exception as exc:  # noqa: BLE001 - a model whose tying needs real weights: matched as it is
+        log.debug("%s.tie_weights() on the meta device failed (%s); weights matched as they are",
+                  type(model).__name__, exc)
+        return False
+    return True
 
 
 def materialize_non_persistent_buffers(model: nn.Module) -> list[str]:

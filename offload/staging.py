@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .blocks import Unit
 from .layout import Binding, TensorLayout, plan_layout, unit_tensors
-from .meta_buffers import materialize_non_persistent_buffers
+from .meta_buffers import materialize_non_persistent_buffers, tie_meta_weights
 from .planner import HostPlan, bounce_buffers
 from .storage import (BouncedSource, BounceReader, CorruptFileError, DiskSource, HostSource, SafetensorsFile,
                       UnitSource)
@@ -243,7 +243,9 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
                 host_tiers: Callable[[list[int], int], HostPlan], file: SafetensorsFile | None, prefetch: int,
                 progress: Callable[[int, int], None] | None = None, file_optional: bool = False) -> StagedModel:
     """Stage `model`'s units on the host (see the module docstring); raises before touching the model on bad input."""
-    # 0. non-persistent buffers on the meta device are computed as the model computes them, never read from a file
+    # 0. non-persistent buffers on the meta device are computed as the model computes them, never read from a file;
+    # weights the model declares tied and a meta init untied are tied again (a checkpoint holds them once)
+    tie_meta_weights(model)
     materialize_non_persistent_buffers(model)
     # 1. plan every layout and check the file: nothing is touched until the whole model is known to work
     shared = shared_tensor_ids(model, units)
