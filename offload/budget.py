@@ -326,12 +326,24 @@ class VramBudget:
 
 _default_lock = threading.Lock()
 _default: VramBudget | None = None
+_per_device: dict[str, VramBudget] = {}
 
 
-def default_budget() -> VramBudget:
-    """The process-wide budget every model joins unless given another; sized from free VRAM on first use."""
+def default_budget(device: str | None = None) -> VramBudget:
+    """The process-wide budget every model joins unless given another; sized from free VRAM on first use.
+
+    `default_budget()` is the compute device's (whichever device a model computes on); `default_budget(name)` is
+    the budget of another device a model keeps resident blocks on (`OffloadConfig(devices=[...])`), one per name.
+    """
     global _default
     with _default_lock:
-        if _default is None:
-            _default = VramBudget(None)
-        return _default
+        if device is None:
+            if _default is None:
+                _default = VramBudget(None)
+            return _default
+        if not isinstance(device, str):
+            raise TypeError(f"device must be a device name such as 'cuda:1' or 'sim:1', got {device!r}")
+        budget = _per_device.get(device)
+        if budget is None:
+            budget = _per_device[device] = VramBudget(None)
+        return budget

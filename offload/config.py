@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 GIB = 1 << 30
 
-_DEVICE_RE = re.compile(r"^(auto|sim|cuda(:\d+)?)$")
+_DEVICE_RE = re.compile(r"^(auto|sim(:\d+)?|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,14 @@ class OffloadConfig:
     sim_capacity_bytes: int | None = None
     sim_bandwidth_gbps: float | None = None
     sim_latency_us: float = 0.0
+    # several devices: the compute device first, then devices whose memory holds resident blocks (None: one device)
+    devices: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
-            raise ValueError(f"device must be one of 'auto', 'cuda', 'cuda:N' or 'sim', got {self.device!r}")
+            raise ValueError(f"device must be one of 'auto', 'cuda', 'cuda:N', 'sim' or 'sim:N', got {self.device!r}")
+        if self.devices is not None:
+            self._check_devices()
         check_bytes("vram_budget_bytes", self.vram_budget_bytes)
         check_bytes("ram_budget_bytes", self.ram_budget_bytes)
         check_bytes("reserve_bytes", self.reserve_bytes)
@@ -122,6 +126,25 @@ class OffloadConfig:
             raise ValueError(f"vram_fraction must be within 0..1, got {self.vram_fraction!r}")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(_unknown_preset(self.preset))
+
+    def _check_devices(self) -> None:
+        devices = self.devices
+        if isinstance(devices, str) or not isinstance(devices, (list, tuple)) or not devices:
+            raise ValueError(f"devices must be a list of device names with the compute device first (e.g. "
+                             f"['cuda:0', 'cuda:1']), or None for one device; got {devices!r}")
+        for d in devices:
+            if not isinstance(d, str) or not _DEVICE_RE.match(d) or d == "auto":
+                raise ValueError(f"devices: {d!r} is not a device name ('cuda:N' or 'sim:N')")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"devices lists a device twice: {list(devices)}")
+        kinds = {d.split(":")[0] for d in devices}
+        if len(kinds) > 1:
+            raise ValueError(f"devices mixes simulated and CUDA devices: {list(devices)}")
+        if self.device != "auto" and devices[0] != self.device:
+            raise ValueError(f"devices must start with the compute device {self.device!r}, got {list(devices)}")
+        object.__setattr__(self, "devices", tuple(devices))
+        if self.device == "auto":
+            object.__setattr__(self, "device", devices[0])
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "OffloadConfig":

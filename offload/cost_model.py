@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from .planner import PlanError, UnitPlan, plan_units, ring_slots
 
-MIN_SAVING_MS = 0.5  # a new plan replaces the one in place only when it saves more predicted stall per pass than
-MIN_SAVING_FRACTION = 0.1  # this, and this fraction of the stall the plan in place is predicted to have
+MIN_SAVING_MS = 1.0  # a new plan replaces the one in place only when it saves more predicted stall per pass than
+MIN_SAVING_FRACTION = 0.25  # this, and this fraction of the stall the plan in place is predicted to have
+SMOOTHING = 0.25  # weight of the newest passes in the per-unit averages (timings on a busy host are noisy)
 GREEDY_MAX_UNITS = 160  # above this the greedy search (n^3) gives way to ranking by copy/compute ratio
 MAX_WIDTHS = 4  # slot widths tried by the search
 SHIFT_FACTOR = 2.0  # a unit's time changing by this factor (and by SHIFT_MIN_MS) re-plans
@@ -64,12 +65,12 @@ class CostTracker:
             new = True
             per_call = max(0.0, dt) / dc
             old = self.compute_ms[i]
-            self.compute_ms[i] = per_call if old is None else 0.5 * old + 0.5 * per_call
+            self.compute_ms[i] = per_call if old is None else (1 - SMOOTHING) * old + SMOOTHING * per_call
             if db > 0 and dh > 0:
                 copies = db / self.sizes[i]
                 per_copy = dh / copies
                 old = self.copy_ms[i]
-                self.copy_ms[i] = per_copy if old is None else 0.5 * old + 0.5 * per_copy
+                self.copy_ms[i] = per_copy if old is None else (1 - SMOOTHING) * old + SMOOTHING * per_copy
                 self._copy_bytes += db
                 self._copy_time += dh
         return new
@@ -161,7 +162,8 @@ def plan_by_cost(sizes: list[int], names: list[str], rest_bytes: int, allowance:
     order = list(order) if order is not None else list(range(n))
     if len(base.resident) == n:
         return CostPlan(base.resident, base.n_slots, base.slot_bytes, base.device_bytes, base.shrunk_lookahead,
-                        base.notes, [0.0] * n, ["resident: every block fits the budget"] * n)
+                        base.notes, predicted_stall_ms=[0.0] * n,
+                        reasons=["resident: every block fits the budget"] * n)
     avail = allowance - rest_bytes
     want = ring_slots(prefetch, n)
     resident: set[int] = set()
@@ -193,7 +195,7 @@ def plan_by_cost(sizes: list[int], names: list[str], rest_bytes: int, allowance:
             reasons.append(f"streamed: its copy ({costs.copy_ms[i]:.2f} ms) hides behind compute")
     notes = [f"lookahead shrunk from {want - 1} to {k - 1} unit(s) to fit the budget"] if k < want else []
     device = rest_bytes + sum(sizes[i] for i in resident) + k * slot
-    return CostPlan(resident, k, slot, device, k < want, notes, stalls, reasons)
+    return CostPlan(resident, k, slot, device, k < want, notes, predicted_stall_ms=stalls, reasons=reasons)
 
 
 def _what_each_saves(sizes: list[int], avail: int, want: int, costs: UnitCosts, order: list[int],

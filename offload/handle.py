@@ -14,14 +14,16 @@ import psutil
 import torch
 import torch.nn as nn
 
-from .backends import get_backend
+from .backends import get_backend, resolve_device
 from .blocks import find_units
 from .budget import VramBudget, default_budget
 from .config import OffloadConfig
 from .cost_model import CostPlan, CostTracker, plan_by_cost
+from .devices import ActivationHop, SecondaryShare, place_remote
 from .layout import unit_tensors
 from .metrics import OffloadReport, effective_gbps, overlap_ratio
-from .planner import (GIB, MIB, HostPlan, PlanError, RamCeilingError, UnitPlan, estimate_reserve, plan_host,
+from .planner import (GIB, MIB, HostPlan, PlanError, RamCeilingError, UnitPlan, default_reserve, estimate_reserve,
+                      plan_host,
                       plan_host_capped, plan_units, read_host_memory, ring_slots)
 from .staging import stage_model
 from .packed import open_weights
@@ -40,7 +42,7 @@ class OffloadHandle:
     """Controls one offloaded model: its report, its priority in the budget, and detaching it."""
 
     def __init__(self, model: nn.Module, config: OffloadConfig, name: str, priority: int,
-                 budget: VramBudget | None, units: list[str] | None,
+                 budget: VramBudget | dict[str, VramBudget] | None, units: list[str] | None,
                  progress: Callable[[int, int], None] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"offload_module needs an nn.Module, got {type(model).__name__}")
@@ -56,7 +58,18 @@ class OffloadHandle:
             raise ValueError(f"vram_budget_bytes={config.vram_budget_bytes} is larger than the device "
                              f"{self.backend.describe()} ({total} bytes); the limit is {total} bytes")
         found = find_units(model, units)
-        self.budget = budget if budget is not None else default_budget()
+        self.device_name = resolve_device(config.device)
+        secondaries = list(config.devices[1:]) if config.devices else []
+        budgets = budget if isinstance(budget, dict) else {}
+        self.budget = (budgets.get(self.device_name) or (budget if isinstance(budget, VramBudget) else None)
+                       or default_budget())
+        self.secondary_backends = {d: get_backend(config, d) for d in secondaries}
+        self._secondary_budgets = {d: budgets.get(d) or default_budget(d) for d in secondaries}
+        for d, b in self._secondary_budgets.items():  # sized (when self-sized) and checked before staging
+            back = self.secondary_backends[d]
+            d_free, d_total = back.mem_get_info()
+            b.resolve_total(max(0, min(d_free, d_total) - default_reserve(d_total, back.name)), back)
+            b.check_device(d_total)
         reserve = (config.reserve_bytes if config.reserve_bytes is not None
                    else estimate_reserve(model, total, self.backend.name))
         self.budget.resolve_total(max(0, min(free, total) - reserve), self.backend)
@@ -76,6 +89,14 @@ class OffloadHandle:
             raise
         self.streamer = ModelStreamer(model, staged, self.backend, self, config.pin_memory, config.prefetch,
                                       config.profile)
+        self.streamer.placement.secondaries = dict(self.secondary_backends)
+        self._shares = {d: SecondaryShare(self, d, self.secondary_backends[d], b)
+                        for d, b in self._secondary_budgets.items()}
+        self._remote_allowance: dict[str, int] = {}
+        self._hop: ActivationHop | None = None
+        if self._shares:
+            self._hop = ActivationHop(self.streamer.placement, self.backend, dict(self.secondary_backends))
+            self._hop.install([u.staged.module for u in self.streamer.units])
         if config.ram_budget_bytes is not None:
             self._check_ram_ceiling(int(config.ram_budget_bytes))
         self._sizes = [u.nbytes for u in self.streamer.units]
@@ -102,13 +123,85 @@ class OffloadHandle:
         setattr(model, HANDLE_ATTR, self)  # the model keeps its engine alive; the engine refers back weakly
         try:
             self.budget.register(self)
+            for share in self._shares.values():
+                share.budget.register(share)
+            self._remote_allowance = self._remote_allowances()
             self._replan(self.budget.allowance(self))
         except BaseException:
             self.budget.unregister(self)
+            for share in self._shares.values():
+                share.budget.unregister(share)
+            if self._hop is not None:
+                self._hop.remove()
             self.streamer.detach()
             model.__dict__.pop(HANDLE_ATTR, None)
             raise
         log.info("offloaded %s: %d units (%s), %s", name, len(found), self.backend.describe(), self.plan_summary())
+
+    # several devices ------------------------------------------------------------------------
+    def _remote_allowances(self) -> dict[str, int]:
+        """Bytes this model may keep on each secondary device now (idle others give back what it is owed)."""
+        return {d: share.budget.allowance(share) for d, share in self._shares.items()}
+
+    def _remote_plan(self, plan: UnitPlan) -> dict[int, str]:
+        """Which of the blocks the compute device streams go to which secondary device."""
+        if not self._shares:
+            return {}
+        if plan.remote is not None:
+            return plan.remote
+        streamed = [i for i in range(len(self._sizes)) if i not in plan.resident]
+        return place_remote(streamed, self._sizes, self._remote_allowance)
+
+    def _plan_across_devices(self, plan: UnitPlan, allowance: int) -> UnitPlan:
+        """With secondary devices: when the compute device's share and theirs hold every block, fill the compute
+        device first and the secondary devices after, with no slot ring (nothing streams); else keep `plan` and
+        let the secondary devices take what it streams."""
+        if not self._shares or self.config.vram_fraction <= 0 or len(plan.resident) == len(self._sizes):
+            return plan
+        rest = self.streamer.rest_bytes
+        avail, used, first = allowance - rest, 0, set()
+        for i, size in enumerate(self._sizes):
+            if used + size <= avail:
+                first.add(i)
+                used += size
+        others = [i for i in range(len(self._sizes)) if i not in first]
+        remote = place_remote(others, self._sizes, self._remote_allowance)
+        if len(remote) < len(others):
+            return plan
+        return UnitPlan(first, 0, 0, rest + used, remote=remote)
+
+    def remote_want_bytes(self) -> int:
+        """What this model could keep on a secondary device: every block (the budget caps it)."""
+        return sum(self._sizes)
+
+    def remote_bytes(self, device: str) -> int:
+        """Bytes of blocks resident on secondary `device` now."""
+        return self.streamer.placement.bytes_on(device) if self.attached else 0
+
+    def shrink_remote(self, device: str, nbytes: int) -> int:
+        """Called by a secondary device's budget while this model is idle: keep at most `nbytes` there."""
+        if not self.attached:
+            return 0
+        with self.streamer.exclusive(blocking=False) as idle:
+            if not idle or self.streamer.is_busy():
+                return 0  # a pass is running: it re-plans at its next start
+            freed = self.streamer.placement.unload_remote(device, nbytes)
+            if freed:
+                self._allowance = None  # re-plan at the next forward: those blocks stream now
+            return freed
+
+    def _devices_report(self) -> dict[str, dict[str, int]]:
+        p = self.streamer.placement
+        out = {self.device_name: {"device_bytes": p.device_bytes(),
+                                  "peak_device_bytes": max(p.peak_device_bytes, p.device_bytes()),
+                                  "resident_blocks": sum(1 for u in p.units
+                                                         if u.resident_buf is not None and u.home is None)}}
+        for d in self._shares:
+            out[d] = {"device_bytes": p.bytes_on(d), "peak_device_bytes": max(p.peak_on.get(d, 0), p.bytes_on(d)),
+                      "resident_blocks": sum(1 for u in p.units if u.home == d)}
+            if self._hop is not None:
+                out[d]["activation_bytes"] = self._hop.hop_bytes[d]
+        return out
 
     def _check_ram_ceiling(self, ceiling: int) -> None:
         """After staging: blocks planned for disk that could not go there (tensor subclasses, misaligned tensors,
@@ -187,7 +280,10 @@ class OffloadHandle:
             self.streamer.unload()
             self.budget.notify_room()
             allowance = self.budget.wait_for_room(self, need)
-        if allowance != self._allowance or not self.streamer.loaded or self._may_grow_back(allowance):
+        remote = self._remote_allowances()
+        if (allowance != self._allowance or remote != self._remote_allowance or not self.streamer.loaded
+                or self._may_grow_back(allowance)):
+            self._remote_allowance = remote
             self._replan(allowance, place=True)
             self.budget.notify_room()  # a smaller plan may have given bytes back
 
@@ -354,7 +450,7 @@ class OffloadHandle:
         resident set and retries, with one log line; the resident set grows back at a later pass start once the
         device has room again. A plan that cannot even hold one slot is an error naming the unit and its size.
         """
-        plan = self._make_plan(allowance)
+        plan = self._plan_across_devices(self._make_plan(allowance), allowance)
         if plan.shrunk_lookahead and (self._plan is None or not self._plan.shrunk_lookahead):
             for note in plan.notes:
                 log.warning("%s: %s", self.name, note)
@@ -364,12 +460,12 @@ class OffloadHandle:
         if isinstance(plan, CostPlan) and self._cost_cache is not None:
             self._costs.planned(self._cost_cache[2])
         if not (place or self.streamer.loaded):
-            self.streamer.set_plan(plan.resident, plan.n_slots)
+            self.streamer.set_plan(plan.resident, plan.n_slots, self._remote_plan(plan))
             return
         shrunk = False
         while True:
             try:
-                self.streamer.set_plan(plan.resident, plan.n_slots)
+                self.streamer.set_plan(plan.resident, plan.n_slots, self._remote_plan(plan))
                 self.streamer.ensure_loaded()
                 break
             except torch.OutOfMemoryError as exc:
@@ -489,6 +585,8 @@ class OffloadHandle:
             self._kv.priority = self.priority
             self.budget.priority_changed(self._kv)
         self.budget.priority_changed(self)
+        for share in self._shares.values():
+            share.budget.priority_changed(share)
 
     def kv_pager(self, page_tokens: int = 64, offload: bool = True) -> Any:
         """This model's paged KV cache store (offload/kv_cache.py): caches made from it live under the same budget
@@ -534,6 +632,8 @@ class OffloadHandle:
         if isinstance(self._plan, CostPlan):
             for b, stall, reason in zip(blocks, self._plan.predicted_stall_ms, self._plan.reasons):
                 b.predicted_stall_ms, b.placement = stall, reason
+        for b, u in zip(blocks, s.units):
+            b.device = u.home or self.device_name
         h2d, compute, stall, nbytes = s.metrics.totals()
         return OffloadReport(
             name=self.name, device=self.backend.describe(), preset=self.config.preset, priority=self.priority,
@@ -546,7 +646,7 @@ class OffloadHandle:
             disk_bytes_read=(reader.counters.bytes_read - self._disk_read_base) if reader is not None else 0,
             notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
             kv=self._kv.report() if self._kv is not None else None,
-            timeline=list(s.metrics.timeline))
+            timeline=list(s.metrics.timeline), devices=self._devices_report())
 
     def detach(self) -> None:
         """Remove every hook; every weight becomes an ordinary tensor with its original values.
@@ -557,7 +657,11 @@ class OffloadHandle:
             return
         final = self.report()
         self.streamer.detach()
+        if self._hop is not None:
+            self._hop.remove()
         self.budget.unregister(self)
+        for share in self._shares.values():
+            share.budget.unregister(share)
         if self._kv is not None:
             self.budget.unregister(self._kv)
         model = self.model
@@ -582,17 +686,25 @@ def _check_priority(priority: Any) -> int:
     return int(priority)
 
 
-def _check_arguments(model: Any, name: Any, budget: Any, units: Any, progress: Any) -> None:
+def _check_arguments(model: Any, config: OffloadConfig, name: Any, budget: Any, units: Any, progress: Any) -> None:
     """Wrong argument types fail here, naming the argument and what it takes, before anything is touched."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str (shown in logs and the report), got {type(name).__name__} {name!r}")
-    if budget is not None and not isinstance(budget, VramBudget):
+    if isinstance(budget, dict):
+        devices = list(config.devices) if config.devices else [resolve_device(config.device)]
+        for device, b in budget.items():
+            if device not in devices:
+                raise ValueError(f"budget names device {device!r}, which is not one of this model's devices "
+                                 f"{devices} (OffloadConfig(devices=[...]))")
+            if not isinstance(b, VramBudget):
+                raise TypeError(f"budget[{device!r}] must be a VramBudget, got {type(b).__name__} {b!r}")
+    elif budget is not None and not isinstance(budget, VramBudget):
         hint = (" (a size in bytes goes in VramBudget(nbytes), e.g. budget=VramBudget(4 << 30) for 4 GiB, or in "
                 "OffloadConfig(vram_budget_bytes=...) for this model alone)")
-        raise TypeError(f"budget must be a VramBudget or None (the process-wide default_budget()), got "
-                        f"{type(budget).__name__} {budget!r}{hint}")
+        raise TypeError(f"budget must be a VramBudget, a dict {{device: VramBudget}} or None (the process-wide "
+                        f"default_budget()), got {type(budget).__name__} {budget!r}{hint}")
     if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
         raise TypeError(f"units must be a list of module names (e.g. ['blocks.0', 'blocks.1']) or None, got {units!r}")
     if progress is not None and not callable(progress):
@@ -600,12 +712,13 @@ def _check_arguments(model: Any, name: Any, budget: Any, units: Any, progress: A
 
 
 def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: str | None = None,
-                   priority: int = 0, budget: VramBudget | None = None, units: list[str] | None = None,
+                   priority: int = 0, budget: VramBudget | dict[str, VramBudget] | None = None,
+                   units: list[str] | None = None,
                    progress: Callable[[int, int], None] | None = None) -> OffloadHandle:
     """Stream `model`'s blocks from host memory to the device from now on; returns the handle."""
     config = config if config is not None else OffloadConfig.from_preset("auto")
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig (OffloadConfig.from_preset(...)), got {type(config).__name__}")
-    _check_arguments(model, name, budget, units, progress)
+    _check_arguments(model, config, name, budget, units, progress)
     with torch.inference_mode(False):  # our buffers and views must serve grad-mode and inference-mode calls
         return OffloadHandle(model, config, name or type(model).__name__, priority, budget, units, progress)

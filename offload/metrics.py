@@ -34,6 +34,7 @@ class BlockReport:
     # placement from measured costs: the stall per pass the planner predicted for this unit, and why it is where it is
     predicted_stall_ms: float = 0.0
     placement: str = ""
+    device: str = ""  # the device its resident copy lives on, or the compute device it streams to
 
 
 TIERS = ("vram", "pinned", "pageable", "disk")
@@ -65,6 +66,8 @@ class OffloadReport:
     notices: list[dict[str, str]] = field(default_factory=list)  # {kind, message}: fallbacks, shrinks, disk in use
     kv: dict[str, Any] | None = None  # the paged KV cache: pages resident / offloaded, bytes moved (when used)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    # per device of the model (the compute device first): device_bytes, peak_device_bytes, resident_blocks
+    devices: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def streamed_bytes(self) -> int:

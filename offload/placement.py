@@ -31,6 +31,7 @@ class UnitState:
     slot_bindings: dict[int, Binding] = field(default_factory=dict)
     mark: int = 0  # version of the tensors bound between forwards, when last seen
     device_newer: bool = False  # a resident copy was written in place: the host master must catch up
+    home: str | None = None  # the secondary device its resident copy lives on (None: the compute device)
 
     @property
     def index(self) -> int:
@@ -78,6 +79,11 @@ class DevicePlacement:
         self.n_slots = 0  # slots the current plan asks for
         self.loaded = False
         self.peak_device_bytes = 0
+        # several devices: units resident on a secondary device (unit -> device name), and those devices' backends
+        self.remote: dict[int, str] = {}
+        self.secondaries: dict[str, Backend] = {}
+        self.peak_on: dict[str, int] = {}
+        self._remote_refused: set[int] = set()  # remote placements that ran out of memory (logged once)
 
     @property
     def rest_bytes(self) -> int:
@@ -85,23 +91,29 @@ class DevicePlacement:
 
     def streamed(self) -> list[int]:
         """Units without a device copy of their own, in index order."""
-        return [u.index for u in self.units if u.index not in self.resident_set]
+        return [u.index for u in self.units if u.index not in self.resident_set and u.index not in self.remote]
 
     def device_bytes(self) -> int:
-        """Device bytes this model holds now."""
+        """Device bytes this model holds now on its compute device."""
         return ((self.rest_bytes if self.rest_buf is not None else 0)
-                + sum(u.nbytes for u in self.units if u.resident_buf is not None)
+                + sum(u.nbytes for u in self.units if u.resident_buf is not None and u.home is None)
                 + len(self.slots) * self.slot_bytes)
 
-    def set_plan(self, resident: set[int], n_slots: int) -> bool:
-        """Adopt a resident set and slot count; returns whether device memory must change (when loaded)."""
-        n_streamed = len(self.units) - len(resident)
+    def bytes_on(self, device: str) -> int:
+        """Device bytes this model holds now on one of its secondary devices."""
+        return sum(u.nbytes for u in self.units if u.resident_buf is not None and u.home == device)
+
+    def set_plan(self, resident: set[int], n_slots: int, remote: dict[int, str] | None = None) -> bool:
+        """Adopt a resident set, slot count and remote placements; returns whether device memory must change."""
+        remote = dict(remote or {})
+        n_streamed = len(self.units) - len(resident)  # remote units count: the ring must fit them if they fall back
         n_slots = min(n_slots, n_streamed) if n_streamed else 0
         if n_streamed and n_slots < 1:
             n_slots = 1
-        changed = resident != self.resident_set or n_slots != self.n_slots
+        changed = resident != self.resident_set or n_slots != self.n_slots or remote != self.remote
         self.resident_set = set(resident)
         self.n_slots = n_slots
+        self.remote = remote
         return changed and self.loaded
 
     def apply(self) -> None:
@@ -111,13 +123,14 @@ class DevicePlacement:
 
     def _apply_plan(self) -> None:
         quiesce(self.staged, self.backend)  # nothing in flight may touch memory we are about to free
+        # release first, so what we allocate next fits
+        for u in self.units:
+            if u.resident_buf is not None and self._wanted_home(u.index) != (u.home or ""):
+                self.evict(u)
+        self._place_remote()
         streamed = self.streamed()
         slot_bytes = max((self.units[i].nbytes for i in streamed), default=0)
         n_slots = self.n_slots if streamed else 0
-        # release first, so what we allocate next fits
-        for u in self.units:
-            if u.resident_buf is not None and u.index not in self.resident_set:
-                self.evict(u)
         if len(self.slots) != n_slots or self.slot_bytes != slot_bytes:
             self.free_slots()
         try:
@@ -141,6 +154,48 @@ class DevicePlacement:
         self.loaded = True
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
 
+    def _wanted_home(self, index: int) -> str | None:
+        """'' for the compute device, a device name for a secondary one, None for streamed."""
+        if index in self.resident_set:
+            return ""
+        return self.remote.get(index)
+
+    def _place_remote(self) -> None:
+        """Copy the units planned for secondary devices there (a device out of memory leaves them streamed)."""
+        for i, name in sorted(self.remote.items()):
+            u = self.units[i]
+            if u.resident_buf is not None:
+                continue
+            backend = self.secondaries[name]
+            try:
+                buf = backend.alloc(u.nbytes)
+            except torch.OutOfMemoryError as exc:
+                del self.remote[i]
+                if i not in self._remote_refused:
+                    self._remote_refused.add(i)
+                    log.warning("%s: %s is out of memory (%s); the block streams to the compute device instead",
+                                u.staged.name, name, str(exc).splitlines()[0])
+                continue
+            try:
+                self._fill_remote(u, buf, backend)
+            except BaseException:
+                backend.release(buf)
+                raise
+            u.master.layout.build(buf).apply()
+            u.resident_buf, u.home = buf, name
+            u.mark = u.staged.layout.version()
+            self.peak_on[name] = max(self.peak_on.get(name, 0), self.bytes_on(name))
+
+    def _fill_remote(self, u: UnitState, buf: torch.Tensor, backend: Backend) -> None:
+        """The unit's bytes into a buffer on a secondary device: from its RAM master, or read from its file."""
+        host = u.master.host
+        if host is None:  # disk tier: read the unit through a temporary host buffer
+            source = self.sources[u.index]
+            host = torch.empty(u.nbytes, dtype=torch.uint8)
+            source.file.read_into(host, source.pieces)
+        backend.wait(backend.copy_h2d(buf[:host.numel()], host))
+        backend.synchronize()
+
     def _to_device(self, source: Any, master: StagingBuffer) -> torch.Tensor:
         buf = self.backend.alloc(master.layout.nbytes)
         try:
@@ -157,8 +212,8 @@ class DevicePlacement:
             self._copy_back(u)
             u.device_newer = False
         u.master.host_binding.apply()
-        self.backend.release(u.resident_buf)
-        u.resident_buf = None
+        (self.backend if u.home is None else self.secondaries[u.home]).release(u.resident_buf)
+        u.resident_buf, u.home = None, None
         u.mark = u.staged.layout.version()
 
     def _copy_back(self, u: UnitState) -> None:
@@ -184,9 +239,14 @@ class DevicePlacement:
         """Free at least `nbytes` device bytes (None: everything); nothing may be computing."""
         before = self.device_bytes()
         quiesce(self.staged, self.backend)
+        if nbytes is None:  # everything: the secondary devices' copies too
+            for u in self.units:
+                if u.home is not None:
+                    self.evict(u)
         target = 0 if nbytes is None else max(0, before - int(nbytes))
         # demote resident units (last first), then the ring, then the rest
-        for u in sorted((u for u in self.units if u.resident_buf is not None), key=lambda u: -u.index):
+        for u in sorted((u for u in self.units if u.resident_buf is not None and u.home is None),
+                        key=lambda u: -u.index):
             if self.device_bytes() <= target:
                 break
             self.evict(u)
@@ -201,8 +261,23 @@ class DevicePlacement:
             self.backend.release(self.rest_buf)
             self.rest_buf = None
         self.loaded = False
-        self.resident_set = {u.index for u in self.units if u.resident_buf is not None}
+        self.resident_set = {u.index for u in self.units if u.resident_buf is not None and u.home is None}
+        self.remote = {u.index: u.home for u in self.units if u.home is not None}
         return before - self.device_bytes()
+
+    def unload_remote(self, device: str, nbytes: int) -> int:
+        """Hold at most `nbytes` on a secondary device: its units (last first) go back to streaming; nothing may be
+        computing. The caller re-plans before the next forward (the ring may have to widen for them)."""
+        before = self.bytes_on(device)
+        quiesce(self.staged, self.backend)
+        for u in sorted((u for u in self.units if u.home == device), key=lambda u: -u.index):
+            if self.bytes_on(device) <= nbytes:
+                break
+            self.evict(u)
+            self.remote.pop(u.index, None)
+        if self.bytes_on(device) != before:
+            self.loaded = False  # the streamed set changed: the ring and the worker are set up again
+        return before - self.bytes_on(device)
 
     def binding(self, u: UnitState, slot: int) -> Binding:
         """The unit's tensors as views of `slot` (built once per unit and slot)."""

@@ -33,6 +33,7 @@ class UnitPlan:
     device_bytes: int
     shrunk_lookahead: bool = False
     notes: list[str] = field(default_factory=list)
+    remote: dict[int, str] | None = None  # several devices: units resident on a secondary device (None: decide later)
 
 
 def ring_slots(prefetch: int, n_streamed: int) -> int:

@@ -20,11 +20,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def get_backend(config: OffloadConfig) -> Backend:
-    """The process-wide backend for a config's device (one per CUDA device / per simulated-device setting)."""
-    device = resolve_device(config.device)
-    if device == "sim":
-        key: tuple = ("sim", config.sim_capacity_bytes, config.sim_bandwidth_gbps, float(config.sim_latency_us))
+def get_backend(config: OffloadConfig, device: str | None = None) -> Backend:
+    """The process-wide backend for a config's device, or for `device` (another of its `devices`): one per CUDA
+    device, one per simulated device index and setting ('sim' is 'sim:0')."""
+    device = resolve_device(device or config.device)
+    if device.startswith("sim"):
+        index = int(device.split(":")[1]) if ":" in device else 0
+        key: tuple = ("sim", index, config.sim_capacity_bytes, config.sim_bandwidth_gbps,
+                      float(config.sim_latency_us))
     else:
         index = torch.device(device).index
         if index is None and torch.cuda.is_available():
@@ -33,8 +36,9 @@ def get_backend(config: OffloadConfig) -> Backend:
     with _lock:
         backend = _backends.get(key)
         if backend is None:
-            if device == "sim":
-                backend = SimBackend(config.sim_capacity_bytes, config.sim_bandwidth_gbps, config.sim_latency_us)
+            if device.startswith("sim"):
+                backend = SimBackend(config.sim_capacity_bytes, config.sim_bandwidth_gbps, config.sim_latency_us,
+                                     index=key[1])
             else:
                 from .cuda import CudaBackend
                 backend = CudaBackend(device)

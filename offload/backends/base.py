@@ -13,6 +13,7 @@ class Backend(abc.ABC):
     name: str = "base"
     device: torch.device
     supports_pinned_host: bool = False  # host buffers can be pinned (else pageable units copy straight)
+    supports_peer_to_peer: bool = False  # tensors move straight to another device of this kind (else through host)
 
     @abc.abstractmethod
     def alloc(self, nbytes: int) -> torch.Tensor:
@@ -86,6 +87,15 @@ class Backend(abc.ABC):
         """Block the host until `event` completes."""
         while not self.is_done(event):
             self.synchronize()
+
+    def move_to(self, tensor: torch.Tensor, other: "Backend") -> torch.Tensor:
+        """An activation moved from this device to `other` (peer to peer where both allow it, else through host
+        memory); the caller's compute stream orders it."""
+        if tensor.device == other.device:
+            return tensor
+        if self.supports_peer_to_peer and other.supports_peer_to_peer:
+            return tensor.to(other.device, non_blocking=True)
+        return tensor.to("cpu").to(other.device, non_blocking=True)
 
     def describe(self) -> str:
         return self.name

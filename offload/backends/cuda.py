@@ -39,6 +39,9 @@ class CudaBackend(Backend):
                              ", ".join(f"cuda:{i}" for i in range(count)))
         self.device = torch.device("cuda", index)
         self.copy_stream = torch.cuda.Stream(self.device)
+        # peer to peer when this card can reach every other card directly (else activations go through host)
+        self.supports_peer_to_peer = all(torch.cuda.can_device_access_peer(index, other)
+                                         for other in range(count) if other != index)
         self.used_bytes = 0
         self.peak_bytes = 0
 

@@ -74,10 +74,12 @@ class SimBackend(Backend):
 
     name = "sim"
     supports_pinned_host = False
+    supports_peer_to_peer = True  # every simulated device is the CPU: an activation moves without a host hop
 
     def __init__(self, capacity_bytes: int | None = None, bandwidth_gbps: float | None = None,
-                 latency_us: float = 0.0) -> None:
+                 latency_us: float = 0.0, index: int = 0) -> None:
         self.device = torch.device("cpu")
+        self.index = index
         self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else DEFAULT_SIM_CAPACITY)
         self.bandwidth_gbps = bandwidth_gbps
         self.latency_us = float(latency_us)
@@ -217,4 +219,5 @@ class SimBackend(Backend):
 
     def describe(self) -> str:
         bw = f", {self.bandwidth_gbps} GB/s" if self.bandwidth_gbps else ""
-        return f"sim ({self.capacity_bytes / (1 << 30):.2f} GiB{bw})"
+        name = "sim" if self.index == 0 else f"sim:{self.index}"
+        return f"{name} ({self.capacity_bytes / (1 << 30):.2f} GiB{bw})"
