@@ -111,6 +111,7 @@ class OffloadHandle:
         self._grad_said = False
         self._final_report: OffloadReport | None = None
         self._reads_base: dict[int, int] = {}
+        self._worker_base = (0, 0)  # demand loads and prefetch hits at the last reset_stats()
         self._disk_read_base = 0
         self._kv: Any = None  # the model's KVPager, once asked for
         if config.pin_memory and self.backend.supports_pinned_host and any(
@@ -616,6 +617,7 @@ class OffloadHandle:
         s.peak_device_bytes = s.device_bytes()
         self.backend.reset_peak()
         self._reads_base = {id(src): src.reads for src in s.sources}
+        self._worker_base = (s.worker.demand_loads, s.worker.prefetch_hits)
         self._disk_read_base = s.staged.reader.counters.bytes_read if s.staged.reader is not None else 0
 
     def report(self) -> OffloadReport:
@@ -646,7 +648,9 @@ class OffloadHandle:
             disk_bytes_read=(reader.counters.bytes_read - self._disk_read_base) if reader is not None else 0,
             notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
             kv=self._kv.report() if self._kv is not None else None,
-            timeline=list(s.metrics.timeline), devices=self._devices_report())
+            timeline=list(s.metrics.timeline), devices=self._devices_report(),
+            demand_loads=s.worker.demand_loads - self._worker_base[0],
+            prefetch_hits=s.worker.prefetch_hits - self._worker_base[1])
 
     def detach(self) -> None:
         """Remove every hook; every weight becomes an ordinary tensor with its original values.

@@ -68,6 +68,8 @@ class OffloadReport:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     # per device of the model (the compute device first): device_bytes, peak_device_bytes, resident_blocks
     devices: dict[str, dict[str, int]] = field(default_factory=dict)
+    demand_loads: int = 0  # streamed units called while not in flight (loaded on demand)
+    prefetch_hits: int = 0  # streamed units found in flight (prefetched) when called
 
     @property
     def streamed_bytes(self) -> int:

@@ -1,16 +1,19 @@
 """The prefetch pipeline: keeps the next streamed units copying into free slots of the ring.
 
 Lookahead is counted in streamed units: whenever a slot is freed (its unit finished), the next streamed unit
-in the predicted order is queued into it, wrapping into the next forward. While autograd runs backward through
-the streamed units (offload/backward.py) the worker follows the reversed forward order instead. A unit that
-arrives out of order (an interrupted forward, a different call order) resyncs the pipeline instead of computing
-on stale bytes.
+in the predicted order is queued into it, wrapping into the next forward. The prediction comes from history
+(`OrderPredictor`): the pass that followed the last pass the last time it was seen (two alternating call orders
+are predicted as they alternate), re-predicted inside a pass from the most recent pass with the same prefix or,
+failing that, from which unit followed which. A unit that comes out of the predicted order is taken from wherever
+it is in flight, or loaded on demand into a free slot (the newest copy no longer predicted gives its slot up when
+none is free), while the copies still predicted stay in flight. While autograd runs backward through the
+streamed units (offload/backward.py) the worker follows the reversed forward order instead.
 The worker refers to the sources and the slots, never back to the streamer that owns it.
 """
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Sequence
 
 import torch
@@ -18,6 +21,58 @@ import torch
 from .storage import UnitSource, resolve
 
 log = logging.getLogger(__name__)
+
+HISTORY = 16  # passes remembered for prediction
+
+
+class OrderPredictor:
+    """Predicts the streamed units' call order from history: whole passes, then unit-to-unit successors."""
+
+    def __init__(self) -> None:
+        self.history: deque[tuple[int, ...]] = deque(maxlen=HISTORY)
+        self.successors: dict[int, Counter] = {}
+
+    def clear(self) -> None:
+        self.history.clear()
+        self.successors.clear()
+
+    def record_pass(self, seq: list[int]) -> None:
+        """A pass ended having called `seq` (streamed units, in order)."""
+        if not seq:
+            return
+        self.history.append(tuple(seq))
+        for a, b in zip(seq, seq[1:]):
+            self.successors.setdefault(a, Counter())[b] += 1
+
+    def next_pass(self) -> list[int]:
+        """The pass expected next: what followed the last pass the last time it was seen, else the last pass."""
+        h = self.history
+        if not h:
+            return []
+        last = h[-1]
+        for k in range(len(h) - 2, -1, -1):
+            if h[k] == last:
+                return list(h[k + 1])
+        return list(last)
+
+    def rest_of_pass(self, prefix: list[int], length: int) -> list[int]:
+        """The units expected after `prefix` in this pass: the most recent pass starting with it, else a chain of
+        the most frequent successors (each unit once)."""
+        n = len(prefix)
+        for seq in reversed(self.history):
+            if len(seq) > n and list(seq[:n]) == prefix:
+                return list(seq[n:])
+        out: list[int] = []
+        seen = set(prefix)
+        cur = prefix[-1] if prefix else None
+        while cur is not None and len(out) < length:
+            nxt = next((b for b, _ in self.successors.get(cur, Counter()).most_common() if b not in seen), None)
+            if nxt is None:
+                break
+            out.append(nxt)
+            seen.add(nxt)
+            cur = nxt
+        return out
 
 
 class PrefetchWorker:
@@ -34,6 +89,12 @@ class PrefetchWorker:
         self.skip: frozenset[int] = frozenset()  # units in the order not to copy (another owner's weights are in place)
         self.reversed = False  # following the reversed forward order (backward); `_forward` keeps the forward one
         self._forward: list[int] | None = None
+        self.predictor = OrderPredictor()
+        self.seq: list[int] = []  # forward: the units predicted for this pass, then the next one's as queued
+        self.pass_len = 0  # how much of `seq` is this pass (the rest was queued ahead for the next pass)
+        self.taken: list[int] = []  # units taken this pass, in order
+        self.demand_loads = 0  # units loaded on demand: called while not in flight
+        self.prefetch_hits = 0  # units found in flight when called
 
     def configure(self, order: list[int], slots: Sequence[torch.Tensor], sources: Sequence[UnitSource]) -> None:
         """New plan: predicted order of streamed units, the slot buffers and every unit's source (nothing in flight)."""
@@ -45,6 +106,8 @@ class PrefetchWorker:
         self.next_pos = 0
         self.reversed = False
         self._forward = None
+        self.predictor.clear()  # the streamed set may have changed: history of other units misleads
+        self.seq, self.pass_len, self.taken = list(order), len(order), []
 
     def _issue(self, unit: int, slot: int, after: Any) -> Any:
         return self.sources[unit].issue(self.slots[slot], after)
@@ -78,10 +141,25 @@ class PrefetchWorker:
         if self.reversed:
             self.reversed = False
             self._forward = None
+        if order and not self.predictor.history:
+            self.predictor.record_pass(list(order))
         if order and order != self.order:
             self.order = list(order)
             self.next_pos = 0
             self._cancel_inflight()
+            self.seq, self.pass_len = list(order), len(order)
+
+    def begin_pass(self) -> None:
+        """A forward starts: the last pass goes into history; copies queued ahead that the prediction for this
+        pass does not start with give their slots back."""
+        if self.reversed:
+            return
+        if self.taken:
+            self.predictor.record_pass(self.taken)
+        self.taken = []
+        predicted = self.predictor.next_pass() or list(self.order)
+        self.seq, self.pass_len = predicted, len(predicted)
+        self._keep_predicted(predicted)
 
     def set_skip(self, units: set[int]) -> None:
         """Units that run on another owner's weights for now: no copy is queued for them until they are back."""
@@ -90,8 +168,67 @@ class PrefetchWorker:
             self.skip = skip
             self.restart()
 
+    def _keep_predicted(self, upcoming: list[int]) -> None:
+        """Keep the copies in flight that the next ring's worth of `upcoming` still wants; the others give their
+        slots back. Queueing resumes at the start of `upcoming` (units already in flight are skipped)."""
+        wanted = set(upcoming[:max(1, len(self.slots))])
+        for k in range(len(self.inflight) - 1, -1, -1):
+            if self.inflight[k][0] not in wanted:
+                self._cancel_at(k)
+        self.next_pos = 0
+
+    def _cancel_newest(self) -> None:
+        self._cancel_at(len(self.inflight) - 1)
+
+    def _cancel_at(self, k: int) -> None:
+        _, slot, event = self.inflight[k]
+        del self.inflight[k]
+        try:
+            after = resolve(event)
+        except Exception:  # a failed read queued no copy; the slot is free
+            after = None
+        self.free.appendleft((slot, after))
+
+    def _next_forward_unit(self) -> int | None:
+        """The next unit to queue in forward mode, or None when nothing more is predicted."""
+        queued = {u for u, _, _ in self.inflight}
+        self.next_pos = max(self.next_pos, len(self.taken))  # `seq` starts with what this pass took (see _follow)
+        for _ in range(2):
+            while self.next_pos < len(self.seq):
+                unit = self.seq[self.next_pos]
+                self.next_pos += 1
+                if unit not in self.skip and unit not in queued:
+                    return unit
+            if len(self.seq) > self.pass_len or not self.seq:
+                return None
+            # wrap: the next pass as predicted if this one goes as predicted
+            guess = list(self.taken) + self.seq[len(self.taken):self.pass_len]
+            self.seq = self.seq[:self.pass_len] + self._guess_after(guess)
+        return None
+
+    def _guess_after(self, this_pass: list[int]) -> list[int]:
+        """The pass expected after `this_pass`: what followed it the last time it was seen, else the same again."""
+        h = self.predictor.history
+        for k in range(len(h) - 1, -1, -1):
+            if list(h[k]) == this_pass and k + 1 < len(h):
+                return list(h[k + 1])
+        return list(self.order) or list(this_pass)
+
     def fill(self) -> None:
         """Queue copies into every free slot, following the predicted order (less the skipped units)."""
+        if not self.reversed:
+            while self.free:
+                unit = self._next_forward_unit()
+                if unit is None:
+                    return
+                slot, after = self.free.popleft()
+                try:
+                    copy = self._issue(unit, slot, after)
+                except BaseException:
+                    self.free.appendleft((slot, after))
+                    raise
+                self.inflight.append((unit, slot, copy))
+            return
         if not self.order or self.skip.issuperset(self.order):
             return
         while self.free:
@@ -109,10 +246,45 @@ class PrefetchWorker:
 
     def take(self, unit: int) -> tuple[int, Any]:
         """The slot holding `unit`'s bytes and the event its copy completes on."""
-        if not (self.inflight and self.inflight[0][0] == unit):
-            self._resync(unit)
-        _, slot, event = self.inflight.popleft()
+        if self.reversed:
+            if not (self.inflight and self.inflight[0][0] == unit):
+                self._resync(unit)
+            _, slot, event = self.inflight.popleft()
+            return slot, event
+        retry = bool(self.taken) and self.taken[-1] == unit  # its copy failed and it is fetched again
+        if not retry:
+            self.taken.append(unit)
+        for k, (u, slot, event) in enumerate(self.inflight):
+            if u == unit:
+                del self.inflight[k]
+                self.prefetch_hits += 1
+                self._follow(unit)
+                return slot, event
+        self.demand_loads += 1
+        self._follow(unit)
+        if not self.free:
+            self._cancel_newest()  # the copy predicted furthest ahead gives its slot up
+        slot, after = self.free.popleft()
+        try:
+            event = self._issue(unit, slot, after)
+        except BaseException:
+            self.free.appendleft((slot, after))
+            raise
         return slot, event
+
+    def _follow(self, unit: int) -> None:
+        """After taking `unit`: when the pass left the prediction, predict its rest again from history and drop the
+        copies in flight that the new prediction does not start with."""
+        pos = len(self.taken)
+        if pos <= self.pass_len and self.seq[:pos] == self.taken:
+            return
+        self.resyncs += 1
+        rest = self.predictor.rest_of_pass(self.taken, len(self.order))
+        if not rest and unit in self.order:  # nothing in history: the learned order from this unit on
+            rest = [u for u in self.order[self.order.index(unit) + 1:] if u not in self.taken]
+        self.seq, self.pass_len = list(self.taken) + rest, len(self.taken) + len(rest)
+        self._keep_predicted(rest)
+        self.next_pos = len(self.taken) + self.next_pos
 
     def release(self, slot: int, after: Any) -> None:
         """A unit finished with `slot` (event `after`); reuse it for the next unit in line."""
@@ -125,8 +297,13 @@ class PrefetchWorker:
 
     def restart(self) -> None:
         """Drop queued copies (their bytes are stale) and start again from the next predicted unit."""
-        if self.inflight:
-            self.next_pos = self.order.index(self.inflight[0][0]) if self.inflight[0][0] in self.order else 0
+        if self.reversed:
+            if self.inflight:
+                self.next_pos = self.order.index(self.inflight[0][0]) if self.inflight[0][0] in self.order else 0
+        elif self.inflight:
+            first = self.inflight[0][0]
+            start = min(len(self.taken), len(self.seq))
+            self.next_pos = self.seq.index(first, start) if first in self.seq[start:] else start
         self._cancel_inflight()
 
     def _cancel_inflight(self) -> None:

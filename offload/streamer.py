@@ -253,6 +253,7 @@ class ModelStreamer:
             self.order_learned = True
             self.worker.set_order(self._seen)
         self._seen = []
+        self.worker.begin_pass()  # the last pass goes into the order history; predict this one
         self.metrics.forward_started()
         self.worker.fill()
 
