@@ -116,3 +116,15 @@ def find_units(model: nn.Module, explicit: list[str] | None = None) -> list[Unit
     raise ValueError(
         f"{type(model).__name__} has no repeated blocks and fewer than two submodules holding weights, so "
         f"there is nothing to stream block by block; run it without offloading or pass units=[...] explicitly")
+
+
+def expert_units(model: nn.Module) -> list[str]:
+    """Module names of every mixture-of-experts expert kept as its own module (children of a ModuleList named
+    `experts`), for `offload_module(..., units=expert_units(model))`: experts then stream one by one and are loaded
+    on demand when the router picks them. Empty when the experts are fused into one tensor per layer (then the unit
+    is the layer, all experts together)."""
+    names: list[str] = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and isinstance(module, nn.ModuleList) and len(module) > 1:
+            names.extend(f"{name}.{i}" for i in range(len(module)))
+    return names

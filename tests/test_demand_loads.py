@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, offload_module
+from offload.blocks import expert_units
 from offload.prefetch import PrefetchWorker
 from tests.models import aligned_bytes, run
 
@@ -67,8 +68,8 @@ def test_router_picking_two_of_eight_experts_is_bitwise_and_counts_demand_loads(
     model = Router().eval()
     xs = [torch.randn(4, DIM, generator=torch.Generator().manual_seed(k)) for k in range(30)]
     refs = [run(model, (x,)) for x in xs]
-    h = offload_module(model, _every_block_streamed(model, list(model.experts)), units=[
-        f"experts.{i}" for i in range(8)])
+    assert expert_units(model) == [f"experts.{i}" for i in range(8)]
+    h = offload_module(model, _every_block_streamed(model, list(model.experts)), units=expert_units(model))
     for x, ref in zip(xs, refs):
         assert torch.equal(run(model, (x,)), ref)
     rep = h.report()
