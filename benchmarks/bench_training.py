@@ -11,8 +11,9 @@ Rows (each trains the same LoRA adapters, rank `--rank`, on every Linear of ever
                                         runs and back after; it needs activation checkpointing (--ckpt block), as the
                                         real tools recommend, since the weights a block saved would otherwise leave
 
-Each row reports ms per step (median), peak device bytes, bytes streamed forward and backward, the per-block backward
-ms, and whether its per-step losses and trained adapters are bitwise those of the resident row.
+Each row reports ms per step (the median over the steps of a round, then over `--rounds` rounds run in rotated
+order), peak device bytes, bytes streamed forward and backward, the per-block backward ms, and whether its per-step
+losses and trained adapters are bitwise those of the resident row (in every round).
 
     python benchmarks/bench_training.py --device sim                 # the simulated device (CPU), a few seconds
     python benchmarks/bench_training.py --device cuda --dim 3072 --depth 24 --ckpt block --autocast bf16
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all rows, in rotated order (median)")
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--ckpt", default="none", choices=["none", "block"])
     ap.add_argument("--autocast", default="none", choices=["none", "bf16"])
@@ -222,18 +224,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     half = rest + (args.depth // 2 + args.prefetch + 1) * block + 4096
     del probe
 
-    rows = [run_row(args, "resident (no offload)", device, data, "resident"),
-            run_row(args, "layer-offload: stream all", device, data, "offload", all_streamed)]
-    rows.append(run_row(args, "layer-offload: 50% blocks resident", device, data, "offload", half, preset=False))
     keep = max(0, (all_streamed - rest) // block - 1)  # equal VRAM: blocks the stream-all ring would hold, less one
-    rows.append(run_row(args, f"block swap (musubi-style, {args.depth - keep} of {args.depth} swapped)", device,
-                        data, "swap", keep=keep))
+    configs = [("resident (no offload)", "resident", None, {}),
+               ("layer-offload: stream all", "offload", all_streamed, {}),
+               ("layer-offload: 50% blocks resident", "offload", half, {"preset": False}),
+               (f"block swap (musubi-style, {args.depth - keep} of {args.depth} swapped)", "swap", None,
+                {"keep": keep})]
+    # Rounds in a rotated order, each row's figure the median over rounds: on a shared machine the load moves by
+    # several times within a minute, and a row run while it peaks would otherwise stand for the configuration.
+    runs: dict[str, list[dict[str, Any]]] = {c[0]: [] for c in configs}
+    for rnd in range(args.rounds):
+        for k in range(len(configs)):
+            name, mode, budget_bytes, kw = configs[(k + rnd) % len(configs)]
+            runs[name].append(run_row(args, name, device, data, mode, budget_bytes, **kw))
+    rows = []
+    for name, _, _, _ in configs:
+        first = runs[name][0]
+        row = dict(runs[name][-1])
+        if "ms_per_step" in first:
+            row["ms_per_step_rounds"] = [r["ms_per_step"] for r in runs[name]]
+            row["ms_per_step"] = statistics.median(row["ms_per_step_rounds"])
+            row["losses"], row["trained"] = first["losses"], first["trained"]
+            row["same_every_round"] = all(
+                all(torch.equal(a, b) for a, b in zip(r["losses"], first["losses"])) for r in runs[name])
+        rows.append(row)
     ref_losses, ref_trained, ref_ms = rows[0]["losses"], rows[0]["trained"], rows[0]["ms_per_step"]
     for r in rows:
         if "losses" in r:
             r["equal"] = (all(torch.equal(a, b) for a, b in zip(r["losses"], ref_losses))
                           and all(torch.equal(a, b) for a, b in zip(r["trained"], ref_trained)))
             r["ratio"] = r["ms_per_step"] / ref_ms
+            r["equal"] = r["equal"] and r.get("same_every_round", True)
             r["final_loss"] = float(r["losses"][-1])
             del r["losses"], r["trained"]
     meta = {"device": args.device, "torch": torch.__version__, "cpu": platform.machine(),
@@ -263,15 +284,16 @@ def markdown(result: dict[str, Any]) -> str:
              f"- {m['model']}; block {m['block_bytes'] / mb:.1f} MB, non-block {m['rest_bytes'] / mb:.1f} MB",
              f"- command: `{m['command']}`; torch {m['torch']}", "",
              "| config | ms/step | vs resident | peak device MB | fwd MB/step | bwd MB/step | bwd ms/block "
-             "| bwd stall ms/step | bitwise equal | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| bwd stall ms/step | bitwise equal | rounds ms/step | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         def f(key: str, fmt: str, scale: float = 1.0) -> str:
             return format(r[key] / scale, fmt) if key in r else "-"
         lines.append(f"| {r['config']} | {f('ms_per_step', '.1f')} | {f('ratio', '.2f')} | "
                      f"{f('peak_device_bytes', '.1f', mb)} | {f('fwd_bytes_per_step', '.1f', mb)} | "
                      f"{f('bwd_bytes_per_step', '.1f', mb)} | {f('bwd_ms_per_block', '.2f')} | "
-                     f"{f('bwd_stall_ms_per_step', '.1f')} | {r.get('equal', '-')} | {r.get('note', '')} |")
+                     f"{f('bwd_stall_ms_per_step', '.1f')} | {r.get('equal', '-')} | "
+                     f"{', '.join(format(v, '.0f') for v in r.get('ms_per_step_rounds', []))} | {r.get('note', '')} |")
     return "\n".join(lines) + "\n"
 
 
