@@ -50,7 +50,7 @@ class OffloadReport:
     preset: str | None
     priority: int
     blocks: list[BlockReport]
-    total_bytes_streamed: int
+    total_bytes_streamed: int  # forward and backward (training) copies; `backward_bytes_streamed` is the latter
     overlap_ratio: float
     effective_gbps: float
     resident_bytes: int
@@ -115,7 +115,7 @@ def summarize(d: dict[str, Any]) -> str:
     runs = (f"  last runs: {d['forwards']} forward(s), {d['total_bytes_streamed'] / mb:.1f} MB streamed, "
             f"overlap {d['overlap_ratio']:.2f}, {d['effective_gbps']:.2f} GB/s, stall {d['stall_ms']:.1f} ms")
     if d.get("backward_bytes_streamed"):
-        runs += (f"; backward {d['backward_bytes_streamed'] / mb:.1f} MB streamed in "
+        runs += (f"; backward {d['backward_bytes_streamed'] / mb:.1f} MB of it, blocks held "
                  f"{d.get('backward_ms', 0.0):.1f} ms")
     return head + "\n" + runs
 
@@ -226,7 +226,10 @@ class MetricsCollector:
         del self._pending[:done]
 
     def totals(self) -> tuple[float, float, float, int]:
-        return sum(self.h2d_ms), sum(self.compute_ms), sum(self.stall_ms), sum(self.bytes_streamed)
+        """Copy ms, compute ms, stall ms and bytes streamed in total: copies for backward (training) included, forward
+        compute only."""
+        return (sum(self.h2d_ms) + sum(self.bwd_h2d_ms), sum(self.compute_ms),
+                sum(self.stall_ms) + sum(self.bwd_stall_ms), sum(self.bytes_streamed) + sum(self.bwd_bytes))
 
 
 def overlap_ratio(h2d_ms: float, stall_ms: float) -> float:

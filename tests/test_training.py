@@ -182,6 +182,7 @@ def assert_streamed_backward(handle, budget_bytes=None):
         assert b.backward_calls >= STEPS, f"{b.name} was not brought back for backward"
         assert b.backward_bytes_streamed == b.backward_calls * b.bytes
     assert report.backward_bytes_streamed > 0
+    assert report.total_bytes_streamed == sum(b.bytes_streamed + b.backward_bytes_streamed for b in report.blocks)
     assert report.to_dict()["backward_bytes_streamed"] == report.backward_bytes_streamed
     assert "backward" in report.summary()
     budget = handle.config.vram_budget_bytes
