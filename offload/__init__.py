@@ -17,6 +17,7 @@ except ImportError as _exc:
         "run ComfyUI's Python, not another environment's.") from _exc
 del _torch
 from .backends import device_memory, resolve_device
+from .backward import TrainableWeightError
 from .budget import BudgetError, VramBudget, default_budget
 from .config import (DEFAULT_PRESET, PRESETS, OffloadConfig, PresetPolicy, budget_preset_tooltip, preset_tooltip,
                      presets_markdown_table)
@@ -30,4 +31,4 @@ __all__ = ["OffloadConfig", "PRESETS", "PresetPolicy", "DEFAULT_PRESET", "preset
            "presets_markdown_table", "offload_module", "OffloadHandle", "VramBudget", "default_budget",
            "OffloadReport", "BlockReport", "summarize", "device_memory", "resolve_device", "DeviceMemoryError",
            "PlanError", "RamCeilingError", "BudgetError", "CorruptFileError", "SourceChangedError",
-           "DetachedError"]
+           "DetachedError", "TrainableWeightError"]
