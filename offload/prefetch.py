@@ -191,13 +191,13 @@ class PrefetchWorker:
 
     def _next_forward_unit(self) -> int | None:
         """The next unit to queue in forward mode, or None when nothing more is predicted."""
-        queued = {u for u, _, _ in self.inflight}
+        inflight = self.inflight
         self.next_pos = max(self.next_pos, len(self.taken))  # `seq` starts with what this pass took (see _follow)
         for _ in range(2):
             while self.next_pos < len(self.seq):
                 unit = self.seq[self.next_pos]
                 self.next_pos += 1
-                if unit not in self.skip and unit not in queued:
+                if unit not in self.skip and not any(entry[0] == unit for entry in inflight):
                     return unit
             if len(self.seq) > self.pass_len or not self.seq:
                 return None
@@ -276,8 +276,8 @@ class PrefetchWorker:
         """After taking `unit`: when the pass left the prediction, predict its rest again from history and drop the
         copies in flight that the new prediction does not start with."""
         pos = len(self.taken)
-        if pos <= self.pass_len and self.seq[:pos] == self.taken:
-            return
+        if pos <= self.pass_len and self.seq[pos - 1] == unit:
+            return  # still as predicted (`seq` starts with what the pass took so far: checked one unit at a time)
         self.resyncs += 1
         rest = self.predictor.rest_of_pass(self.taken, len(self.order))
         if not rest and unit in self.order:  # nothing in history: the learned order from this unit on

@@ -77,7 +77,9 @@ def test_blocks_too_large_for_both_stream_and_the_rest_stay_resident():
     tiers = [b.tier for b in rep.blocks]
     on1 = [b for b in rep.blocks if b.device == "sim:1"]
     assert len(on1) == 2 and all(b.tier == "vram" for b in on1)
-    assert tiers.count("vram") == 6 and tiers.count("vram") + tiers.count("pageable") + tiers.count("pinned") == DEPTH
+    # 4 resident beside a 3-slot ring (or more, once measured costs trade lookahead for residency) and 2 on sim:1
+    assert 6 <= tiers.count("vram") < DEPTH
+    assert tiers.count("vram") + tiers.count("pageable") + tiers.count("pinned") == DEPTH
     assert rep.total_bytes_streamed > 0
     assert all(b.device == "sim:0" for b in rep.blocks if b.tier != "vram"), "streamed blocks compute on sim:0"
     devs = rep.devices
