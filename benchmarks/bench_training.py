@@ -11,6 +11,8 @@ Rows (each trains the same LoRA adapters, rank `--rank`, on every Linear of ever
                                         runs and back after; it needs activation checkpointing (--ckpt block), as the
                                         real tools recommend, since the weights a block saved would otherwise leave
 
+On CUDA the peak device bytes of every row are torch's peak allocation during the steps (weights, activations,
+adapters, optimizer state); on the simulated device they are the engine's own device bytes (resident: the model).
 Each row reports ms per step (the median over the steps of a round, then over `--rounds` rounds run in rotated
 order), peak device bytes, bytes streamed forward and backward, the per-block backward ms, and whether its per-step
 losses and trained adapters are bitwise those of the resident row (in every round).
@@ -97,9 +99,11 @@ class BlockSwap:
         self.swapped = list(blocks)[keep:]
         for b in list(blocks)[:keep]:
             b.to(device)
+        self.host: dict[int, torch.Tensor] = {}  # the frozen weights' pinned host copies (never written back)
         for b in self.swapped:
             for p in b.parameters():
                 p.data = p.data.cpu().pin_memory()
+                self.host[id(p)] = p.data
             b.register_forward_pre_hook(self._in)
             b.register_forward_hook(self._out)
         self.bytes_in = 0
@@ -112,8 +116,8 @@ class BlockSwap:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def _out(self, block: nn.Module, args: Any, out: Any) -> None:
-        for p in block.parameters():
-            p.data = p.data.to("cpu", non_blocking=False).pin_memory()
+        for p in block.parameters():  # frozen: back to the host copy, the GPU copy is freed once autograd lets go
+            p.data = self.host[id(p)]
 
 
 def sync(device: torch.device) -> None:
@@ -128,8 +132,6 @@ def run_row(args: argparse.Namespace, name: str, device: torch.device, data: lis
     row: dict[str, Any] = {"config": name}
     if mode == "resident":
         model.to(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
     elif mode == "offload":
         # the `budget` preset streams every block; the plain config keeps what fits the budget resident
         cfg = OffloadConfig.from_preset("budget" if preset else "auto", device=args.device,
@@ -144,13 +146,15 @@ def run_row(args: argparse.Namespace, name: str, device: torch.device, data: lis
             return {"config": name, "note": "skipped: block swap needs --ckpt block"}
         for attr in ("embed", "norm", "head"):
             getattr(model, attr).to(device)
-        torch.cuda.reset_peak_memory_stats(device)
         swap = BlockSwap(model.blocks, keep, device)
     params = add_lora(model, args.rank, device)
     if args.ckpt == "block":
         for i, b in enumerate(model.blocks):
             model.blocks[i] = Checkpointed(b)
     opt = torch.optim.AdamW(params, lr=1e-3)
+    if device.type == "cuda":  # every row: everything allocated on the GPU (weights, activations, adapters, state)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     amp = torch.bfloat16 if args.autocast == "bf16" else None
     times, losses = [], []
     for step in range(args.warmup + args.steps):
@@ -174,9 +178,11 @@ def run_row(args: argparse.Namespace, name: str, device: torch.device, data: lis
     if handle is not None:
         rep = handle.report()
         streamed = [b for b in rep.blocks if b.tier != "vram"]
-        row["peak_device_bytes"] = rep.peak_device_bytes
+        row["peak_device_bytes"] = (int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda"
+                                    else rep.peak_device_bytes)
+        row["engine_device_bytes"] = rep.peak_device_bytes
         row["blocks_streamed"] = len(streamed)
-        row["fwd_bytes_per_step"] = rep.total_bytes_streamed // args.steps
+        row["fwd_bytes_per_step"] = sum(b.bytes_streamed for b in rep.blocks) // args.steps
         row["bwd_bytes_per_step"] = rep.backward_bytes_streamed // args.steps
         calls = sum(b.backward_calls for b in streamed)
         row["bwd_ms_per_block"] = sum(b.backward_ms for b in streamed) / calls if calls else 0.0
