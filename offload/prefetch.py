@@ -40,7 +40,11 @@ class OrderPredictor:
         """A pass ended having called `seq` (streamed units, in order)."""
         if not seq:
             return
-        self.history.append(tuple(seq))
+        seq = tuple(seq)
+        repeat = bool(self.history) and self.history[-1] == seq
+        self.history.append(seq)
+        if repeat and all(self.successors.get(a) for a in seq[:-1]):
+            return  # the same pass again (the common case): its successors are known, counting them again is waste
         for a, b in zip(seq, seq[1:]):
             self.successors.setdefault(a, Counter())[b] += 1
 
