@@ -349,3 +349,40 @@ def test_first_training_step_grows_the_activation_reserve(offload, budget_cfg):
     total = handle.budget.total_bytes
     train(model, params, [x], "sgd")
     assert handle.budget.total_bytes == total  # measured once
+
+
+def _hook_adapters(blocks) -> list[nn.Parameter]:
+    """LoRA hooks on every 2-D weight's module in the blocks (quantized layers included: float32 adapters)."""
+    params: list[nn.Parameter] = []
+    for block in blocks:
+        for m in block.modules():
+            w = getattr(m, "weight", None)
+            if m is block or w is None or w.dim() != 2:
+                continue
+            g = torch.Generator().manual_seed(len(params))
+            out_f, in_f = w.shape
+            A = nn.Parameter(torch.randn(in_f, 4, generator=g) * 0.1)
+            B = nn.Parameter(torch.randn(4, out_f, generator=g) * 0.1)
+            m.register_forward_hook(lambda mod, args, out, A=A, B=B: out + args[0].float() @ A @ B)
+            params += [A, B]
+    return params
+
+
+@pytest.mark.parametrize("case_name", ["int8_subclass", "fp8_e4m3"])
+def test_lora_over_quantized_streamed_weights(case_name, offload, budget_cfg):
+    """Blocks of float8 weights with their scales, and of a tensor-subclass weight (int8 data and scales moved through
+    __tensor_flatten__), train adapters exactly as on the plain model."""
+    case = CASES[case_name]
+    results = []
+    for off in (False, True):
+        model = case.build().requires_grad_(False)
+        torch.manual_seed(3)
+        x = case.inputs()
+        handle = None
+        if off:
+            handle = offload(model, budget_cfg(vram_budget_bytes=streaming_budget(model, case.blocks(model), 2)))
+        results.append(train(model, _hook_adapters(case.blocks(model)), [x], "adamw"))
+    (ref_losses, ref_trained), (losses, trained) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(a, b) for a, b in zip(trained, ref_trained))
+    assert_streamed_backward(handle)
