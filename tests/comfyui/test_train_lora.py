@@ -85,13 +85,13 @@ def dataset():
     return latents, positive
 
 
-def train(env, model, checkpointing: bool):
+def train(env, model, checkpointing: bool, dtype: str = "fp32"):
     """Run the node as ComfyUI would (its V1 `train` or V3 `execute`), fp32; returns (lora_sd, losses)."""
     node = env["train"].TrainLoraNode
     latents, positive = dataset()
     values = dict(model=model, latents=latents, positive=positive, batch_size=1, grad_accumulation_steps=1,
                   steps=STEPS, learning_rate=0.001, rank=4, optimizer="AdamW", loss_function="MSE", seed=7,
-                  training_dtype="fp32", lora_dtype="fp32", algorithm="LoRA", gradient_checkpointing=checkpointing, checkpoint_depth=1,
+                  training_dtype=dtype, lora_dtype=dtype, algorithm="LoRA", gradient_checkpointing=checkpointing, checkpoint_depth=1,
                   existing_lora="[None]", bucket_mode=False, offloading=False, bypass_mode=False,
                   quantized_backward=False)
     fn = getattr(node, "execute", None) or getattr(node(), node.FUNCTION)
@@ -133,12 +133,14 @@ class BackwardSpy:
             monkeypatch.setattr(mod.BackwardStreamer, "_release", release)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
-def test_train_lora_on_offloaded_model_equals_plain_loader(env, checkpointing, monkeypatch):
-    ref_sd, ref_losses = train(env, plain_model(env), checkpointing)
+@pytest.mark.parametrize("checkpointing,dtype", [(False, "fp32"), (True, "fp32"), (True, "bf16")],
+                         ids=["fp32", "fp32-gradient_checkpointing", "bf16-gradient_checkpointing"])
+def test_train_lora_on_offloaded_model_equals_plain_loader(env, checkpointing, dtype, monkeypatch):
+    """fp32 as the issue asks, and the node's defaults (bf16 training and LoRA dtype, gradient checkpointing)."""
+    ref_sd, ref_losses = train(env, plain_model(env), checkpointing, dtype)
     model = offload_model(env)
     spy = BackwardSpy(monkeypatch)
-    sd, losses = train(env, model, checkpointing)
+    sd, losses = train(env, model, checkpointing, dtype)
     assert len(losses) == STEPS and losses == ref_losses, (losses, ref_losses)
     assert sorted(sd) == sorted(ref_sd) and sd
     differ = [k for k in sd if not torch.equal(sd[k], ref_sd[k])]
