@@ -16,8 +16,8 @@ from comfy_api.latest import io
 from ..offload import offload_module
 from . import dynamic, patches, status
 from .comfy_patcher import add_report_wrapper, as_offload_patcher
-from .common import (ANY, CATEGORY, engine_device, io_type, log_once, make_config, optional_inputs, preset_input,
-                     resolve_budget)
+from .common import (ANY, CATEGORY, devices_input, engine_device, io_type, log_once, make_config, optional_inputs,
+                     preset_input, resolve_budget, resolve_devices)
 from .registry import Managed, detach_managed, register, state_of, track_patcher
 
 log = logging.getLogger("layer_offload")
@@ -148,11 +148,12 @@ def _clone_backups(patcher: Any) -> Dict[str, Any]:
 
 
 def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int, name: str, kind: str,
-                  disk_path: Optional[str] = None, units: Optional[List[str]] = None) -> Optional[Managed]:
+                  disk_path: Optional[str] = None, units: Optional[List[str]] = None,
+                  devices: Any = None) -> Optional[Managed]:
     """Offload `root` with the engine (or reuse/refresh an existing handle); None when the device is unsupported.
 
     `disk_path`: the file the weights came from; blocks it holds byte for byte may stream from it when host RAM
-    runs short (others stay in RAM).
+    runs short (others stay in RAM). `devices`: the node's `devices` text (see `common.resolve_devices`).
     """
     device = engine_device()
     if device is None:
@@ -160,7 +161,7 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
     overrides: Dict[str, Any] = {}
     if disk_path:
         overrides.update(disk_path=disk_path, disk_optional=True)
-    cfg = make_config(preset, device, **overrides)
+    cfg = make_config(preset, device, resolve_devices(devices, device), **overrides)
     vbudget = resolve_budget(budget)
     existing = state_of(root)
     if existing is not None:
@@ -188,7 +189,7 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
 
 def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, priority: int = 0,
                     name: Optional[str] = None, kind: str = "model", disk_path: Optional[str] = None,
-                    shared: bool = True) -> ModelPatcher:
+                    shared: bool = True, devices: Any = None) -> ModelPatcher:
     """An offload patcher for `patcher`'s model, whose root module the engine streams.
 
     `shared`: the model came from another node (whose cached output keeps using it); False for a model the caller
@@ -196,6 +197,7 @@ def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, prio
     """
     if engine_device() is None:
         return patcher
+    resolve_devices(devices)  # a bad devices text is an error before anything changes
     patcher = dynamic.prepare(patcher)
     fresh = not getattr(type(patcher), "_lo_offload", False)
     private = shared and fresh and isinstance(patcher.model, torch.nn.Module) and \
@@ -217,21 +219,23 @@ def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, prio
     root = inner if kind == "model" and isinstance(inner, torch.nn.Module) else model
     if name is None:
         name = "{}:{}".format(kind, type(root).__name__)
-    managed = attach_engine(root, preset, budget, priority, name, kind, disk_path=disk_path)
+    managed = attach_engine(root, preset, budget, priority, name, kind, disk_path=disk_path, devices=devices)
     if managed is not None:
         track_patcher(n, managed)
         add_report_wrapper(n, status.publish)
     return n
 
 
-def offload_clip(clip: Any, preset: str, budget: Any = None, priority: int = 0, name: Optional[str] = None) -> Any:
+def offload_clip(clip: Any, preset: str, budget: Any = None, priority: int = 0, name: Optional[str] = None,
+                 devices: Any = None) -> Any:
     """A clone of a CLIP object whose text encoder the engine streams."""
     if engine_device() is None:
         return clip
     out = clip.clone()
     inner = type(getattr(out, "cond_stage_model", None)).__name__
     same = getattr(out, "cond_stage_model", None) is out.patcher.model
-    out.patcher = offload_patcher(out.patcher, preset, budget, priority, name or "clip:{}".format(inner), kind="clip")
+    out.patcher = offload_patcher(out.patcher, preset, budget, priority, name or "clip:{}".format(inner), kind="clip",
+                                  devices=devices)
     if same and out.cond_stage_model is not out.patcher.model:  # a private copy: the clone encodes with the copy
         out.cond_stage_model = out.patcher.model
     return out
@@ -265,14 +269,15 @@ def _find_modules(obj: Any, depth: int, seen: set, found: List[Tuple[str, Any]],
 
 
 def offload_anything(anything: Any, preset: str, budget: Any = None, priority: int = 0,
-                     max_depth: int = 4) -> Any:
+                     max_depth: int = 4, devices: Any = None) -> Any:
     """Offload every nn.Module found inside an arbitrary object (in place); return the object."""
     if engine_device() is None:
         return anything
+    resolve_devices(devices)  # a bad devices text is an error before anything changes
     if isinstance(anything, ModelPatcher):
-        return offload_patcher(anything, preset, budget, priority, kind="model")
+        return offload_patcher(anything, preset, budget, priority, kind="model", devices=devices)
     if hasattr(anything, "patcher") and hasattr(anything, "cond_stage_model") and hasattr(anything, "clone"):
-        return offload_clip(anything, preset, budget, priority)
+        return offload_clip(anything, preset, budget, priority, devices=devices)
     found: List[Tuple[str, Any]] = []
     _find_modules(anything, max_depth, set(), found, "")
     if not found:
@@ -281,12 +286,13 @@ def offload_anything(anything: Any, preset: str, budget: Any = None, priority: i
         return anything
     for path, obj in found:
         if isinstance(obj, ModelPatcher):
-            patched = offload_patcher(obj, preset, budget, priority, name="any:" + path, kind="model")
+            patched = offload_patcher(obj, preset, budget, priority, name="any:" + path, kind="model",
+                                      devices=devices)
             _replace_in_place(anything, path, obj, patched)
             continue
         if not any(True for _ in obj.parameters()):
             continue
-        attach_engine(obj, preset, budget, priority, "any:" + path, kind="module")
+        attach_engine(obj, preset, budget, priority, "any:" + path, kind="module", devices=devices)
     return anything
 
 
@@ -319,17 +325,18 @@ class OffloadModel(io.ComfyNode):
             node_id="OffloadModel", display_name="Offload Model", category=CATEGORY,
             description="Stream a MODEL block by block from host RAM under the pack's VRAM budget.",
             inputs=[io.Model.Input("model", tooltip="The diffusion model to stream (from any loader)."),
-                    preset_input(), *optional_inputs()],
+                    preset_input(), *optional_inputs(), devices_input()],
             outputs=[io.Model.Output(tooltip="The same model; its blocks now stream from host RAM.")])
 
     @classmethod
-    def execute(cls, model: Any, preset: str, budget: Any = None, priority: int = 0) -> io.NodeOutput:
-        return io.NodeOutput(*cls.apply(model, preset, budget, priority))
+    def execute(cls, model: Any, preset: str, budget: Any = None, priority: int = 0,
+                devices: str = "") -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(model, preset, budget, priority, devices))
 
     @classmethod
-    def apply(cls, model: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+    def apply(cls, model: Any, preset: str, budget: Any = None, priority: int = 0, devices: str = "") -> Tuple[Any]:
         """The node's work, as a tuple of its outputs."""
-        return (offload_patcher(model, preset, budget, priority, kind="model"),)
+        return (offload_patcher(model, preset, budget, priority, kind="model", devices=devices),)
 
 
 class OffloadCLIP(io.ComfyNode):
@@ -341,17 +348,18 @@ class OffloadCLIP(io.ComfyNode):
             node_id="OffloadCLIP", display_name="Offload CLIP", category=CATEGORY,
             description="Stream a CLIP text encoder block by block from host RAM under the pack's VRAM budget.",
             inputs=[io.Clip.Input("clip", tooltip="The text encoder to stream (from any loader)."),
-                    preset_input(), *optional_inputs()],
+                    preset_input(), *optional_inputs(), devices_input()],
             outputs=[io.Clip.Output(tooltip="The same CLIP; its encoder blocks now stream from host RAM.")])
 
     @classmethod
-    def execute(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0) -> io.NodeOutput:
-        return io.NodeOutput(*cls.apply(clip, preset, budget, priority))
+    def execute(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0,
+                devices: str = "") -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(clip, preset, budget, priority, devices))
 
     @classmethod
-    def apply(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+    def apply(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0, devices: str = "") -> Tuple[Any]:
         """The node's work, as a tuple of its outputs."""
-        return (offload_clip(clip, preset, budget, priority),)
+        return (offload_clip(clip, preset, budget, priority, devices=devices),)
 
 
 class OffloadAny(io.ComfyNode):
@@ -365,15 +373,17 @@ class OffloadAny(io.ComfyNode):
                          "it; use it for model objects of other packs."),
             inputs=[io.AnyType.Input("anything", tooltip="Any object: its nn.Modules (found a few attribute levels "
                                                          "deep) are offloaded in place."),
-                    preset_input(), *optional_inputs()],
+                    preset_input(), *optional_inputs(), devices_input()],
             outputs=[io_type(ANY).Output(display_name="anything",
                                          tooltip="The same object, its modules now streamed.")])
 
     @classmethod
-    def execute(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0) -> io.NodeOutput:
-        return io.NodeOutput(*cls.apply(anything, preset, budget, priority))
+    def execute(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0,
+                devices: str = "") -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(anything, preset, budget, priority, devices))
 
     @classmethod
-    def apply(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0) -> Tuple[Any]:
+    def apply(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0,
+              devices: str = "") -> Tuple[Any]:
         """The node's work, as a tuple of its outputs."""
-        return (offload_anything(anything, preset, budget, priority),)
+        return (offload_anything(anything, preset, budget, priority, devices=devices),)

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional, Tuple
+import re
+from typing import Any, Dict, Optional, Tuple
 
 from ..offload import (PRESETS, BudgetError, VramBudget, budget_preset_tooltip, default_budget,
                        device_memory)
 from comfy_api.latest import io
 
-from .common import BUDGET_TYPE, CATEGORY, PRESET_CHOICES, engine_device, io_type, preset_input
+from .common import (BUDGET_TYPE, CATEGORY, PRESET_CHOICES, engine_device, full_device_name, io_type, preset_input,
+                     visible_devices)
 
 log = logging.getLogger("layer_offload")
 
@@ -60,13 +62,66 @@ def check_total(total_bytes: Any, origin: str) -> int:
     return total
 
 
-class BudgetSpec:
-    """What a VRAM Budget node asked for; applying it sets the process-wide budget (it persists until changed)."""
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(gb|gib|g|mb|mib|m|%)?$", re.IGNORECASE)
 
-    def __init__(self, total_bytes: int, preset: Optional[str], origin: str) -> None:
+
+def parse_per_device(text: Any, input_name: str = "per_device") -> Dict[str, int]:
+    """`per_device` text ('cuda:1=10GB, cuda:2=50%') as {device: bytes}: the totals of the budgets of the devices
+    other than the compute device that hold resident blocks (the compute device's total is budget_gb). A number is
+    GB; MB and a percentage of that device's memory are allowed; 0 keeps every block off that device. ValueError /
+    BudgetError name the entry, the valid devices and the limit."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return {}
+    if not isinstance(text, str):
+        raise ValueError("{} must be text such as 'cuda:1=10GB', got {!r}".format(input_name, text))
+    compute = engine_device()
+    first = full_device_name(compute) if compute is not None else None
+    visible = [d for d in visible_devices(compute) if d != first]
+    out: Dict[str, int] = {}
+    for item in (p.strip() for p in re.split(r"[,;\n]+", text)):
+        if not item:
+            continue
+        name, sep, size = (x.strip() for x in item.partition("="))
+        if not sep or not name or not size:
+            raise ValueError("{}: {!r} is not 'device=size' (e.g. 'cuda:1=10GB' or 'cuda:1=50%')".format(
+                input_name, item))
+        device = full_device_name(name)
+        if device == first:
+            raise ValueError("{}: {} is the compute device; its total is budget_gb (or the preset)".format(
+                input_name, device))
+        if device not in visible:
+            raise ValueError("{}: {!r} is not a visible device other than the compute device ({}); valid devices: "
+                             "{}".format(input_name, name, first, ", ".join(visible) or "none (one device only)"))
+        if device in out:
+            raise ValueError("{}: {} is given twice".format(input_name, device))
+        m = _SIZE_RE.match(size)
+        if m is None:
+            raise ValueError("{}: the size {!r} of {} is not a number of GB (e.g. 10, 10GB, 512MB or 50%)".format(
+                input_name, size, device))
+        value, unit = float(m.group(1)), (m.group(2) or "gb").lower()
+        device_total = int(device_memory(device)[1])
+        nbytes = int(value / 100 * device_total) if unit == "%" else int(value * (GIB if unit.startswith("g")
+                                                                                   else 1 << 20))
+        if nbytes > device_total:
+            raise BudgetError("{}: {} = {:.2f} GB is larger than the device ({:.2f} GB); the limit is {:.2f} GB"
+                              .format(input_name, device, nbytes / GIB, device_total / GIB, device_total / GIB))
+        if 0 < nbytes < MIN_BUDGET_BYTES:
+            raise BudgetError("{}: {} = {} bytes is below the minimum of {:.3f} GB (or 0: no blocks there)".format(
+                input_name, device, nbytes, MIN_BUDGET_BYTES / GIB))
+        out[device] = nbytes
+    return out
+
+
+class BudgetSpec:
+    """What a VRAM Budget node asked for; applying it sets the process-wide budget (it persists until changed) and
+    the budgets of the other devices it names (`per_device`)."""
+
+    def __init__(self, total_bytes: int, preset: Optional[str], origin: str,
+                 per_device: Optional[Dict[str, int]] = None) -> None:
         self.total_bytes = int(total_bytes)
         self.preset = preset
         self.origin = origin
+        self.per_device = dict(per_device or {})
 
     def apply(self) -> VramBudget:
         """Make this the process-wide budget and return it."""
@@ -74,16 +129,23 @@ class BudgetSpec:
         if budget.total_bytes is None or int(budget.total_bytes) != self.total_bytes or budget.auto_sized:
             budget.set_total(self.total_bytes, origin=self.origin)
             log.info("Layer Offload: VRAM budget set to %.2f GB (%s)", self.total_bytes / GIB, self.origin)
+        for device, nbytes in self.per_device.items():
+            other = default_budget(device)
+            if other.total_bytes is None or int(other.total_bytes) != nbytes or other.auto_sized:
+                other.set_total(nbytes, origin="set by a VRAM Budget node (per_device {})".format(device))
+                log.info("Layer Offload: VRAM budget of %s set to %.2f GB", device, nbytes / GIB)
         return budget
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BudgetSpec) and other.total_bytes == self.total_bytes
+        return (isinstance(other, BudgetSpec) and other.total_bytes == self.total_bytes
+                and other.per_device == self.per_device)
 
     def __hash__(self) -> int:
-        return hash(self.total_bytes)
+        return hash((self.total_bytes, tuple(sorted(self.per_device.items()))))
 
     def __repr__(self) -> str:
-        return "BudgetSpec({:.2f} GB, {})".format(self.total_bytes / GIB, self.origin)
+        extra = "".join(", {} {:.2f} GB".format(d, n / GIB) for d, n in self.per_device.items())
+        return "BudgetSpec({:.2f} GB{}, {})".format(self.total_bytes / GIB, extra, self.origin)
 
 
 class OffloadVramBudget(io.ComfyNode):
@@ -99,25 +161,31 @@ class OffloadVramBudget(io.ComfyNode):
             inputs=[io.Float.Input("budget_gb", default=0.0, min=0.0, max=1024.0, step=0.25,
                                    tooltip="Device memory (GB) all offloaded models together may hold; at least "
                                            "{:.2f} GB. 0 = use the preset below.".format(MIN_BUDGET_BYTES / GIB)),
-                    preset_input(tooltip=budget_preset_tooltip())],
+                    preset_input(tooltip=budget_preset_tooltip()),
+                    io.String.Input("per_device", default="", optional=True, tooltip=(
+                        "Budgets of the other devices that hold blocks of models whose Offload node lists them "
+                        "(devices input), e.g. 'cuda:1=10GB, cuda:2=50%' (GB, MB or a share of that device; 0 keeps "
+                        "blocks off it). Empty: each such device sizes its own from its free memory. The compute "
+                        "device's total is budget_gb."))],
             outputs=[io_type(BUDGET_TYPE).Output(display_name="budget", tooltip=(
                 "The process-wide budget; link it to Offload loaders to make the dependency explicit."))])
 
     @classmethod
-    def execute(cls, budget_gb: float, preset: str) -> io.NodeOutput:
-        return io.NodeOutput(*cls.set_budget(budget_gb, preset))
+    def execute(cls, budget_gb: float, preset: str, per_device: str = "") -> io.NodeOutput:
+        return io.NodeOutput(*cls.set_budget(budget_gb, preset, per_device))
 
     @classmethod
-    def set_budget(cls, budget_gb: float, preset: str) -> Tuple[BudgetSpec]:
+    def set_budget(cls, budget_gb: float, preset: str, per_device: str = "") -> Tuple[BudgetSpec]:
         """The node's work, as a tuple of its outputs."""
         if budget_gb != budget_gb or budget_gb < 0:  # NaN or negative
             raise ValueError("budget_gb must be >= 0, got {!r}".format(budget_gb))
+        others = parse_per_device(per_device)
         if budget_gb > 0:
             origin = "set by a VRAM Budget node (budget_gb={:g})".format(budget_gb)
-            spec = BudgetSpec(check_total(budget_gb * GIB, origin), None, origin)
+            spec = BudgetSpec(check_total(budget_gb * GIB, origin), None, origin, others)
         else:
             origin = "set by a VRAM Budget node (preset {}: {:.0%} of the device)".format(
                 preset, PRESETS[preset].budget_fraction if preset in PRESETS else 0)
-            spec = BudgetSpec(preset_total_bytes(preset), preset, origin)
+            spec = BudgetSpec(preset_total_bytes(preset), preset, origin, others)
         spec.apply()
         return (spec,)

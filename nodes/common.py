@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
 from typing import Any, List, Optional
 
@@ -83,9 +85,91 @@ def engine_device() -> Optional[str]:
     return None
 
 
-def make_config(preset: str, device: str, **overrides: Any) -> OffloadConfig:
-    """OffloadConfig for a node's preset on the given engine device (ValueError names the valid presets)."""
+def make_config(preset: str, device: str, devices: Optional[List[str]] = None, **overrides: Any) -> OffloadConfig:
+    """OffloadConfig for a node's preset on the given engine device (ValueError names the valid presets).
+
+    `devices` (from `resolve_devices`): the compute device first, then the devices that hold resident blocks too;
+    None: one device, as always."""
+    if devices:
+        return OffloadConfig.from_preset(preset, device=devices[0], devices=tuple(devices), **overrides)
     return OffloadConfig.from_preset(preset, device=device, **overrides)
+
+
+SIM_DEVICES_ENV = "LAYER_OFFLOAD_SIM_DEVICES"  # under --cpu: how many simulated devices "auto" and lists may use
+TIP_DEVICES = ("Devices whose memory holds this model's blocks. Empty: the compute device only (as always). 'auto': "
+               "every visible GPU. Or a list such as 'cuda:0, cuda:1' (the compute device is always one of them and "
+               "computes; blocks that fit on no card stream from RAM). Each device has its own budget (VRAM Budget "
+               "node: per_device).")
+
+
+def full_device_name(name: str) -> str:
+    """'cuda' -> 'cuda:<current>', 'sim' -> 'sim:0'; other names as they are."""
+    if name == "sim":
+        return "sim:0"
+    if name == "cuda":
+        import torch
+
+        return "cuda:{}".format(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return name
+
+
+def visible_devices(compute: Optional[str] = None) -> List[str]:
+    """The devices a `devices` input may name: every CUDA device torch sees, or under --cpu the simulated devices
+    sim:0 .. sim:N-1 (N from LAYER_OFFLOAD_SIM_DEVICES, default 1)."""
+    compute = compute if compute is not None else engine_device()
+    if compute is None:
+        return []
+    if compute.startswith("sim"):
+        raw = os.environ.get(SIM_DEVICES_ENV, "").strip() or "1"
+        try:
+            count = int(raw)
+        except ValueError:
+            raise ValueError("{}={!r} must be a whole number of simulated devices".format(SIM_DEVICES_ENV, raw)) \
+                from None
+        return ["sim:{}".format(i) for i in range(max(1, count))]
+    import torch
+
+    return ["cuda:{}".format(i) for i in range(torch.cuda.device_count())]
+
+
+def resolve_devices(text: Any, compute: Optional[str] = None, input_name: str = "devices") -> Optional[List[str]]:
+    """A node's `devices` input as engine device names, the compute device first; None for one device (empty text,
+    or 'auto' when only one device is visible). ValueError names the input and the valid devices."""
+    compute = compute if compute is not None else engine_device()
+    if compute is None or text is None:
+        return None
+    if not isinstance(text, str):
+        raise ValueError("{} must be text ('auto' or a list such as 'cuda:0, cuda:1'), got {!r}".format(
+            input_name, text))
+    raw = text.strip()
+    if raw == "" or raw.lower() in ("compute only", "none", "one"):
+        return None
+    first = full_device_name(compute)
+    visible = visible_devices(compute)
+    if raw.lower() == "auto":
+        names = [first] + [d for d in visible if d != first]
+        return names if len(names) > 1 else None
+    names = [full_device_name(n) for n in re.split(r"[\s,;]+", raw) if n]
+    bad = [n for n in names if n not in visible]
+    if bad:
+        hint = " (set {}=N for N simulated devices)".format(SIM_DEVICES_ENV) if first.startswith("sim") else ""
+        raise ValueError("{}: {} {} not a visible device; valid devices: {}, or 'auto' for all, or empty for the "
+                         "compute device only{}".format(input_name, ", ".join(repr(n) for n in bad),
+                                                        "is" if len(bad) == 1 else "are", ", ".join(visible), hint))
+    if len(set(names)) != len(names):
+        raise ValueError("{}: {!r} lists a device twice".format(input_name, text))
+    if first not in names:
+        raise ValueError("{}: {!r} must include the compute device ComfyUI runs on ({}); it computes, the others "
+                         "hold blocks".format(input_name, text, first))
+    names = [first] + [n for n in names if n != first]
+    return names if len(names) > 1 else None
+
+
+def devices_input() -> Any:
+    """The optional `devices` text of the Offload nodes (default: the compute device only, as before)."""
+    from comfy_api.latest import io
+
+    return io.String.Input("devices", default="", optional=True, tooltip=TIP_DEVICES)
 
 
 def resolve_budget(budget: Any) -> VramBudget:

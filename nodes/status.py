@@ -14,6 +14,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ..offload import default_budget, summarize
+from .common import full_device_name
 from .registry import Managed, managed_models
 
 log = logging.getLogger("layer_offload")
@@ -55,9 +56,25 @@ def build_report(only: Optional[List[Managed]] = None) -> Dict[str, Any]:
             "models": [{"name": m.name, "used_bytes": int(m.handle.device_bytes()),
                         "share_bytes": int(shares.get(id(m.handle), 0))}
                        for m in (only if only is not None else managed_models()) if m.handle.attached],
+            "devices": device_budgets(models, budget),
         },
         "models": models,
     }
+
+
+def device_budgets(models: List[Dict[str, Any]], budget: Any) -> Dict[str, Dict[str, Any]]:
+    """Each device the reported models keep blocks on: its budget's total and what it holds now (the compute
+    device's is the process-wide budget); one entry when every model uses one device."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for d in models:
+        for i, name in enumerate(d.get("devices") or {}):
+            b = budget if i == 0 else default_budget(name)  # the compute device is listed first
+            name = full_device_name(name)  # one bar for 'sim' and 'sim:0'
+            if name in out:
+                continue
+            out[name] = {"total_bytes": int(b.total_bytes or 0), "used_bytes": int(b.used_bytes),
+                         "origin": b.origin, "compute": i == 0}
+    return out
 
 
 def summary_text(data: Dict[str, Any]) -> str:
