@@ -284,10 +284,11 @@ MODEL_KEYS = {
     "resident_bytes": int, "streamed_bytes": int, "device_bytes": int, "peak_device_bytes": int,
     "total_bytes_streamed": int, "overlap_ratio": NUM, "effective_gbps": NUM, "stall_ms": NUM, "h2d_ms": NUM,
     "compute_ms": NUM, "forwards": int, "slots": int, "slot_bytes": int, "disk_bytes_read": int, "notices": list,
-    "host": dict,
+    "host": dict, "devices": dict,
 }
 BLOCK_KEYS = {"name": str, "tier": str, "bytes": int, "h2d_ms": NUM, "compute_ms": NUM, "stall_ms": NUM,
-              "calls": int, "bytes_streamed": int, "reads": int}
+              "calls": int, "bytes_streamed": int, "reads": int, "device": str}
+DEVICE_KEYS = {"device_bytes": int, "peak_device_bytes": int, "resident_blocks": int}
 TIERS = ("vram", "pinned", "pageable", "disk")
 
 
@@ -308,8 +309,11 @@ def test_report_schema(env):
     json.dumps(data, allow_nan=False)  # what the route and the event send: strict JSON
     check_types(data, {"time": NUM, "budget": dict, "models": list}, "report")
     b = data["budget"]
-    check_types(b, {"total_bytes": int, "used_bytes": int, "minimum_bytes": int, "origin": str, "models": list},
-                "budget")
+    check_types(b, {"total_bytes": int, "used_bytes": int, "minimum_bytes": int, "origin": str, "models": list,
+                    "devices": dict}, "budget")
+    for name, d in b["devices"].items():  # each device a reported model keeps blocks on (one here: the compute one)
+        check_types(d, {"total_bytes": int, "used_bytes": int, "origin": str, "compute": bool}, name)
+    assert b["devices"]["sim:0"]["compute"] is True and b["devices"]["sim:0"]["total_bytes"] == b["total_bytes"]
     assert 0 < b["minimum_bytes"] <= b["total_bytes"] and 0 <= b["used_bytes"] <= b["total_bytes"]
     for m in b["models"]:
         check_types(m, {"name": str, "used_bytes": int, "share_bytes": int}, "budget.models[]")
@@ -326,6 +330,10 @@ def test_report_schema(env):
     for i, blk in enumerate(m["blocks"]):
         check_types(blk, BLOCK_KEYS, "blocks[{}]".format(i))
         assert blk["tier"] in TIERS and blk["bytes"] > 0
+        assert blk["device"] == "sim", "one device: every block computes on the compute device"
+    assert list(m["devices"]) == ["sim"], m["devices"]  # one device unless the node's devices input names more
+    check_types(m["devices"]["sim"], DEVICE_KEYS, "devices.sim")
+    assert m["devices"]["sim"]["resident_blocks"] == m["resident_blocks"]
     for n in m["notices"]:
         check_types(n, {"kind": str, "message": str}, "notices[]")
         assert n["kind"] in ("pinned_fallback", "oom_shrink", "disk_tier", "lookahead_shrunk")
