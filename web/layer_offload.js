@@ -16,9 +16,13 @@
 //                                       [data-lo-budget-model="<name>"] segment per model
 //   input[data-lo-control="budget"]     the budget total in GB (Enter or leaving the field applies it)
 //   [data-lo-legend]                    the legend; [data-lo-legend-tier="vram|pinned|pageable|disk"] swatches
+//   [data-lo-devices]                   several devices only: one [data-lo-device-bar="<device>"] per device (its
+//                                       budget: data-lo-used / data-lo-total bytes); [data-lo-legend-device] swatches
 //   [data-lo-model="<name>"]            one row per offloaded model, holding:
 //     input[data-lo-control="priority"] its priority (-100..100)
 //     svg[data-lo-chart="blocks"]       the chart: one <g data-lo-block="<index>" data-lo-tier="<tier>"> per block
+//                                       (data-lo-device="<device>" when the report names it)
+//     [data-lo-model-device="<device>"]  several devices only: that device's resident blocks and bytes
 //     [data-lo-figure="overlap|gbps|stall"]  the figures as plain numbers (units outside the element)
 //     [data-lo-count="resident|streamed|disk"]  block counts
 import { app } from "../../scripts/app.js";
@@ -43,6 +47,7 @@ const TIER_COLOR = Object.fromEntries(TIERS.map((t) => [t.id, t.color]));
 const TIER_GRADIENT = `linear-gradient(90deg,${TIERS.map((t) => t.color).join(",")})`;
 const STALL_COLOR = "#ff3b30";
 const COMPUTE_OPACITY = 0.25; // compute bars: the tier colour, light fill with an outline
+const DEVICE_COLORS = ["#e6edf3", "#f0883e", "#db61a2", "#2ea043", "#58a6ff", "#bc8cff"];
 const MODEL_COLORS = ["#39c5cf", "#f778ba", "#e3b341", "#56d364", "#79c0ff", "#ffa657", "#d2a8ff", "#ff7b72"];
 const NOTICES = {
   pinned_fallback: { severity: "warn", summary: "Pinned memory refused: pageable memory used" },
@@ -284,15 +289,51 @@ function panel(data) {
     out.push(el("div", { class: "lo-muted" }, "Loading the report…"));
     return out;
   }
+  const devices = deviceList(data);
   out.push(budgetSection(data.budget || {}));
-  out.push(legend());
+  out.push(legend(devices));
   const models = data.models || [];
   if (!models.length) {
     out.push(el("div", { class: "lo-muted lo-empty" },
       "No offloaded model yet: run a prompt with an Offload loader or Offload Model node."));
   }
-  for (const m of models) out.push(modelRow(m));
+  for (const m of models) out.push(modelRow(m, devices));
   return out;
+}
+
+// several devices (issue 21): the devices the report names, the compute device first; [] with one device, so the
+// single-device panel looks exactly as before
+function deviceList(data) {
+  const names = Object.keys(data?.budget?.devices || {});
+  for (const m of (data?.models || []).filter(multiDevice)) {
+    for (const d of Object.keys(m.devices)) if (!names.includes(d)) names.push(d);
+  }
+  return names.length > 1 ? names : [];
+}
+
+function deviceColor(devices, name) {
+  const i = devices.indexOf(name);
+  return i < 0 ? "#8b949e" : DEVICE_COLORS[i % DEVICE_COLORS.length];
+}
+
+function multiDevice(m) {
+  return Object.keys(m.devices || {}).length > 1;
+}
+
+function deviceBars(b) {
+  const devs = Object.entries(b.devices || {});
+  if (devs.length < 2) return null;
+  return el("div", { class: "lo-devices", "data-lo-devices": "" }, devs.map(([name, d]) => {
+    const total = num(d.total_bytes);
+    const used = num(d.used_bytes);
+    const pct = total > 0 ? Math.min(100, (100 * used) / total) : 0;
+    return el("div", { class: "lo-device" },
+      el("div", { class: "lo-line" }, el("span", {}, el("b", {}, name), d.compute ? " (computes)" : ""),
+        el("span", { class: "lo-muted" }, total > 0 ? `${bytes(used)} of ${bytes(total)}` : "not sized yet")),
+      el("div", { class: "lo-bar lo-bar-thin", "data-lo-device-bar": name, "data-lo-used": used,
+        "data-lo-total": total, role: "img", "aria-label": `${name}: ${bytes(used)} used of ${bytes(total)}` },
+      el("div", { class: "lo-seg", style: `width:${pct.toFixed(2)}%;background:${DEVICE_COLORS[0]}` })));
+  }));
 }
 
 function budgetSection(b) {
@@ -319,14 +360,18 @@ function budgetSection(b) {
       el("span", {}, total > 0 ? `${bytes(used)} used of ${bytes(total)}` : "not sized yet")),
     bar,
     shares,
+    deviceBars(b),
     el("label", { class: "lo-line lo-ctl" }, el("span", {}, "Total"),
       el("span", {}, input, " GB ", el("span", { class: "lo-muted" },
         `(min ${bytes(b.minimum_bytes)}; Enter applies)`))),
     b.origin ? el("div", { class: "lo-muted lo-origin" }, b.origin) : null);
 }
 
-function legend() {
+function legend(devices) {
   return el("div", { class: "lo-legend", "data-lo-legend": "" },
+    devices.length ? el("div", { class: "lo-legend-row" }, "Device:",
+      devices.map((d) => el("span", { class: "lo-key", "data-lo-legend-device": d }, swatch(deviceColor(devices, d)),
+        d))) : null,
     el("div", { class: "lo-legend-row" }, "Tier:",
       TIERS.map((t) => el("span", { class: "lo-key", "data-lo-legend-tier": t.id }, swatch(t.color), t.label))),
     el("div", { class: "lo-legend-row" }, "Per block:",
@@ -354,7 +399,15 @@ function deviceText(m) {
   return name.startsWith(dev) ? name : `${dev} (${name})`; // "sim (8.00 GiB)", "cuda:0 (NVIDIA ...)"
 }
 
-function modelRow(m) {
+function modelDevices(m, devices) {
+  if (!multiDevice(m)) return null;
+  return el("div", { class: "lo-counts" }, Object.entries(m.devices).map(([name, d]) =>
+    el("span", { "data-lo-model-device": name }, swatch(deviceColor(devices, name)), el("b", {}, name),
+      ` ${num(d.resident_blocks)} resident block(s) · ${bytes(d.device_bytes)} (peak ${bytes(d.peak_device_bytes)})` +
+      (num(d.activation_bytes) ? ` · activations moved ${bytes(d.activation_bytes)}` : ""))));
+}
+
+function modelRow(m, devices) {
   const { counts, sizes } = tierCounts(m);
   const streamed = num(counts.pinned) + num(counts.pageable);
   const prioKey = `priority:${m.name}`;
@@ -376,7 +429,8 @@ function modelRow(m) {
         ` disk · ${bytes(sizes.disk)}`)),
     el("div", { class: "lo-muted" }, `device ${bytes(m.device_bytes)} (peak ${bytes(m.peak_device_bytes)}) · ` +
       `resident total ${bytes(m.resident_bytes)} · ${num(m.forwards)} forward(s)`),
-    chart(m),
+    modelDevices(m, devices || []),
+    chart(m, devices || []),
     el("div", { class: "lo-figures" },
       el("span", {}, "overlap ", el("b", { "data-lo-figure": "overlap" }, num(m.overlap_ratio).toFixed(2))),
       el("span", {}, el("b", { "data-lo-figure": "gbps" }, num(m.effective_gbps).toFixed(2)), " GB/s"),
@@ -384,7 +438,7 @@ function modelRow(m) {
         el("b", { "data-lo-figure": "stall" }, ms(stall)), " ms"),
       el("span", { class: "lo-muted" }, `copy ${ms(m.h2d_ms)} ms · compute ${ms(m.compute_ms)} ms`)),
     notices(m),
-    blockTable(m));
+    blockTable(m, devices || []));
   return row;
 }
 
@@ -397,15 +451,16 @@ function notices(m) {
 
 const PER_ROW = 16; // blocks per chart row: a 40-block model gets three rows, each bar stays wide enough to see
 
-function chart(m) {
+function chart(m, devices) {
   const blocks = m.blocks || [];
+  const multi = multiDevice(m); // a device strip under the tier band, block numbers one strip lower
   const n = Math.max(1, blocks.length);
   const perRow = Math.min(n, PER_ROW);
   const rows = Math.ceil(n / perRow);
   const W = 280;
-  const rowH = n > PER_ROW ? 62 : 84; // one row: bars, the tier band and the block numbers
+  const rowH = (n > PER_ROW ? 62 : 84) + (multi ? 5 : 0); // one row: bars, the tier band and the block numbers
   const top = 8; // room for a stall's marker
-  const plotH = rowH - top - 18;
+  const plotH = rowH - top - 18 - (multi ? 5 : 0);
   const H = rows * rowH;
   const colW = W / perRow;
   const gap = Math.min(4, colW * 0.2);
@@ -431,8 +486,10 @@ function chart(m) {
     const base = rowTop + top + plotH;
     const stall = num(b.stall_ms);
     const g = svg("g", { "data-lo-block": i, "data-lo-tier": b.tier, "data-lo-stall": stall > 0 ? 1 : 0 });
+    if (b.device) g.setAttribute("data-lo-device", b.device);
     const tip = svg("title", {});
-    tip.textContent = `${i} ${b.name} [${b.tier}] ${bytes(b.bytes)}: copy ${ms(b.h2d_ms)} ms, compute ` +
+    tip.textContent = `${i} ${b.name} [${b.tier}${multi && b.device ? ` on ${b.device}` : ""}] ${bytes(b.bytes)}: ` +
+      `copy ${ms(b.h2d_ms)} ms, compute ` +
       `${ms(b.compute_ms)} ms, stall ${ms(b.stall_ms)} ms`;
     g.append(tip);
     if (stall > 0) { // stalls stand out: the whole column is tinted red and marked on top
@@ -456,8 +513,13 @@ function chart(m) {
     });
     g.append(svg("rect", { x, y: base + 2, width: Math.max(0.5, colW - gap), height: 4, fill: color,
       "data-lo-bar": "tier" }));
+    if (multi) {
+      g.append(svg("rect", { x, y: base + 7, width: Math.max(0.5, colW - gap), height: 3,
+        fill: deviceColor(devices, b.device), "data-lo-bar": "device" }));
+    }
     if (i % labelEvery === 0) {
-      const t = svg("text", { x: x + (colW - gap) / 2, y: base + 15, "text-anchor": "middle", "font-size": 9,
+      const t = svg("text", { x: x + (colW - gap) / 2, y: base + 15 + (multi ? 5 : 0), "text-anchor": "middle",
+        "font-size": 9,
         fill: "currentColor", "fill-opacity": 0.75 });
       t.textContent = String(i);
       g.append(t);
@@ -471,7 +533,8 @@ function chart(m) {
   return el("div", { class: "lo-chart-box" }, caption, root);
 }
 
-function blockTable(m) {
+function blockTable(m, devices) {
+  const multi = multiDevice(m);
   const details = el("details", { class: "lo-details", open: state.open.has(m.name) });
   details.addEventListener("toggle", () => {
     if (details.open) state.open.add(m.name);
@@ -479,9 +542,11 @@ function blockTable(m) {
   });
   details.append(el("summary", {}, "Per-block figures"));
   details.append(el("div", { class: "lo-table-box" }, el("table", { class: "lo-table" },
-    el("thead", {}, el("tr", {}, ["#", "tier", "MB", "copy", "compute", "stall"].map((h) => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ["#", "tier", multi ? "device" : null, "MB", "copy", "compute", "stall"]
+      .filter((h) => h !== null).map((h) => el("th", {}, h)))),
     el("tbody", {}, (m.blocks || []).map((b, i) => el("tr", {},
       el("td", {}, i), el("td", {}, swatch(TIER_COLOR[b.tier] || "#8b949e"), b.tier),
+      multi ? el("td", {}, swatch(deviceColor(devices, b.device)), b.device || "") : null,
       el("td", {}, (num(b.bytes) / MIB).toFixed(num(b.bytes) >= 100 * MIB ? 0 : 1)), el("td", {}, ms(b.h2d_ms)), el("td", {}, ms(b.compute_ms)),
       el("td", { class: num(b.stall_ms) > 0 ? "lo-stall" : "" }, ms(b.stall_ms))))))));
   return details;
@@ -505,6 +570,8 @@ const CSS_TEXT = `
   border-radius:4px;overflow:hidden;margin:4px 0}
 .lo-seg{height:100%;min-width:4px;flex:0 0 auto;border-right:1px solid rgba(0,0,0,.35)}
 .lo-shares{display:flex;flex-direction:column;gap:1px}
+.lo-devices{margin-top:4px}
+.lo-bar-thin{height:8px;margin:2px 0 4px}
 .lo-share{display:flex;align-items:baseline;gap:2px}
 .lo-wrap{min-width:0;overflow-wrap:anywhere}
 .lo-name{font-weight:600;overflow-wrap:anywhere}

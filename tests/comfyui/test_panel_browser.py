@@ -32,6 +32,7 @@ if MISSING:
 
 UNET = "tiny_wan.safetensors"
 UNET_HI = "tiny_wan_hi.safetensors"
+UNET_MD = "tiny_wan_two_devices.safetensors"  # test_two_devices_draw_a_bar_each: offloaded across sim:0 and sim:1
 TAB = "layer-offload"
 GIB = 1 << 30
 # what identifies the extension's own console messages: its script URL, its routes, its log prefix
@@ -71,9 +72,18 @@ def page(tmp_path_factory):
     paths = cs.prepare_base_dir(base)
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET))
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_HI))
+    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_MD))
     server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
     server.seed_settings()
-    server.start()
+    old_env = os.environ.get("LAYER_OFFLOAD_SIM_DEVICES")
+    os.environ["LAYER_OFFLOAD_SIM_DEVICES"] = "2"  # sim:1 is visible to the server (single-device models unchanged)
+    try:
+        server.start()
+    finally:
+        if old_env is None:
+            os.environ.pop("LAYER_OFFLOAD_SIM_DEVICES", None)
+        else:
+            os.environ["LAYER_OFFLOAD_SIM_DEVICES"] = old_env
     driver = None
     try:
         driver = browser.make_driver(CHROMIUM, CHROMEDRIVER)
@@ -280,3 +290,51 @@ def test_panel_end_to_end(page, tmp_path):
     ours = browser.errors_from(console, OURS)
     unexpected = [m for m in ours if not ("/api/layer_offload/" in m and "status of 400" in m)]
     assert not unexpected, "\n".join(unexpected)
+
+
+def test_two_devices_draw_a_bar_each(page):
+    """A model offloaded across sim:0 and sim:1 (devices input, per_device budget of sim:1): the panel draws one bar
+    per device with that device's budget, lists the model's devices and marks each block's device in the chart."""
+    server, driver = page
+    console = browser.console_entries(driver)
+    ksampler = {"class_type": "KSampler", "inputs": {
+        "model": ["1", 0], "positive": ["2", 0], "negative": ["2", 0], "latent_image": ["3", 0], "seed": 3,
+        "steps": 3, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}}
+    wf = {
+        "8": {"class_type": "OffloadVramBudget",
+              "inputs": {"budget_gb": 0.02, "preset": "auto", "per_device": "sim:1=20MB"}},
+        "1": {"class_type": "OffloadDiffusionModelLoader",
+              "inputs": {"unet_name": UNET_MD, "weight_dtype": "default", "preset": "budget", "priority": 0,
+                         "budget": ["8", 0], "devices": "sim:0, sim:1"}},
+        "2": {"class_type": "LOTestConditioning", "inputs": {"tokens": 8, "seed": 1}},
+        "3": {"class_type": "EmptyHunyuanLatentVideo",
+              "inputs": {"width": 64, "height": 64, "length": 1, "batch_size": 1}},
+        "5": ksampler,
+        "7": {"class_type": "OffloadReport", "inputs": {"anything": ["5", 0]}},
+    }
+    browser.open_sidebar_tab(driver, TAB)
+    entry = server.wait(server.queue(wf), timeout=120)
+    assert entry.get("status", {}).get("status_str") == "success", entry.get("status")
+    browser.wait_for(lambda: q(driver, row_css(UNET_MD)), 30, "the two-device model's row")
+    rep = report_model(server, UNET_MD)
+    assert list(rep["devices"]) == ["sim:0", "sim:1"] and rep["devices"]["sim:1"]["resident_blocks"] > 0, rep
+    budget = server.get_json("/layer_offload/report")["budget"]
+    assert budget["devices"]["sim:1"]["total_bytes"] == 20 << 20, budget["devices"]
+
+    bars = browser.wait_for(lambda: q(driver, "[data-lo-devices] [data-lo-device-bar]"), 10, "the device bars")
+    assert [b.get_attribute("data-lo-device-bar") for b in bars] == ["sim:0", "sim:1"]
+    assert int(bars[1].get_attribute("data-lo-total")) == 20 << 20
+    assert int(bars[0].get_attribute("data-lo-total")) == budget["total_bytes"]
+    assert all(b.size["width"] > 100 for b in bars), [b.size for b in bars]
+    legend = [e.get_attribute("data-lo-legend-device") for e in q(driver, "[data-lo-legend-device]")]
+    assert legend == ["sim:0", "sim:1"], legend
+    listed = [e.get_attribute("data-lo-model-device") for e in q(driver, row_css(UNET_MD) + " [data-lo-model-device]")]
+    assert listed == ["sim:0", "sim:1"], listed
+    marks = q(driver, row_css(UNET_MD) + ' [data-lo-chart="blocks"] [data-lo-block]')
+    assert [m.get_attribute("data-lo-device") for m in marks] == [b["device"] for b in rep["blocks"]]
+    assert "sim:1" in [m.get_attribute("data-lo-device") for m in marks]
+    # the single-device models' rows stay as they were: no device list
+    assert not q(driver, row_css(UNET) + " [data-lo-model-device]")
+    console += browser.console_entries(driver)
+    ours = browser.errors_from(console, OURS)
+    assert not [m for m in ours if not ("/api/layer_offload/" in m and "status of 400" in m)], "\n".join(ours)
