@@ -386,3 +386,57 @@ def test_lora_over_quantized_streamed_weights(case_name, offload, budget_cfg):
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(a, b) for a, b in zip(trained, ref_trained))
     assert_streamed_backward(handle)
+
+
+class _MatmulSavingWeight(torch.autograd.Function):
+    """x @ w.T that saves the (quantized, tensor-subclass) weight itself for backward, as custom kernels do."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x @ w.dequantize().t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        return grad @ w.dequantize(), None
+
+
+class _SavingQLinear(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        from tests.models import Int8WeightTensor
+
+        self.weight = nn.Parameter(Int8WeightTensor.quantize(torch.randn(dim, dim) * 0.2), requires_grad=False)
+
+    def forward(self, x):
+        return _MatmulSavingWeight.apply(x, self.weight)
+
+
+class _SavingStack(nn.Module):
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(_SavingQLinear(dim), nn.Tanh()) for _ in range(depth))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_saved_tensor_subclass_viewing_the_slot(offload, budget_cfg):
+    """A weight saved for backward as a tensor subclass whose inner tensors view the slot is saved as a handle and
+    rebuilt over the slot that holds its bytes in backward (without that, later blocks overwrite it)."""
+    results = []
+    for off in (False, True):
+        torch.manual_seed(0)
+        model = _SavingStack().requires_grad_(False)
+        x = torch.randn(3, 32)
+        handle = None
+        if off:
+            handle = offload(model, budget_cfg(vram_budget_bytes=streaming_budget(model, list(model.blocks), 2)))
+        results.append(train(model, _hook_adapters(model.blocks), [(x,)], "adamw"))
+    (ref_losses, ref_trained), (losses, trained) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(a, b) for a, b in zip(trained, ref_trained))
+    assert_streamed_backward(handle)
