@@ -32,6 +32,7 @@ from .streamer import DeviceMemoryError, ModelStreamer
 log = logging.getLogger(__name__)
 
 HANDLE_ATTR = "_layer_offload_handle"
+COST_EVERY = 4  # once every block was measured, per-block timings are folded in every this many passes (O(blocks))
 
 
 class DetachedError(RuntimeError):
@@ -103,6 +104,7 @@ class OffloadHandle:
         self._names = [u.staged.name for u in self.streamer.units]
         self._plan: UnitPlan | None = None
         self._costs = CostTracker(self._sizes)  # per-unit compute and copy times, for placement from measured costs
+        self._passes = 0
         self._cost_cache: tuple[Any, ...] | None = None
         self._allowance: int | None = None
         self._oom_free: int | None = None  # free device bytes after an out-of-memory shrink; None: not capped
@@ -301,7 +303,9 @@ class OffloadHandle:
     def after_pass(self) -> None:
         """After the first forward: correct the activation reserve of a self-sized budget from the real peak."""
         self.budget.notify_room()  # models waiting for bytes this one holds look again
-        if self._allowance is not None and self.streamer.loaded and self._fold_costs():
+        self._passes += 1
+        if (self._allowance is not None and self.streamer.loaded
+                and (not self._costs.ready or self._passes % COST_EVERY == 0) and self._fold_costs()):
             # re-placed at the end of a pass, so the next pass's first blocks are prefetched in the gap before it
             self._replan(self._allowance, place=True)
             self.streamer.worker.fill()
