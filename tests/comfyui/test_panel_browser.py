@@ -292,7 +292,7 @@ def test_panel_end_to_end(page, tmp_path):
     assert not unexpected, "\n".join(unexpected)
 
 
-def test_two_devices_draw_a_bar_each(page):
+def test_two_devices_draw_a_bar_each(page, tmp_path):
     """A model offloaded across sim:0 and sim:1 (devices input, per_device budget of sim:1): the panel draws one bar
     per device with that device's budget, lists the model's devices and marks each block's device in the chart."""
     server, driver = page
@@ -335,6 +335,11 @@ def test_two_devices_draw_a_bar_each(page):
     assert "sim:1" in [m.get_attribute("data-lo-device") for m in marks]
     # the single-device models' rows stay as they were: no device list
     assert not q(driver, row_css(UNET) + " [data-lo-model-device]")
+    driver.execute_script("const r = document.querySelector(arguments[0]); r && r.scrollIntoView();", row_css(UNET_MD))
+    shot = str(tmp_path / "panel_devices.png")  # LO_PANEL_DEVICES_PNG=path writes a copy
+    assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
+    if os.environ.get("LO_PANEL_DEVICES_PNG"):
+        shutil.copyfile(shot, os.environ["LO_PANEL_DEVICES_PNG"])
     console += browser.console_entries(driver)
     ours = browser.errors_from(console, OURS)
     assert not [m for m in ours if not ("/api/layer_offload/" in m and "status of 400" in m)], "\n".join(ours)
