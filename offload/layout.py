@@ -124,7 +124,16 @@ class TensorLayout:
     def reclaim(self) -> bool:
         """Every plain parameter back to the engine's own object where it holds the same bytes; False when another
         owner's tensor with other bytes is in use (the unit must not be streamed over it)."""
-        return all([entry.reclaim() for entry in self.entries])
+        ok = True
+        for entry in self.entries:  # the common case first: the module holds the engine's own object
+            ours = entry.param
+            if ours is None:
+                continue
+            module, attr, kind = entry.locations[0]
+            if kind == "param" and module._parameters.get(attr) is ours:
+                continue
+            ok = entry.reclaim() and ok
+        return ok
 
     def adopt_params(self) -> None:
         """Remember the Parameter objects the modules hold now as the engine's own (right after staging)."""

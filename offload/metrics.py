@@ -194,11 +194,14 @@ class MetricsCollector:
 
     def _harvest(self, block: bool) -> None:
         b = self.backend
+        is_done, elapsed_ms, copy_span_ms = b.is_done, b.elapsed_ms, b.copy_span_ms  # bound once: one call per record
+        calls, compute_ms, h2d_ms, stall_ms, streamed = (self.calls, self.compute_ms, self.h2d_ms, self.stall_ms,
+                                                          self.bytes_streamed)
         done = 0
         for rec in self._pending:
             if block:
                 b.event_synchronize(rec.end)
-            elif not b.is_done(rec.end) or (rec.copy is not None and not b.is_done(rec.copy)):
+            elif not is_done(rec.end) or (rec.copy is not None and not is_done(rec.copy)):
                 break
             u = rec.unit
             if rec.backward:
@@ -211,17 +214,17 @@ class MetricsCollector:
                     self.bwd_bytes[u] += rec.nbytes
                 done += 1
                 continue
-            self.calls[u] += 1
-            self.compute_ms[u] += max(0.0, b.elapsed_ms(rec.start, rec.end))
+            calls[u] += 1
+            compute_ms[u] += max(0.0, elapsed_ms(rec.start, rec.end))
             if rec.copy is not None:
-                h2d = b.copy_span_ms(rec.copy)
-                stall = max(0.0, b.elapsed_ms(rec.ready, rec.copy))
-                self.h2d_ms[u] += h2d
-                self.stall_ms[u] += stall if math.isfinite(stall) else 0.0
-                self.bytes_streamed[u] += rec.nbytes
+                h2d = copy_span_ms(rec.copy)
+                stall = max(0.0, elapsed_ms(rec.ready, rec.copy))
+                h2d_ms[u] += h2d
+                stall_ms[u] += stall if math.isfinite(stall) else 0.0
+                streamed[u] += rec.nbytes
                 if self.profile:
                     self.timeline.append({"unit": u, "h2d_ms": h2d, "stall_ms": stall,
-                                          "compute_ms": b.elapsed_ms(rec.start, rec.end)})
+                                          "compute_ms": elapsed_ms(rec.start, rec.end)})
             done += 1
         del self._pending[:done]
 
