@@ -213,8 +213,9 @@ class PrefetchWorker:
     def _guess_after(self, this_pass: list[int]) -> list[int]:
         """The pass expected after `this_pass`: what followed it the last time it was seen, else the same again."""
         h = self.predictor.history
-        for k in range(len(h) - 1, -1, -1):
-            if list(h[k]) == this_pass and k + 1 < len(h):
+        key = tuple(this_pass)
+        for k in range(len(h) - 2, -1, -1):
+            if h[k] == key:
                 return list(h[k + 1])
         return list(self.order) or list(this_pass)
 
