@@ -22,39 +22,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
-
-
-class Fat(nn.Module):
-    def __init__(self, dim: int, width: int) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(width, width) * 0.01)
-        self.dim = dim
-
-    def forward(self, x):
-        return x + self.w[0, :self.dim]
-
-
-class Lean(nn.Module):
-    def __init__(self, dim: int, repeats: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-        self.repeats = repeats
-
-    def forward(self, x):
-        for _ in range(self.repeats):
-            x = torch.tanh(self.lin(x))
-        return x
-
-
-class Mixed(nn.Module):
-    def __init__(self, kinds: str, dim: int = 64, width: int = 1024, repeats: int = 24) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Fat(dim, width) if k == "F" else Lean(dim, repeats) for k in kinds)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+from offload.demo.reference_models import FatCheapBlock, LeanComputeBlock, MixedCostStack  # noqa: E402
 
 
 def _nbytes(m: nn.Module) -> int:
@@ -63,11 +31,11 @@ def _nbytes(m: nn.Module) -> int:
 
 def measure(kinds: str, mode: str, gbps: float, iters: int, x: torch.Tensor) -> dict:
     torch.manual_seed(0)
-    model = Mixed(kinds).eval()
+    model = MixedCostStack(kinds).eval()
     with torch.no_grad():
         ref = model(x)
-    fat = [b for b in model.blocks if isinstance(b, Fat)]
-    lean = [b for b in model.blocks if isinstance(b, Lean)]
+    fat = [b for b in model.blocks if isinstance(b, FatCheapBlock)]
+    lean = [b for b in model.blocks if isinstance(b, LeanComputeBlock)]
     budget = VramBudget(sum(_nbytes(b) for b in fat) + 3 * _nbytes(lean[0]) + 4096)
     cfg = OffloadConfig(device="sim", prefetch=2, sim_bandwidth_gbps=gbps, sim_capacity_bytes=(96 << 20) + 17)
     h = offload_module(model, cfg, budget=budget)
@@ -104,7 +72,7 @@ def main() -> None:
     for kinds in ("FFFFLLLL", "FLFLFLFL", "LLLLFFFF"):
         for mode in ("count", "cost"):
             rows.append(measure(kinds, mode, args.gbps, args.iters, x))
-    print(f"| layout | placement | ms/forward | stall ms/forward | MB streamed/forward | resident (R) / streamed (s) |")
+    print("| layout | placement | ms/forward | stall ms/forward | MB streamed/forward | resident (R) / streamed (s) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['mode']} | {r['ms']:.1f} | {r['stall_ms']:.1f} | {r['mb_streamed']:.1f} | "

@@ -168,7 +168,7 @@ def plan_by_cost(sizes: list[int], names: list[str], rest_bytes: int, allowance:
     want = ring_slots(prefetch, n)
     resident: set[int] = set()
     if not stream_all:
-        resident, _ = _search(sizes, avail, want, costs, order)
+        resident = _search(sizes, avail, want, costs, order)
     fit = _fit(sizes, resident, avail, want)
     if fit is None:  # cannot happen: the empty set fits whenever plan_units did not raise
         raise PlanError(f"no plan fits {allowance} bytes")
@@ -216,37 +216,34 @@ def _what_each_saves(sizes: list[int], avail: int, want: int, costs: UnitCosts, 
 
 
 def _search(sizes: list[int], avail: int, want: int, costs: UnitCosts,
-            order: list[int]) -> tuple[set[int], dict[int, float]]:
+            order: list[int]) -> set[int]:
     """The slot is as wide as the widest streamed unit, so keeping all the wide units resident can pay where
     keeping any one of them does not: try each slot width (the units wider than it resident), grow the resident
     set from there, and keep the plan with the least predicted stall."""
     widths = sorted(set(sizes), reverse=True)
     if len(widths) > MAX_WIDTHS:  # many distinct sizes: a few widths spread over them
         widths = [widths[round(i * (len(widths) - 1) / (MAX_WIDTHS - 1))] for i in range(MAX_WIDTHS)]
-    best: tuple[float, int, int, set[int], dict[int, float]] | None = None
+    best: tuple[float, int, int, set[int]] | None = None
     for width in widths:
         forced = {u for u, size in enumerate(sizes) if size > width}
         fit = _fit(sizes, forced, avail, want)
         if fit is None:
             continue
         if len(sizes) <= GREEDY_MAX_UNITS:
-            resident, kept_for = _greedy(sizes, avail, want, costs, order, forced)
+            resident = _greedy(sizes, avail, want, costs, order, forced)
         else:
-            resident, kept_for = _by_ratio(sizes, avail, want, costs, forced)
+            resident = _by_ratio(sizes, avail, want, costs, forced)
         k = _fit(sizes, resident, avail, want)[0]
         total = sum(predict_stalls(order, costs, resident, k))
         key = (total, -k, -sum(sizes[u] for u in resident))
         if best is None or key < best[:3]:
-            best = (*key, resident, kept_for)
-    if best is None:
-        return set(), {}
-    return best[3], best[4]
+            best = (*key, resident)
+    return set() if best is None else best[3]
 
 
 def _greedy(sizes: list[int], avail: int, want: int, costs: UnitCosts, order: list[int],
-            start: set[int]) -> tuple[set[int], dict[int, float]]:
+            start: set[int]) -> set[int]:
     resident: set[int] = set(start)
-    kept_for: dict[int, float] = {}
     fit = _fit(sizes, resident, avail, want)
     current = sum(predict_stalls(order, costs, resident, fit[0])) if fit else math.inf
     while len(resident) < len(sizes) - 1:
@@ -270,18 +267,16 @@ def _greedy(sizes: list[int], avail: int, want: int, costs: UnitCosts, order: li
                 best = key
         if best is None:
             break
-        kept_for[best[2]] = max(0.0, current - best[3])
         resident.add(best[2])
         current = best[3]
-    return resident, kept_for
+    return resident
 
 
 def _by_ratio(sizes: list[int], avail: int, want: int, costs: UnitCosts,
-              start: set[int]) -> tuple[set[int], dict[int, float]]:
+              start: set[int]) -> set[int]:
     """Many units: keep the most copy-bound ones (copy time over compute time) while they fit."""
     ranked = sorted(range(len(sizes)), key=lambda u: -costs.copy_ms[u] / max(costs.compute_ms[u], 1e-6))
     resident: set[int] = set(start)
-    kept_for: dict[int, float] = {}
     for u in ranked:
         if u in resident:
             continue
@@ -289,5 +284,4 @@ def _by_ratio(sizes: list[int], avail: int, want: int, costs: UnitCosts,
             break
         if _fit(sizes, resident | {u}, avail, want) is not None:
             resident.add(u)
-            kept_for[u] = max(0.0, costs.copy_ms[u] - costs.compute_ms[u])
-    return resident, kept_for
+    return resident

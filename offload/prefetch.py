@@ -116,6 +116,15 @@ class PrefetchWorker:
     def _issue(self, unit: int, slot: int, after: Any) -> Any:
         return self.sources[unit].issue(self.slots[slot], after)
 
+    def _copy_into_free_slot(self, unit: int) -> tuple[int, Any]:
+        """Queue `unit`'s copy into the first free slot; a copy that cannot be queued leaves the slot free."""
+        slot, after = self.free.popleft()
+        try:
+            return slot, self._issue(unit, slot, after)
+        except BaseException:
+            self.free.appendleft((slot, after))
+            raise
+
     def reverse_order(self, forward: list[int]) -> None:
         """Backward: copy units in the reverse of the forward order `forward` (the last forward's streamed units),
         starting now; queued forward copies are dropped."""
@@ -226,28 +235,16 @@ class PrefetchWorker:
                 unit = self._next_forward_unit()
                 if unit is None:
                     return
-                slot, after = self.free.popleft()
-                try:
-                    copy = self._issue(unit, slot, after)
-                except BaseException:
-                    self.free.appendleft((slot, after))
-                    raise
-                self.inflight.append((unit, slot, copy))
+                self.inflight.append((unit, *self._copy_into_free_slot(unit)))
             return
         if not self.order or self.skip.issuperset(self.order):
             return
         while self.free:
             while self.order[self.next_pos % len(self.order)] in self.skip:
                 self.next_pos = (self.next_pos + 1) % len(self.order)
-            slot, after = self.free.popleft()
             unit = self.order[self.next_pos % len(self.order)]
             self.next_pos = (self.next_pos + 1) % len(self.order)
-            try:
-                copy = self._issue(unit, slot, after)
-            except BaseException:
-                self.free.appendleft((slot, after))
-                raise
-            self.inflight.append((unit, slot, copy))
+            self.inflight.append((unit, *self._copy_into_free_slot(unit)))
 
     def take(self, unit: int) -> tuple[int, Any]:
         """The slot holding `unit`'s bytes and the event its copy completes on."""
@@ -269,13 +266,7 @@ class PrefetchWorker:
         self._follow(unit)
         if not self.free:
             self._cancel_newest()  # the copy predicted furthest ahead gives its slot up
-        slot, after = self.free.popleft()
-        try:
-            event = self._issue(unit, slot, after)
-        except BaseException:
-            self.free.appendleft((slot, after))
-            raise
-        return slot, event
+        return self._copy_into_free_slot(unit)
 
     def _follow(self, unit: int) -> None:
         """After taking `unit`: when the pass left the prediction, predict its rest again from history and drop the
@@ -316,12 +307,7 @@ class PrefetchWorker:
         # stream is ahead of it anyway; one still waiting for the read-ahead thread is resolved first, so
         # the thread cannot queue the stale copy behind the new one.
         while self.inflight:
-            _, slot, event = self.inflight.pop()
-            try:
-                after = resolve(event)
-            except Exception:  # a failed read queued no copy; the slot is free
-                after = None
-            self.free.appendleft((slot, after))
+            self._cancel_newest()
 
     def _resync(self, unit: int) -> None:
         self.resyncs += 1
@@ -336,11 +322,5 @@ class PrefetchWorker:
             self.fill()
         if not (self.inflight and self.inflight[0][0] == unit):  # not predicted at all: fetch it directly
             self._cancel_inflight()
-            slot, after = self.free.popleft()
-            try:
-                copy = self._issue(unit, slot, after)
-            except BaseException:
-                self.free.appendleft((slot, after))
-                raise
-            self.inflight.appendleft((unit, slot, copy))
+            self.inflight.appendleft((unit, *self._copy_into_free_slot(unit)))
         log.debug("prefetch resync at unit %d (%d so far)", unit, self.resyncs)

@@ -4,10 +4,10 @@ numbers, the engine on a bandwidth-limited simulated device."""
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from offload import OffloadConfig, VramBudget, offload_module
 from offload.cost_model import CostTracker, UnitCosts, plan_by_cost, predict_stalls
+from offload.demo.reference_models import MixedCostStack
 from offload.planner import plan_units
 from tests.models import aligned_bytes, run
 
@@ -62,49 +62,9 @@ def test_cost_tracker_reads_totals_and_notices_shifts():
     assert t.shifted()
 
 
-class FatCheap(nn.Module):
-    """Many bytes, almost no compute: its copy cannot hide behind it."""
-
-    def __init__(self, dim: int, width: int) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(width, width) * 0.01)
-        self.dim = dim
-
-    def forward(self, x):
-        return x + self.w[0, :self.dim]
-
-
-class LeanExpensive(nn.Module):
-    """Few bytes, much compute: its copy hides behind the compute before it."""
-
-    def __init__(self, dim: int, repeats: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-        self.repeats = repeats
-
-    def forward(self, x):
-        for _ in range(self.repeats):
-            x = torch.tanh(self.lin(x))
-        return x
-
-
-class Mixed(nn.Module):
-    def __init__(self, dim=64, width=1024, repeats=40):
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList([FatCheap(dim, width) for _ in range(4)]
-                                    + [LeanExpensive(dim, repeats) for _ in range(4)])
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
 def test_engine_keeps_the_fat_blocks_resident_once_measured_and_stalls_fall():
     torch.manual_seed(0)
-    model = Mixed().eval()
+    model = MixedCostStack("FFFFLLLL", repeats=40, input_layer=True).eval()
     x = torch.randn(256, 64)
     ref = run(model, (x,))
     fat = aligned_bytes(model.blocks[0])

@@ -239,3 +239,48 @@ def build_decoder_7b_like(width_div: int = 1, depth_div: int = 1, dtype: torch.d
     model = DecoderStack(dim=dim, depth=max(1, 28 // depth_div), heads=heads, kv_heads=kv,
                          intermediate=18944 // width_div, vocab=max(512, 32768 // width_div))
     return model.to(dtype)
+
+
+class FatCheapBlock(nn.Module):
+    """Many bytes, almost no compute (`x + w[0, :dim]`): its copy cannot hide behind it."""
+
+    def __init__(self, dim: int, width: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) * 0.01)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w[0, :self.dim]
+
+
+class LeanComputeBlock(nn.Module):
+    """Few bytes, much compute (one small Linear applied `repeats` times): its copy hides behind compute."""
+
+    def __init__(self, dim: int, repeats: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.repeats = repeats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.repeats):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+class MixedCostStack(nn.Module):
+    """Blocks whose costs differ, for placement from measured costs: `kinds` is a string of F (fat, cheap) and
+    L (lean, compute-heavy) blocks in call order; `input_layer` puts a Linear before them."""
+
+    def __init__(self, kinds: str, dim: int = 64, width: int = 1024, repeats: int = 24,
+                 input_layer: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim) if input_layer else None
+        self.blocks = nn.ModuleList(FatCheapBlock(dim, width) if k == "F" else LeanComputeBlock(dim, repeats)
+                                    for k in kinds)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inp is not None:
+            x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
