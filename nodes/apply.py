@@ -180,6 +180,7 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
     progress(n_units, n_units)
     managed = Managed(name=name, handle=handle, preset=preset, priority=priority, device=device, kind=kind,
                       config=cfg, budget=budget, budget_of_handle=vbudget)
+    managed.reoffload = _reoffload
     patches.set_cast_flags(root, managed)
     register(root, managed)
     log.info("Layer Offload: %s (%s) set up on %s with preset %s in %.2fs", name, kind, device, preset,
@@ -224,6 +225,12 @@ def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, prio
         track_patcher(n, managed)
         add_report_wrapper(n, status.publish)
     return n
+
+
+def _reoffload(patcher: ModelPatcher, src: Managed) -> ModelPatcher:
+    """Offload a patcher's private copy of a managed model (clone(force_deepcopy=True)) as `src` is now."""
+    return offload_patcher(patcher, src.preset, src.budget, src.priority, kind=src.kind, shared=False,
+                           disk_path=getattr(src.config, "disk_path", None))
 
 
 def offload_clip(clip: Any, preset: str, budget: Any = None, priority: int = 0, name: Optional[str] = None,

@@ -181,13 +181,10 @@ class OffloadPatcherMethods:
             n = adopt(n, type(self))
         _, _, st = managed_root(n.model)
         src = managed_root(self.model)[2]
-        if st is None and src is not None and n.model is not self.model:
+        if st is None and src is not None and n.model is not self.model and src.reoffload is not None:
             # clone(force_deepcopy=True) (Train LoRA since ComfyUI 0.2x) re-loads a model of its own: offload that
             # copy the way this one is, so training streams it too instead of loading all of it
-            from .apply import offload_patcher
-
-            n = offload_patcher(n, src.preset, src.budget, src.priority, kind=src.kind, shared=False,
-                                disk_path=getattr(src.config, "disk_path", None))
+            n = src.reoffload(n, src)
             _, _, st = managed_root(n.model)
         if st is not None:
             track_patcher(n, st)

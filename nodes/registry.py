@@ -31,6 +31,9 @@ class Managed:
         self.patchers = 0  # live offload patchers using it; at zero the handle is detached (frees host RAM)
         self.on_release: List[Callable[[], None]] = []  # undo steps run when the model is handed back
         self.baked: dict = {}  # key -> (weight, original) while a forced load (saving) holds patched weights
+        # offloads another patcher's private copy of this model the same way (set by nodes/apply.py): the patcher
+        # class calls it for clone(force_deepcopy=True) without importing the module that made it
+        self.reoffload: Optional[Callable[[Any, "Managed"], Any]] = None  # (patcher, this record)
 
 
 _registry: "List[weakref.ReferenceType]" = []
