@@ -390,6 +390,13 @@ class PackedWeights:
         try:
             if index.get("format") != FORMAT or int(index.get("version", 0)) > VERSION:
                 raise CorruptFileError(f"{index_path}: not a {FORMAT} index of version <= {VERSION}")
+            # every path the index names is checked before any file is opened or stat'ed (the index is untrusted)
+            for s in index["shards"]:
+                _check_shard_name(index_path, "the shard list", s["path"])
+            for u in index["units"]:
+                _check_shard_name(index_path, f"unit {u.get('name')!r}", u["path"])
+            for t in index["other"]:
+                _check_shard_name(index_path, f"tensor {t.get('name')!r}", t["path"])
             sizes = {str(s["path"]): int(s["nbytes"]) for s in index["shards"]}
             self._sha256 = {str(s["path"]): s.get("sha256") for s in index["shards"]}
             self.units: list[dict[str, Any]] = list(index["units"])
@@ -401,7 +408,7 @@ class PackedWeights:
             for shard, t in entries:
                 ft = _file_tensor(t)
                 name = str(t["name"])
-                if shard not in sizes or "/" in shard or "\\" in shard or shard.startswith("."):
+                if shard not in sizes:
                     raise CorruptFileError(f"{index_path}: {name!r} names the unknown shard {shard!r}")
                 if name in self.tensors:
                     raise CorruptFileError(f"{index_path}: {name!r} is listed twice")
@@ -414,6 +421,8 @@ class PackedWeights:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptFileError(f"{index_path}: malformed packed index ({exc!r})") from None
+        for shard in sizes:
+            _check_inside(self.path, shard, index_path)
         self._shards: dict[str, _Shard] = {}
         try:
             for shard, tensors in by_shard.items():
@@ -477,6 +486,28 @@ class PackedWeights:
     def close(self) -> None:
         for s in self._shards.values():
             s.close()
+
+
+_SEPARATORS = ("/", "\\", ":", "\x00")
+
+
+def _check_shard_name(index_path: Path, where: str, name: Any) -> None:
+    """A path in a packed index must be a plain file name in the folder: the index is shared like a model file, so
+    an absolute path, `..`, a separator or a hidden name is refused before anything is opened (and nothing about
+    the file it names is read)."""
+    if (not isinstance(name, str) or not name or name.startswith(".") or any(c in name for c in _SEPARATORS)
+            or os.path.isabs(name) or Path(name).name != name):
+        raise CorruptFileError(f"{index_path}: {where} names the shard {name!r}, which is not a plain file name in "
+                               f"the packed folder; pack the model again")
+
+
+def _check_inside(folder: Path, name: str, index_path: Path) -> None:
+    """A shard that is a link must stay in the folder (checked before the shard is opened)."""
+    real_folder = os.path.realpath(folder)
+    real = os.path.realpath(folder / name)
+    if os.path.dirname(real) != real_folder:
+        raise CorruptFileError(f"{index_path}: the shard {name!r} links outside the packed folder; copy the shard "
+                               f"into the folder or pack the model again")
 
 
 def _file_tensor(t: dict[str, Any]) -> FileTensor:

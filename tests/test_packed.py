@@ -374,6 +374,87 @@ def test_pack_refuses_a_non_empty_folder(tmp_path):
     assert isinstance(open_weights(src), SafetensorsFile)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# the index is untrusted input
+# ------------------------------------------------------------------------------------------------------------
+
+
+class _OpenSpy:
+    """Records every path os.open / os.stat / os.lstat is asked about while a packed folder is opened."""
+
+    def __init__(self, monkeypatch):
+        self.paths = []
+        for name in ("open", "stat", "lstat"):
+            real = getattr(os, name)
+
+            def spy(path, *a, _real=real, **k):
+                self.paths.append(os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else path)
+                return _real(path, *a, **k)
+
+            monkeypatch.setattr(os, name, spy)
+
+
+def _packed_with(tmp_path, edit):
+    model = seeded(LayersModel, dim=64, depth=4)
+    out = tmp_path / "m.packed"
+    pack_file(_save(model, tmp_path / "m.safetensors"), out)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"s" * 12345)  # a file the index must never reach (its size must not leak either)
+    index = _index(out)
+    edit(index)
+    (out / "index.json").write_text(json.dumps(index))
+    return out
+
+
+_BAD_NAMES = ["../outside.bin", "/etc/shadow", "sub/shard.bin", "..", "", ".hidden", "C:shard.bin",
+              "..\\outside.bin"]
+
+
+@pytest.mark.parametrize("name", _BAD_NAMES)
+@pytest.mark.parametrize("where", ["unused shard", "unit", "other"])
+def test_index_paths_must_be_plain_names_in_the_folder(tmp_path, monkeypatch, name, where):
+    """Every path in index.json is a plain file name inside the folder, checked before any file is opened or
+    stat'ed: a shard listed but used by no tensor included (it was opened without the check, and the error told
+    the size of the file it named)."""
+
+    def edit(index):
+        if where == "unused shard":
+            index["shards"].append({"path": name, "nbytes": 4096, "sha256": None})
+        elif where == "unit":
+            index["shards"].append({"path": name, "nbytes": 1 << 20, "sha256": None})
+            index["units"][1]["path"] = name
+        else:
+            index["other"][0]["path"] = name
+
+    out = _packed_with(tmp_path, edit)
+    spy = _OpenSpy(monkeypatch)
+    with pytest.raises(CorruptFileError, match="not a plain file name") as exc:
+        PackedWeights(out)
+    assert "12345" not in str(exc.value)
+    touched = [p for p in spy.paths if isinstance(p, str) and not p.endswith("index.json")]
+    assert not touched, f"opened or stat'ed {touched} before refusing the index"
+    with pytest.raises(CorruptFileError, match="not a plain file name"):
+        open_weights(out)
+
+
+def test_index_shard_linking_outside_the_folder_is_refused(tmp_path, monkeypatch):
+    """A shard that is a symbolic link out of the folder is refused before it is opened; a link inside is fine."""
+    out = _packed_with(tmp_path, lambda index: index["shards"].append(
+        {"path": "shard-00009.bin", "nbytes": 4096, "sha256": None}))
+    os.symlink(tmp_path / "outside.bin", out / "shard-00009.bin")
+    opened = []
+    monkeypatch.setattr("offload.packed._Shard.__init__", lambda self, path, *a: opened.append(path))
+    with pytest.raises(CorruptFileError, match="links outside the packed folder") as exc:
+        PackedWeights(out)
+    assert "12345" not in str(exc.value) and not opened
+    monkeypatch.undo()
+    shard = _index(out)["shards"][0]["path"]
+    os.remove(out / "shard-00009.bin")
+    os.symlink(shard, out / "shard-00009.bin")  # a link to a shard in the same folder (size is wrong: refused so)
+    with pytest.raises(CorruptFileError, match="changed"):
+        PackedWeights(out)
+
+
 def test_bench_disk_runs(tmp_path, capsys):
     """benchmarks/bench_disk.py runs at the tiniest scale and reports its rows (no figure is checked)."""
     import importlib.util
