@@ -1,7 +1,10 @@
 """Find the repeated blocks of any nn.Module: they become the transfer units; everything else stays resident."""
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+import re
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -80,9 +83,15 @@ def find_units(model: nn.Module, explicit: list[str] | None = None) -> list[Unit
     """The transfer units of `model`, in registration (expected execution) order.
 
     Order of precedence: an explicit list of module paths; library hints (`_repeated_blocks`,
-    `_no_split_modules`); known block-list names; a size/uniformity heuristic; finally the top-level
-    children (with a warning). A model with no submodules at all is refused with a clear error.
+    `_no_split_modules`); known block-list names; a size/uniformity heuristic; finally the children of the model,
+    or of the single child wrapping all of it (with a warning). A model with no submodules at all is refused with a
+    clear error. A unit whose weights an enclosing module reads without calling it (`x @ self.linear.weight.t()`)
+    is never entered, so the nearest such enclosing module becomes the unit instead (see `_merge_read_units`).
     """
+    return _merge_read_units(model, _find_units(model, explicit))
+
+
+def _find_units(model: nn.Module, explicit: list[str] | None) -> list[Unit]:
     if explicit:
         units = []
         for path in explicit:
@@ -108,14 +117,129 @@ def find_units(model: nn.Module, explicit: list[str] | None = None) -> list[Unit
     if len(found) >= 2:
         return [Unit(n, m) for n, m in found]
 
-    children = [(n, m) for n, m in model.named_children() if _param_bytes(m) > 0]
+    prefix, holder = "", model
+    children = [(n, m) for n, m in holder.named_children() if _param_bytes(m) > 0]
+    while len(children) == 1:  # a wrapper around the real model (accelerate's NestedModelForTest): look inside
+        name, holder = children[0]
+        prefix += name + "."
+        children = [(n, m) for n, m in holder.named_children() if _param_bytes(m) > 0]
     if len(children) >= 2:
-        log.warning("%s has no repeated blocks; streaming its %d top-level children as units instead",
-                    type(model).__name__, len(children))
-        return [Unit(n, m) for n, m in children]
+        where = f"the children of {prefix[:-1]!r}" if prefix else "its top-level children"
+        log.warning("%s has no repeated blocks; streaming %s (%d) as units instead", type(model).__name__, where,
+                    len(children))
+        return [Unit(prefix + n, m) for n, m in children]
     raise ValueError(
         f"{type(model).__name__} has no repeated blocks and fewer than two submodules holding weights, so "
         f"there is nothing to stream block by block; run it without offloading or pass units=[...] explicitly")
+
+
+# Methods that run outside a forward (setup, conversion, saving): a weight they read is no compute read.
+_NOT_FORWARD = re.compile(r"^_*(init|fuse|unfuse|tie|load|save|state_dict|from_|set_|enable|disable|reset|"
+                          r"extra_repr|convert|register|__)")
+# Attributes of a tensor that read no bytes: `self.linear.weight.dtype` is not a compute read.
+_METADATA = re.compile(r"\.(dtype|device|shape|size|ndim|dim|requires_grad|is_\w+|numel|element_size|nbytes|"
+                       r"itemsize|data_ptr|stride)\b")
+
+
+@functools.lru_cache(maxsize=None)
+def _method_sources(cls: type) -> tuple[str, ...]:
+    """The source of `cls`'s methods that may run inside a forward (its bases' too, nn.Module's excluded)."""
+    out = []
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or not issubclass(klass, nn.Module):
+            continue
+        for name, fn in vars(klass).items():
+            if _NOT_FORWARD.match(name) and name != "__call__":
+                continue
+            fn = getattr(fn, "__func__", fn)
+            if not inspect.isfunction(fn):
+                continue
+            try:
+                out.append(inspect.getsource(fn))
+            except (OSError, TypeError):
+                continue
+    return tuple(out)
+
+
+def _attr_path(relative: str) -> str:
+    """`blocks.0.linear` as it is written in source: `blocks[0].linear` (a regular expression)."""
+    out = ""
+    for part in relative.split("."):
+        out += rf"\[{part}\]" if part.isdigit() else rf"\.{re.escape(part)}"
+    return out
+
+
+def _read_tensor(unit: nn.Module, chain: str) -> str | None:
+    """The name of the tensor of `unit` an attribute chain (`.weight`, `.sub.bias`) names, if it names one."""
+    obj, names = unit, []
+    for name in chain.strip(".").split("."):
+        names.append(name)
+        if name in obj._parameters or name in obj._buffers:
+            return ".".join(names)
+        sub = obj._modules.get(name)
+        if sub is None:
+            return None
+        obj = sub
+    return None
+
+
+def _reader_of(model: nn.Module, unit: Unit) -> tuple[str, str] | None:
+    """(path of the nearest module enclosing `unit` whose code reads one of its tensors as `self.<path>.<tensor>`,
+    the tensor's name), or None."""
+    parts = unit.name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        path = ".".join(parts[:depth])
+        try:
+            holder = model.get_submodule(path) if path else model
+        except AttributeError:
+            continue
+        if isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and type(holder).__module__.startswith(
+                "torch."):
+            continue  # torch's containers only call their children
+        relative = _attr_path(".".join(parts[depth:]))
+        pattern = re.compile(r"\bself" + relative + r"((?:\s*\.\s*\w+)+)")
+        for source in _method_sources(type(holder)):
+            for match in pattern.finditer(source):
+                chain = re.sub(r"\s+", "", match.group(1))
+                # the longest prefix of the chain that ends at a tensor, unless only its metadata is read
+                name = _read_tensor(unit.module, chain)
+                if name is None:
+                    continue
+                if _METADATA.match(chain[len("." + name):]):
+                    continue
+                return path, f"{unit.name}.{name}"
+    return None
+
+
+def _merge_read_units(model: nn.Module, units: list[Unit]) -> list[Unit]:
+    """A unit whose tensor an enclosing module reads without calling the unit (`nn.MultiheadAttention` reads
+    `out_proj.weight`; accelerate's `ModuleWithUnusedSubModules` reads `linear.weight`) would never be entered, so
+    its host master would be read by the compute: the nearest enclosing module that reads it becomes the unit (every
+    unit inside it merges into it); when that is the model itself, the unit stays resident with the rest."""
+    units = list(units)
+    i = 0
+    while i < len(units):
+        unit = units[i]
+        found = _reader_of(model, unit)
+        if found is None:
+            i += 1
+            continue
+        path, tensor = found
+        if not path:
+            del units[i]
+            log.warning("%s reads %s without calling %s: that block stays resident with the weights outside the "
+                        "blocks", type(model).__name__, tensor, unit.name)
+            continue
+        inside = [u for u in units if u.name.startswith(path + ".")]
+        i = units.index(inside[0])
+        units = [u for u in units if u not in inside]
+        units.insert(i, Unit(path, model.get_submodule(path)))  # looked at again: its own parent may read it
+        log.warning("%s reads %s without calling %s: streaming %r as one unit instead of %s", path, tensor,
+                    unit.name, path, ", ".join(repr(u.name) for u in inside))
+    if not units:
+        raise ValueError(f"{type(model).__name__} reads the weights of every block without calling the block, so "
+                         f"no block can be streamed; pass units=[...] naming modules whose forward uses their weights")
+    return units
 
 
 def expert_units(model: nn.Module) -> list[str]:

@@ -57,3 +57,96 @@ def test_compute_on_a_host_master_is_caught(sim_cfg, offload):
             handle.unload()
             with host_master_guard(handle):
                 model.inp.bias + 1
+
+
+# accelerate tests/test_big_modeling.py: ModuleWithUnusedSubModules / ModelWithUnusedSubModulesForTest
+class ModuleWithUnusedSubModules(nn.Module):
+    def __init__(self, input_dim: int, output_dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(input_dim, output_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.linear.weight.t() + self.linear.bias
+
+
+class ModelWithUnusedSubModulesForTest(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear1 = ModuleWithUnusedSubModules(3, 4)
+        self.linear2 = ModuleWithUnusedSubModules(4, 5)
+        self.batchnorm = nn.BatchNorm1d(5)
+        self.linear3 = ModuleWithUnusedSubModules(5, 6)
+        self.linear4 = ModuleWithUnusedSubModules(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear4(self.linear3(self.batchnorm(self.linear2(self.linear1(x)))))
+
+
+LEAVES = ["linear1.linear", "linear2.linear", "linear3.linear", "linear4.linear", "batchnorm"]
+
+
+def test_leaf_units_read_by_their_parent_fail_the_guard_without_the_merge(sim_cfg, offload, monkeypatch):
+    """Leaf-level units (every module holding weights its own unit, diffusers' offload_type="leaf_level"): the parent
+    reads `linear.weight` without calling `linear`, so the unit is never entered. Without the unit merge in
+    offload/blocks.py the forward computes on the host master: the guard catches it."""
+    monkeypatch.setattr("offload.blocks._reader_of", lambda model, unit: None)
+    model = ModelWithUnusedSubModulesForTest().eval()
+    handle = offload(model, sim_cfg(vram_fraction=0), units=LEAVES)
+    assert [b.name for b in handle.report().blocks] == LEAVES
+    with torch.no_grad(), pytest.raises(HostMasterRead, match=r"linear1\.linear\.weight"):
+        with host_master_guard(handle):
+            model(torch.randn(2, 3))
+
+
+def test_leaf_units_read_by_their_parent_stream_as_the_parent(sim_cfg, offload, caplog):
+    model = ModelWithUnusedSubModulesForTest().eval()
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        ref = model(x)
+    handle = offload(model, sim_cfg(vram_fraction=0), units=LEAVES)
+    assert [b.name for b in handle.report().blocks] == ["linear1", "linear2", "linear3", "linear4", "batchnorm"]
+    assert "linear1 reads linear1.linear.weight without calling linear1.linear" in caplog.text
+    with torch.no_grad(), host_master_guard(handle):
+        for _ in range(2):
+            assert torch.equal(model(x), ref)
+    assert all(b.tier != "vram" and b.calls == 2 for b in handle.report().blocks)
+
+
+class _ReadsFromRoot(nn.Module):
+    """The model itself reads a block's weight: that block stays resident with the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x @ self.blocks[1].weight
+
+
+def test_a_block_the_model_reads_stays_resident(sim_cfg, offload):
+    model = _ReadsFromRoot().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+    handle = offload(model, sim_cfg(vram_fraction=0))
+    assert [b.name for b in handle.report().blocks] == ["blocks.0", "blocks.2"]
+    with torch.no_grad(), host_master_guard(handle):
+        assert torch.equal(model(x), ref)
+
+
+def test_multihead_attention_leaf_units(sim_cfg, offload):
+    """torch's own nn.MultiheadAttention reads `out_proj.weight` without calling `out_proj`, and
+    nn.TransformerEncoderLayer reads its attention's weights for its fused fast path: each layer becomes a unit."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+                          nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)).eval()
+    leaves = [n for n, m in model.named_modules() if not list(m.children()) and list(m.parameters(recurse=False))]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        ref = model(x)
+    handle = offload(model, sim_cfg(vram_fraction=0), units=leaves)
+    names = [b.name for b in handle.report().blocks]
+    assert names == ["0", "1", "2"]
+    with torch.no_grad(), host_master_guard(handle):
+        assert torch.equal(model(x), ref)
