@@ -419,7 +419,7 @@ class OffloadPatcherMethods:
         handed out patched, computed from the unpatched host master like a full load bakes it."""
         root, prefix, st = self._lo()
         base = getattr(self._lo_base, "state_dict_for_saving", None)
-        if st is None or not callable(base) or prefix != "diffusion_model.":
+        if st is None or prefix != "diffusion_model.":
             return base(self, *args, **kwargs)
         lazy = getattr(comfy.model_patcher, "LazyCastingParam", None)
         unet = self.model.diffusion_model.state_dict()
@@ -459,6 +459,8 @@ def offload_class_for(base: type) -> type:
     if cls is None:
         ns = dict(_METHODS, _lo_base=base, __module__=__name__,
                   __doc__="{} whose weights the Layer Offload engine streams.".format(base.__name__))
+        if not callable(getattr(base, "state_dict_for_saving", None)):
+            del ns["state_dict_for_saving"]  # ComfyUI < 0.8 has none: savers feature-detect it on the patcher
         cls = type("Offload" + base.__name__, (base,), ns)
         _CLASSES[base] = cls
     return cls
