@@ -22,10 +22,10 @@ from .cost_model import CostPlan, CostTracker, plan_by_cost
 from .devices import ActivationHop, SecondaryShare, place_remote
 from .layout import unit_tensors
 from .metrics import OffloadReport, effective_gbps, overlap_ratio
-from .planner import (GIB, MIB, HostPlan, PlanError, RamCeilingError, UnitPlan, default_reserve, estimate_reserve,
+from .planner import (GIB, MIB, HostPlan, bounce_buffers, PlanError, RamCeilingError, UnitPlan, default_reserve, estimate_reserve,
                       plan_host,
                       plan_host_capped, plan_units, read_host_memory, ring_slots)
-from .staging import stage_model
+from .staging import lay_out_model, stage_model, verify_for_disk
 from .packed import open_weights
 from .streamer import DeviceMemoryError, ModelStreamer
 
@@ -82,8 +82,13 @@ class OffloadHandle:
         file = open_weights(config.disk_path) if config.disk_path else None  # a safetensors file or a packed folder
         self._file_path = str(file.path) if file is not None else None
         try:
-            staged = stage_model(model, found, self.backend, config.pin_memory, self._host_tiers, file,
-                                 config.prefetch, progress, file_optional=config.disk_optional)
+            laid = lay_out_model(model, found, file, config.disk_optional)
+            host_plan = self._host_tiers(laid.sizes, laid.rest_bytes)
+            tiers = {i: t if t != "disk" or laid.disk_ok[i] else "pageable" for i, t in host_plan.tiers.items()}
+            for i in verify_for_disk(laid, [i for i, t in tiers.items() if t == "disk"]):
+                tiers[i] = "pageable"
+            staged = stage_model(laid, tiers, self.backend, config.pin_memory, bounce_buffers(config.prefetch),
+                                 host_plan.bounce_bytes, progress)
         except BaseException:
             if file is not None:
                 file.close()
@@ -275,6 +280,7 @@ class OffloadHandle:
         self._warn_grad()
         if not self._measured_reserve:
             self.backend.reset_peak_allocated()
+        self.budget.touch(self, self._kv, *self._shares.values())  # recency: the model that runs now (budget.py)
         allowance = self.budget.allowance(self)
         need = min(self.floor_bytes(), self.want_bytes())
         if allowance < need:
@@ -606,6 +612,11 @@ class OffloadHandle:
             self._kv = KVPager(self.backend, self.budget, self.name, self.priority, page_tokens, offload)
         return self._kv
 
+    def mark_active(self) -> None:
+        """This model is about to work (ComfyUI loads it for a node): it leads its priority in the budget now."""
+        self._check_attached("mark_active")
+        self.budget.touch(self, self._kv, *self._shares.values(), explicit=True)
+
     def prioritize(self) -> None:
         """Give this model the highest priority in its budget and clear its watermark."""
         self._check_attached("prioritize")
@@ -653,6 +664,7 @@ class OffloadHandle:
             notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
             kv=self._kv.report() if self._kv is not None else None,
             timeline=list(s.metrics.timeline), devices=self._devices_report(),
+            budget_reason=self.budget.explain_share(self),
             demand_loads=s.worker.demand_loads - self._worker_base[0],
             prefetch_hits=s.worker.prefetch_hits - self._worker_base[1])
 

@@ -1,15 +1,18 @@
 """Host staging: every unit's tensors become views of one flat host buffer (or of the model's file), once.
 
-`stage_model` is the whole setup of a model's host side: it lays out each unit, decides its host tier (pinned
-RAM, pageable RAM, the safetensors file), matches it against the file, sizes the bounce buffers, and stages the
-units ONE AT A TIME, releasing each unit's original storage as soon as its flat buffer holds the bytes. Peak host
-memory while offloading is therefore the model plus about one unit, not two copies of the model. A failure half
-way gives the staged units back as ordinary tensors, so the model is left as it was.
+Setup of a model's host side, in the order the handle calls it: `lay_out_model` lays out each unit and reads what
+the file can hold (names, dtypes, alignment; nothing changes yet), the planner puts each unit in a host tier from
+those facts, `verify_for_disk` checks that the file holds the very bytes of the units planned for the disk tier,
+and `stage_model` applies the plan: it stages the units ONE AT A TIME, releasing each unit's original storage as
+soon as its flat buffer holds the bytes. Peak host memory while offloading is therefore the model plus about one
+unit, not two copies of the model. A failure half way gives the staged units back as ordinary tensors, so the
+model is left as it was. Staging decides no tier: a unit goes where the plan puts it (pinning the OS refuses falls
+back to pageable memory, said once).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -18,7 +21,6 @@ import torch.nn as nn
 from .blocks import Unit
 from .layout import Binding, TensorLayout, plan_layout, unit_tensors
 from .meta_buffers import materialize_non_persistent_buffers, tie_meta_weights
-from .planner import HostPlan, bounce_buffers
 from .storage import (BouncedSource, BounceReader, CorruptFileError, DiskSource, HostSource, SafetensorsFile,
                       UnitSource)
 
@@ -239,15 +241,37 @@ def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Calla
     return keys
 
 
-def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
-                host_tiers: Callable[[list[int], int], HostPlan], file: SafetensorsFile | None, prefetch: int,
-                progress: Callable[[int, int], None] | None = None, file_optional: bool = False) -> StagedModel:
-    """Stage `model`'s units on the host (see the module docstring); raises before touching the model on bad input."""
+@dataclass
+class ModelLayout:
+    """A model laid out for staging, nothing changed yet: each unit's layout, the rest's, and what the file holds."""
+
+    units: list[Unit]
+    layouts: list[TensorLayout]
+    rest: TensorLayout
+    file: SafetensorsFile | None
+    key_of: Callable[[nn.Module, str], str]
+    file_optional: bool
+    keys: dict[int, list[Any]] = field(default_factory=dict)  # file key per leaf: meta units, disk-verified units
+    rest_keys: list[Any] | None = None
+    disk_ok: list[bool] = field(default_factory=list)  # the unit may stream from the file (before its bytes are checked)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [layout.nbytes for layout in self.layouts]
+
+    @property
+    def rest_bytes(self) -> int:
+        return self.rest.nbytes if self.rest.entries else 0
+
+
+def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | None,
+                  file_optional: bool = False) -> ModelLayout:
+    """Lay out every unit and the rest, and read from the file's header which units it can stream; raises before
+    touching the model's weights on bad input (meta tensors no file can fill, a header that does not match)."""
     # 0. non-persistent buffers on the meta device are computed as the model computes them, never read from a file;
     # weights the model declares tied and a meta init untied are tied again (a checkpoint holds them once)
     tie_meta_weights(model)
     materialize_non_persistent_buffers(model)
-    # 1. plan every layout and check the file: nothing is touched until the whole model is known to work
     shared = shared_tensor_ids(model, units)
     layouts: list[TensorLayout] = []
     in_units: set[tuple[int, str, str]] = set()
@@ -258,42 +282,52 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
         del tensors
     rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
                                if (id(sub), name, kind) not in in_units])
-    host_plan = host_tiers([layout.nbytes for layout in layouts], rest_layout.nbytes)
-    tiers = dict(host_plan.tiers)
-    key_of = _key_namer(model)
-    keys: dict[int, list[str]] = {}
-    refused: list[str] = []  # blocks the file does not hold exactly (disk_optional): one log line for all
+    laid = ModelLayout(units, layouts, rest_layout, file, _key_namer(model), file_optional)
     for i, layout in enumerate(layouts):
-        meta = any(leaf.meta for leaf in layout.leaves)
-        if tiers.get(i) == "disk" and not (layout.plain and file is not None):
-            tiers[i] = "pageable"
-        if meta:
+        ok = layout.plain and file is not None
+        if any(leaf.meta for leaf in layout.leaves):
             if file is None or not layout.plain:
                 _refuse_meta(units[i].name, layout, file)
-            keys[i] = _meta_file_keys(file, layout, key_of)  # the file is the only source: a mismatch is an error
-            if tiers.get(i) == "disk" and any(k is None for k in keys[i]):
-                tiers[i] = "pageable"  # part of the unit is in RAM already (recomputed buffers): no file view
-        elif tiers.get(i) == "disk":
-            # the weights are in RAM already: the file must hold these very bytes, or the unit stays in RAM
-            keys[i] = file_keys_holding(file, layout, key_of, strict=not file_optional, refused=refused)
-            if keys[i] is None:
-                tiers[i] = "pageable"
-                continue
-        if tiers.get(i) == "disk" and not all(file.aligned(k) for k in keys[i]):
-            tiers[i] = "pageable"  # a misaligned tensor cannot be viewed in place: keep it in RAM
-        if (file is not None and not file_optional and i not in keys and layout.plain
-                and _non_persistent(layout) is None):
-            _file_keys(file, layout, key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
-    if refused:
-        log.warning("not streaming %d block(s) from disk: %s%s; each stays in RAM", len(refused), refused[0],
-                    f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
-    rest_keys = None
+            laid.keys[i] = _meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
+            # part of the unit is in RAM already (recomputed buffers): no file view; a misaligned tensor neither
+            ok = ok and all(k is not None for k in laid.keys[i]) and all(file.aligned(k) for k in laid.keys[i])
+        elif (file is not None and not file_optional and layout.plain and _non_persistent(layout) is None):
+            _file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
+        laid.disk_ok.append(ok)
     if any(leaf.meta for leaf in rest_layout.leaves):
         if file is None or not rest_layout.plain:
             _refuse_meta("the weights outside the blocks", rest_layout, file)
-        rest_keys = _meta_file_keys(file, rest_layout, key_of)
+        laid.rest_keys = _meta_file_keys(file, rest_layout, laid.key_of)
+    return laid
 
-    # 2. stage one unit at a time: each unit's originals are released before the next unit's buffer exists
+
+def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
+    """Check that the file holds the very bytes of the units `planned` for the disk tier whose weights are in RAM
+    now (ComfyUI may cast or convert weights when it loads a file); returns the units it does not hold (they stay in
+    RAM: the plan is made again without them on disk). Strict (CorruptFileError) unless the file is optional."""
+    file = laid.file
+    refused: list[str] = []  # blocks the file does not hold exactly (disk_optional): one log line for all
+    out = []
+    for i in planned:
+        if i in laid.keys:
+            continue  # a meta unit: its keys were matched against the file already
+        keys = file_keys_holding(file, laid.layouts[i], laid.key_of, strict=not laid.file_optional, refused=refused)
+        if keys is None or not all(file.aligned(k) for k in keys):
+            out.append(i)  # a misaligned tensor cannot be viewed in place either
+            continue
+        laid.keys[i] = keys
+    if refused:
+        log.warning("not streaming %d block(s) from disk: %s%s; each stays in RAM", len(refused), refused[0],
+                    f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
+    return out
+
+
+def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, bounce_count: int,
+                bounce_bytes: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> StagedModel:
+    """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk), one unit at a time, and the
+    read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`) for the units that are bounced."""
+    units, layouts, file, keys = laid.units, laid.layouts, laid.file, laid.keys
     masters: list[StagingBuffer] = []
     total = len(units) + 1
     notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
@@ -308,14 +342,14 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
             if progress:
                 progress(i + 1, total)
         # Non-block tensors: always resident; the host copy stays the master for unload and detach.
-        rest = StagingBuffer.in_ram(rest_layout, backend.alloc_host, False, file, rest_keys)
-        # 3. the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
+        rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
+        # the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
         # pinning refused) on a device with pinned memory, whose straight copies would block the forward
         bounced = [m.layout.nbytes for m in masters if m.host is None or
                    (not m.pinned and backend.supports_pinned_host)]
         if bounced:
-            size = max(bounced) if host_plan.bounce_bytes is None else min(max(bounced), host_plan.bounce_bytes)
-            reader = BounceReader(backend, size, bounce_buffers(prefetch))  # a smaller buffer reads a unit in ranges
+            size = max(bounced) if bounce_bytes is None else min(max(bounced), bounce_bytes)
+            reader = BounceReader(backend, size, bounce_count)  # a smaller buffer reads a unit in ranges
     except BaseException:
         for m in reversed(masters + ([rest] if rest is not None else [])):
             m.restore_ordinary()
@@ -327,8 +361,7 @@ def stage_model(model: nn.Module, units: list[Unit], backend: Any, pin: bool,
         staged.append(StagedUnit(i, unit.name, unit.module, master, source))
     if progress:
         progress(total, total)
-    rest_bytes = rest_layout.nbytes if rest_layout.entries else 0
-    return StagedModel(staged, rest, rest_bytes, reader, file, key_of)
+    return StagedModel(staged, rest, laid.rest_bytes, reader, file, laid.key_of)
 
 
 def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:
