@@ -42,6 +42,17 @@ class Leaf:
     stride: tuple[int, ...] | None  # None: contiguous; else the original strides over a span of memory
     meta: bool = False  # on the meta device when planned: its bytes must come from a file
 
+    @property
+    def row_major(self) -> bool:
+        """Its bytes lie in row-major order, as a safetensors file stores them (strides kept only on size-1 dims,
+        such as a channels_last 1x1 conv weight, do not move a byte)."""
+        return self.stride is None or all(n == 1 or st == rm for n, st, rm in
+                                          zip(self.shape, self.stride, row_major_strides(self.shape)))
+
+    def restride(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` (a row-major tensor of this leaf's shape, a file's view) with this leaf's strides."""
+        return flat if self.stride is None else flat.as_strided(self.shape, self.stride)
+
 
 @dataclass
 class Entry:
@@ -105,8 +116,8 @@ class TensorLayout:
 
     @property
     def plain(self) -> bool:
-        """Every entry is one contiguous plain tensor (how a safetensors file stores them)."""
-        return all(isinstance(e.recipe, int) for e in self.entries) and all(l.stride is None for l in self.leaves)
+        """Every entry is one plain tensor whose bytes are row-major (how a safetensors file stores them)."""
+        return all(isinstance(e.recipe, int) for e in self.entries) and all(l.row_major for l in self.leaves)
 
     def version(self) -> int:
         """Sum of the version counters of the tensors bound now: changes whenever one is written in place."""
@@ -286,14 +297,26 @@ def _flatten(t: torch.Tensor, leaves: list[Leaf], offset: list[int]) -> Any:
     plain = _plain(t)
     stride = None
     span = plain.numel()
-    if not plain.is_contiguous() and plain.numel() > 0 and all(st > 0 for st in plain.stride()):
-        # keep the original strides (kernels, and so outputs, can depend on them) over the memory they span
+    if (tuple(plain.stride()) != row_major_strides(plain.shape) and plain.numel() > 0
+            and all(st > 0 or n == 1 for n, st in zip(plain.shape, plain.stride()))):
+        # keep the original strides (kernels, and so outputs, can depend on them) over the memory they span; compared
+        # exactly, not with is_contiguous(), which ignores size-1 dims: a channels_last 1x1 conv weight (C, C, 1, 1)
+        # is "contiguous" too, yet a conv over an NCHW input picks its output's memory format from those strides
         stride = tuple(plain.stride())
         span = 1 + sum((n - 1) * st for n, st in zip(plain.shape, stride))
     nbytes = span * plain.element_size()
     leaves.append(Leaf(offset[0], nbytes, plain.dtype, tuple(plain.shape), stride, plain.is_meta))
     offset[0] = align(offset[0] + nbytes)
     return len(leaves) - 1
+
+
+def row_major_strides(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """The strides of a row-major (torch.contiguous_format) tensor of `shape`, as `torch.empty(shape)` has them."""
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def unit_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Tensor]]:

@@ -83,7 +83,7 @@ class StagingBuffer:
 
         `apply=False` for a unit resident on the device now: its views are swapped in when it is evicted.
         """
-        views = [file.view(k) for k in keys]
+        views = [leaf.restride(file.view(k)) for k, leaf in zip(keys, layout.leaves)]
         if apply:
             layout.rebind_fresh(views)
         binding = layout.bind(views, None, master=True)
@@ -95,7 +95,7 @@ class StagingBuffer:
     def leaf_copy(self, i: int, device: torch.device) -> torch.Tensor:
         """Leaf i as an ordinary, independent tensor (from the file by positioned read for the disk tier)."""
         if self.host is None:
-            return self.file.read_tensor(self.keys[i]).to(device)
+            return self.layout.leaves[i].restride(self.file.read_tensor(self.keys[i])).to(device)
         return self.layout.leaf_views(self.host)[i].to(device=device, copy=True)
 
     def restore_ordinary(self) -> None:
