@@ -1,10 +1,22 @@
-"""VramBudget: one device-memory budget shared by every offloaded model, split by priority.
+"""VramBudget: one device-memory budget shared by every offloaded model: priority first, then recency.
 
-Every model registers with a budget. Each model first gets its floor (non-block weights plus a one-slot
-ring), then the bytes left go to the models in priority order, each up to what it wants. A model that lost
-resident units to a higher-priority one keeps streaming them (a watermark) instead of winning them back
-every forward; `prioritize()` or a model leaving resets that. Bytes move only at safe points: a model grows
-at the start of its own forward; an idle model is shrunk at once when another needs its bytes.
+Every model registers with a budget. The rule, in order:
+
+1. **Priority.** A higher priority always wins: its models take their floors and then what they want before any
+   lower-priority model gets more than its floor (the floor: non-block weights plus a one-slot ring).
+2. **Recency among equal priorities.** The model that runs now leads its priority: it may take bytes from idle
+   models of the same priority (least recently used first), their floors included, at its next safe point.
+3. **Hysteresis.** A model takes the lead only when it works in a *phase*: its previous run (passes in a row with no
+   pass of another model of its priority in between) or its current run is at least `PHASE_PASSES` passes long, the
+   first time it runs at all, or when told (`touch(..., explicit=True)`: ComfyUI loading a model for a node), and
+   never while the model leading now is itself in a pass (a model called inside another's forward).
+   Two models alternating every forward therefore keep the split they have instead of copying their resident sets
+   back and forth; an idle model that ran since the last change of lead keeps its floor (it is part of the work).
+4. **Watermark.** A model that lost bytes to a higher-priority one keeps streaming them instead of winning them back
+   every forward; `prioritize()`, a total set anew or a model leaving clears it.
+
+Bytes move only at safe points: a model grows at the start of its own forward; an idle model is shrunk at once when
+another needs its bytes. `explain_share(member)` says in words why a member holds what it holds.
 """
 from __future__ import annotations
 
@@ -19,6 +31,8 @@ from typing import Protocol
 from .config import check_bytes
 
 log = logging.getLogger(__name__)
+
+PHASE_PASSES = 2  # passes in a row that make a phase: a model working in one leads its priority (see the rule above)
 
 
 class BudgetMember(Protocol):
@@ -69,10 +83,17 @@ class VramBudget:
         # Weak references: a model its owner dropped without detach() must not be kept alive (with its device
         # memory) by the budget; the model and its handle refer to each other, so either keeps both alive.
         self._refs: list[weakref.ReferenceType] = []
-        self._seq = itertools.count()
-        self._order: dict[int, int] = {}
+        self._tick = itertools.count(1)  # one clock for registrations, pass starts and changes of lead
+        self._order: dict[int, int] = {}  # id(member) -> registration tick (the tie-break, as before recency)
         self._caps: dict[int, int] = {}  # watermarks: id(member) -> max bytes until prioritize()
-        self._last_targets: dict[int, int] = {}
+        self._last_best: dict[int, int] = {}  # the most each member could hold as its priority's lead (watermark)
+        self._touched: dict[int, int] = {}  # tick of the member's last pass start (its registration before that)
+        self._led: dict[int, int] = {}  # tick at which the member last took the lead of its priority (0: never)
+        self._run: dict[int, int] = {}  # passes of the member's current (or last) run
+        self._prev_run: dict[int, int] = {}  # passes of its previous completed run (absent: it never ran)
+        self._running: dict[int, int] = {}  # priority -> id of the member whose run goes on
+        self._ran: set[int] = set()  # members that started a pass at least once
+        self._asked: set[int] = set()  # members whose lead was asked for (explicit), not earned by a phase
 
     # totals -------------------------------------------------------------------
     @property
@@ -188,15 +209,16 @@ class VramBudget:
             if self._total is not None:
                 self._check_device(self._total, member.device_total())
             self._refs.append(weakref.ref(member, self._forget))
-            self._order[id(member)] = next(self._seq)
+            tick = next(self._tick)
+            self._order[id(member)] = tick
+            self._touched[id(member)] = tick
             self.rebalance()
 
     def unregister(self, member: BudgetMember) -> None:
         with self._lock:
             if any(m is member for m in self._members):
                 self._refs = [r for r in self._refs if r() is not member]
-                self._order.pop(id(member), None)
-                self._last_targets.pop(id(member), None)
+                self._drop(id(member))
                 self._caps.clear()  # bytes came free: everyone may grow back into them
                 self.rebalance()
 
@@ -205,9 +227,16 @@ class VramBudget:
         with self._lock:
             self._refs = [r for r in self._refs if r is not ref and r() is not None]
             live = {id(m) for m in self._members}
-            for d in (self._order, self._caps, self._last_targets):
-                for key in [k for k in d if k not in live]:
-                    del d[key]
+            for key in [k for k in self._order if k not in live]:
+                self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        for d in (self._order, self._caps, self._last_best, self._touched, self._led, self._run, self._prev_run):
+            d.pop(key, None)
+        self._ran.discard(key)
+        self._asked.discard(key)
+        for prio in [p for p, k in self._running.items() if k == key]:
+            del self._running[prio]
 
     def prioritize(self, member: BudgetMember) -> None:
         """Give `member` the highest priority and clear its watermark."""
@@ -224,43 +253,181 @@ class VramBudget:
             self._caps.pop(id(member), None)
             self.rebalance()
 
+    # recency ---------------------------------------------------------------------
+    def touch(self, member: BudgetMember, *followers: BudgetMember | None, explicit: bool = False) -> bool:
+        """`member` starts a pass (or, `explicit`, is about to work for a node): note it, and let it lead its priority
+        when it works in a phase (see the module's rule). Returns whether it leads its priority now.
+
+        `followers` (its KV pager, its share of another device's budget) start with it: in this budget they take
+        the lead with it, ranked after it; one in another budget (`follower.budget`) is touched there.
+        """
+        with self._lock:
+            key = id(member)
+            if key not in self._order:
+                return False
+            tick = next(self._tick)
+            prio = member.priority
+            current = self._running.get(prio)
+            if current == key:
+                self._run[key] = self._run.get(key, 0) + 1
+            else:
+                if current is not None:
+                    self._prev_run[current] = self._run.get(current, 0)
+                self._running[prio] = key
+                self._run[key] = 1
+            previous = self._prev_run.get(key)
+            phase = explicit or previous is None or previous >= PHASE_PASSES or self._run[key] >= PHASE_PASSES
+            lead = self._leader(prio)
+            # never from a lead in a pass (a model called inside its forward, or running on another thread): it works
+            # now too and could not give its bytes back before its next safe point
+            takes = phase and lead is not member and (lead is None or not lead.is_busy())
+            self._touched[key] = tick
+            self._ran.add(key)
+            if takes:
+                self._led[key] = tick
+                (self._asked.add if explicit else self._asked.discard)(key)
+            for f in followers:  # ranked with it (after it: registered later), never parked while it works
+                if f is not None and getattr(f, "budget", self) is self and id(f) in self._order:
+                    self._touched[id(f)] = tick
+                    self._led[id(f)] = self._led.get(key, 0)
+            if takes:
+                log.debug("%s leads priority %d in the VRAM budget now (%s)", member.name, prio,
+                          "asked" if explicit else "its phase")
+        for f in followers:
+            other = getattr(f, "budget", self) if f is not None else self
+            if f is not None and other is not self:
+                other.touch(f, explicit=explicit)
+        return takes or lead is member
+
+    def _leader(self, priority: int) -> BudgetMember | None:
+        """The member of `priority` that took the lead last (None while none of them ever ran)."""
+        best, best_tick = None, 0
+        for m in self._members:
+            tick = self._led.get(id(m), 0)
+            if m.priority == priority and tick > best_tick:
+                best, best_tick = m, tick
+        return best
+
     # policy ---------------------------------------------------------------------
-    def _ranked(self) -> list[BudgetMember]:
-        return sorted(self._members, key=lambda m: (-m.priority, self._order.get(id(m), 0)))
+    def _ranked(self, lead: BudgetMember | None = None) -> list[BudgetMember]:
+        """Priority first, then the latest to take the lead (`lead`: as if it took it now), then registration."""
+        def key(m: BudgetMember) -> tuple[int, float, int]:
+            led = math.inf if m is lead else self._led.get(id(m), 0)
+            return (-m.priority, -led, self._order.get(id(m), 0))
+        return sorted(self._members, key=key)
+
+    def _parked(self, members: list[BudgetMember], lead: BudgetMember | None = None) -> set[int]:
+        """Members another of their priority took the lead from since they last ran: their floor is not kept for
+        them while they are idle (they take it back at their next pass). A member that never ran is parked only by a
+        lead that was asked for (ComfyUI loading a model for a node): one found by its phase may be running a model
+        it calls inside its own forward. With `lead`, every other member of its priority is parked."""
+        newest: dict[int, tuple[float, int]] = {}
+        for m in members:
+            led = math.inf if m is lead else self._led.get(id(m), 0)
+            if led > newest.get(m.priority, (0, 0))[0]:  # the latest lead (its followers tie with it, after it)
+                newest[m.priority] = (led, id(m))
+        parked = set()
+        for m in members:
+            led, by = newest.get(m.priority, (0, 0))
+            if m is lead or by in (0, id(m)) or led <= self._touched.get(id(m), 0):
+                continue
+            if id(m) in self._ran or lead is not None or by in self._asked:
+                parked.add(id(m))
+        return parked
+
+    def _shares(self, lead: BudgetMember | None = None, uncapped: BudgetMember | None = None) -> dict[int, int]:
+        """Bytes each member may hold (by id): floors first (not for parked idle members), then the rest in ranked
+        order up to each one's want (capped by its watermark). `lead`: as if it led its priority now and every other
+        member of that priority were idle; `uncapped`: a member whose own watermark is left out."""
+        total = self._total if self._total is not None else sum(m.want_bytes() for m in self._members)
+        remaining = total
+        t: dict[int, int] = {}
+        ranked = self._ranked(lead)
+        parked = self._parked(ranked, lead)
+        for m in ranked:
+            if id(m) in parked and (lead is not None or not m.is_busy()):
+                t[id(m)] = 0
+                continue
+            give = min(m.floor_bytes(), m.want_bytes(), remaining)
+            t[id(m)] = give
+            remaining -= give
+        for m in ranked:
+            want = m.want_bytes()
+            cap = None if m is uncapped else self._caps.get(id(m))
+            if cap is not None:
+                want = min(want, max(cap, t[id(m)]))
+            extra = min(max(0, want - t[id(m)]), remaining)
+            t[id(m)] += extra
+            remaining -= extra
+        return t
 
     def targets(self) -> dict[int, int]:
-        """Bytes each member may hold (by id): floors first, then the rest by priority up to each one's want."""
+        """Bytes each member may hold (by id): floors first, then the rest by priority and recency up to each one's
+        want (the module's rule)."""
         with self._lock:
-            total = self._total if self._total is not None else sum(m.want_bytes() for m in self._members)
-            remaining = total
-            t: dict[int, int] = {}
-            ranked = self._ranked()
-            for m in ranked:
-                give = min(m.floor_bytes(), m.want_bytes(), remaining)
-                t[id(m)] = give
-                remaining -= give
-            for m in ranked:
-                want = m.want_bytes()
-                cap = self._caps.get(id(m))
-                if cap is not None:
-                    want = min(want, max(cap, t[id(m)]))
-                extra = min(max(0, want - t[id(m)]), remaining)
-                t[id(m)] += extra
-                remaining -= extra
-            return t
+            return self._shares()
+
+    def best_share(self, member: BudgetMember) -> int:
+        """The most `member` could hold now if it led its priority (what models of other priorities leave it)."""
+        with self._lock:
+            return self._shares(lead=member, uncapped=member).get(id(member), 0)
 
     def rebalance(self) -> dict[int, int]:
-        """Recompute shares, set watermarks for members that lost bytes, shrink idle members over their share."""
+        """Recompute shares, set watermarks for members whose best share fell (a higher priority or a new model took
+        bytes; never a model of their own priority taking the lead), shrink idle members over their share."""
         with self._lock:
             t = self.targets()
             for m in self._members:
-                old = self._last_targets.get(id(m))
-                if old is not None and t[id(m)] < old:
-                    self._caps[id(m)] = t[id(m)]
-                self._last_targets[id(m)] = t[id(m)]
+                best = self.best_share(m)
+                old = self._last_best.get(id(m))
+                if old is not None and best < old:
+                    self._caps[id(m)] = best
+                self._last_best[id(m)] = best
                 if not m.is_busy() and m.device_bytes() > t[id(m)]:
                     m.shrink_to(t[id(m)])
             return t
+
+    def explain_share(self, member: BudgetMember) -> str:
+        """Why `member` holds what it holds: its share, the rule that gave it, who took the rest (one line)."""
+        mib = 1 << 20
+        with self._lock:
+            if not any(m is member for m in self._members):
+                return f"{member.name} is not in this VRAM budget"
+            t = self._shares()
+            mine = t.get(id(member), 0)
+            want = member.want_bytes()
+            total = self._total
+            parts = [f"{member.name}: share {mine / mib:.1f} MB of the {'unsized' if total is None else f'{total / mib:.1f} MB'}"
+                     f" VRAM budget (wants {want / mib:.1f} MB, holds {member.device_bytes() / mib:.1f} MB)"]
+            higher = [m for m in self._members if m.priority > member.priority and t.get(id(m), 0) > 0]
+            if higher:
+                parts.append("priority {} comes first: {} hold {:.1f} MB".format(
+                    ", ".join(str(p) for p in sorted({m.priority for m in higher}, reverse=True)),
+                    ", ".join(m.name for m in higher), sum(t[id(m)] for m in higher) / mib))
+            peers = [m for m in self._members if m is not member and m.priority == member.priority]
+            lead = self._leader(member.priority)
+            if peers:
+                if lead is member:
+                    parts.append(f"it leads priority {member.priority} (the latest of {len(peers) + 1} models there to "
+                                 f"work in a phase): idle ones of that priority give it their bytes")
+                elif id(member) in self._parked(self._members):
+                    parts.append(f"idle since {lead.name if lead is not None else 'another model'} (same priority "
+                                 f"{member.priority}) took the lead: no floor is kept for it; it takes its share back "
+                                 f"when it runs again")
+                else:
+                    first = [m for m in self._ranked() if m.priority == member.priority]
+                    ahead = [m.name for m in first[:first.index(member)]]
+                    if ahead:
+                        parts.append(f"served after {', '.join(ahead)} (same priority {member.priority}, led more "
+                                     f"recently); models alternating every pass keep their split (a phase, which "
+                                     f"takes the lead, is {PHASE_PASSES} passes in a row)")
+            cap = self._caps.get(id(member))
+            if cap is not None and cap < want and mine >= cap:
+                parts.append(f"watermark: capped at {cap / mib:.1f} MB since a higher priority or a new model took "
+                             f"bytes (prioritize() lifts it)")
+            if mine >= want:
+                parts.append("it gets all it wants")
+            return "; ".join(parts)
 
     def allowance(self, member: BudgetMember) -> int:
         """Bytes `member` may hold for its next forward; idle others give back what it is owed."""
@@ -271,8 +438,8 @@ class VramBudget:
             others = [m for m in self._members if m is not member]
             used = sum(m.device_bytes() for m in others)
             if used + mine > total:
-                for m in others:  # first: idle members holding more than their share
-                    if not m.is_busy() and m.device_bytes() > t.get(id(m), 0):
+                for m in reversed(self._ranked()):  # first: idle members over their share, least recent first
+                    if m is not member and not m.is_busy() and m.device_bytes() > t.get(id(m), 0):
                         m.shrink_to(t.get(id(m), 0))
                 used = sum(m.device_bytes() for m in others)
             if used + mine > total:  # then: idle members, lowest priority first, down to nothing
