@@ -16,6 +16,7 @@ codebook of each frame, a small depth decoder for the others, and the Mimi codec
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -146,10 +147,16 @@ class CsmFamily(TTSFamily):
             turn = {"role": str(int(speaker) - 1), "content": [{"type": "text", "text": text}]}
             inputs = to_device(self.inputs(model, processor, conversation + [turn]), device)
             streamer = token_streamer(on_token, offset=done)
-            with contextlib.ExitStack() as stack:
-                if pager is not None:
-                    stack.enter_context(paged_generation(model, pager))
-                out = model.generate(**inputs, **self.generate_kwargs(request), streamer=streamer)
+            # transformers' CSM writes depth_decoder_* settings into the depth decoder's generation config for good:
+            # restored, so a later request without them gets the model's defaults again
+            saved = copy.deepcopy(model.depth_decoder.generation_config)
+            try:
+                with contextlib.ExitStack() as stack:
+                    if pager is not None:
+                        stack.enter_context(paged_generation(model, pager))
+                    out = model.generate(**inputs, **self.generate_kwargs(request), streamer=streamer)
+            finally:
+                model.depth_decoder.generation_config = saved
             done = streamer.count
             wave = out.audio[0] if out.audio else None
             if wave is None or wave.numel() == 0:

@@ -157,6 +157,21 @@ def _vocab(tokenizer: Any) -> int:
     return int(-(-len(tokenizer) // 16) * 16)
 
 
+@torch.no_grad()
+def random_codebooks(codec: Any) -> Any:
+    """Random codebook vectors: transformers initializes Mimi's and the Higgs tokenizer's to zeros (a trained codec
+    has them from training), which would decode every code to the same sound."""
+    for module in codec.modules():
+        for name in ("embed", "embed_sum", "embed_avg"):
+            buf = module._buffers.get(name)
+            if buf is not None and buf.dim() == 2:
+                buf.normal_(0.0, 1.0)
+        usage = module._buffers.get("cluster_usage")
+        if usage is not None:
+            usage.fill_(1.0)
+    return codec
+
+
 def _save_generation_config(model: Any, folder: str, **values: Any) -> None:
     model.generation_config.update(**values)
     model.generation_config.save_pretrained(folder)
@@ -244,6 +259,7 @@ def write_tiny_csm(folder: str, seed: int = 0, codec_in_checkpoint: bool = True)
                                   num_key_value_heads=1, max_position_embeddings=CSM_CODEBOOKS + 1),
         codec_config=tiny_mimi_config())
     model = CsmForConditionalGeneration(config).eval()
+    random_codebooks(model.codec_model)
     model.generation_config.update(do_sample=True, temperature=0.9, top_k=50)
     model.depth_decoder.generation_config.update(do_sample=True, temperature=0.9, top_k=50)
     model.save_pretrained(folder)
@@ -281,7 +297,7 @@ def tiny_higgs_audio_tokenizer() -> Any:
         semantic_model_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                                    conv_dim=(8,) * 7, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2),
         target_bandwidths=[0.5, HIGGS_CODEBOOKS * 25 * 6 / 1000], codebook_size=HIGGS_CODEBOOK, codebook_dim=8)
-    return audio_tokenizer_class()(config).eval()
+    return random_codebooks(audio_tokenizer_class()(config).eval())
 
 
 def write_tiny_higgs(folder: str, seed: int = 0) -> str:
