@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..pin_gate import pin_host
 from .base import Backend
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,10 @@ class CudaBackend(Backend):
 
     def alloc_host(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
         if pin:
-            try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+            try:  # asked of the pinned-memory gate first (pin_gate.py: ComfyUI's pin budget); None: refused
+                buf = pin_host(nbytes, lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+                if buf is not None:
+                    return buf, True
             except RuntimeError as exc:  # pin limit, locked-memory ulimit, WSL
                 log.debug("pinning %d bytes refused: %s", nbytes, exc)
         return torch.empty(nbytes, dtype=torch.uint8), False

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..pin_gate import pin_host
 from .base import Backend
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,10 @@ class SimBackend(Backend):
 
     def alloc_host(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
         if pin:
-            try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+            try:  # asked of the pinned-memory gate first (pin_gate.py); None: refused
+                buf = pin_host(nbytes, lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+                if buf is not None:
+                    return buf, True
             except RuntimeError:
                 pass
         return torch.empty(nbytes, dtype=torch.uint8), False
