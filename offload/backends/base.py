@@ -83,6 +83,11 @@ class Backend(abc.ABC):
     def reset_peak(self) -> None:
         """Start the engine's own peak accounting afresh."""
 
+    def h2d_gbps(self, pinned: bool = True) -> float | None:
+        """Host-to-device copy speed in GB/s (1e9 bytes) from pinned or pageable host memory, measured once where it
+        must be (what `offload.predict` costs a streamed block's copy at); None where unknown."""
+        return None
+
     def event_synchronize(self, event: Any) -> None:
         """Block the host until `event` completes."""
         while not self.is_done(event):

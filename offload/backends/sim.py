@@ -39,6 +39,12 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    start = time.perf_counter()
+    _copy_bytes(dst, src)
+    return time.perf_counter() - start
+
+
 class SimEvent:
     """A completion flag with the time it completed (and started, for copies); cheap when born complete."""
 
@@ -93,6 +99,7 @@ class SimBackend(Backend):
         self._queue: queue.Queue = queue.Queue()
         self._queued = 0  # copies handed to the copy engine thread and not finished yet
         self._throttled = bool(bandwidth_gbps) or bool(latency_us)
+        self._memcpy_gbps: float | None = None  # the host's memcpy speed, measured when first asked (h2d_gbps)
         self._worker = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
         self._worker.start()
         atexit.register(self._stop)  # a daemon thread killed mid-copy at exit would abort the process
@@ -238,6 +245,16 @@ class SimBackend(Backend):
 
     def event_synchronize(self, event: SimEvent) -> None:
         event.wait()
+
+    def h2d_gbps(self, pinned: bool = True) -> float | None:
+        """The bandwidth limit, or the host's memcpy speed where it is lower (or no limit is set); measured once."""
+        if self._memcpy_gbps is None:
+            n = 64 << 20
+            src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+            _copy_bytes(dst, src)  # first touch of fresh pages
+            best = min(_timed_copy(dst, src) for _ in range(3))
+            self._memcpy_gbps = n / max(best, 1e-9) / 1e9
+        return min(self._memcpy_gbps, self.bandwidth_gbps) if self.bandwidth_gbps else self._memcpy_gbps
 
     def describe(self) -> str:
         bw = f", {self.bandwidth_gbps} GB/s" if self.bandwidth_gbps else ""
