@@ -3,18 +3,30 @@
 A model built under `torch.device("meta")` (or an init that puts buffers there too) has every tensor on the meta
 device. Its parameters and persistent buffers are in `state_dict()`, so its safetensors file holds them and staging
 reads them from there. Non-persistent buffers (`register_buffer(..., persistent=False)`, `nn.Buffer(...,
-persistent=False)`: rotary `inv_freq`, Wan's `freqs_cos`, precomputed masks) are in no checkpoint: they are computed
-when the module is constructed. `materialize_non_persistent_buffers` recomputes them on the CPU before staging,
-module by module, by the first of these that works:
+persistent=False)`: rotary `inv_freq`, Wan's `freqs_cos`, CLIP's integer `position_ids`, PixArt's sin-cos
+`pos_embed`, precomputed masks) are in no checkpoint: they are computed when the module is constructed.
+`materialize_non_persistent_buffers` recomputes them on the CPU before staging, module by module, by the first of
+these that works:
 
 1. the model library's own init for that module: the nearest transformers `PreTrainedModel` above it runs its
    `_init_weights` on a stand-in of the module whose parameters stay on the meta device and whose missing buffers
    are NaN-filled CPU tensors (what `from_pretrained` does for the same buffers); every value must be written;
-2. the module's own constructor, re-run on the CPU with the arguments recovered from the module's attributes
-   (an argument of the same name, or `_name`; otherwise its default); the new buffers must have the meta ones' shapes.
+2. the nearest library model at or above the module (a diffusers `ConfigMixin` model, rebuilt with
+   `from_config(self.config)`; a transformers `PreTrainedModel`, rebuilt from its `config`) constructed again with
+   its parameters on the meta device and its buffers real (what diffusers' `from_pretrained` does under
+   `init_empty_weights()`), and the buffer taken from the same place in it: the arguments come from the config the
+   library kept, not from attributes that may hold derived values (`PatchEmbed.height` is the patched height);
+3. the module's own constructor, re-run on the CPU with the arguments recovered from its `config` mapping (diffusers'
+   `register_to_config`) or its attributes (an argument of the same name, or `_name`; otherwise its default).
 
-Values are cast to the meta buffer's dtype (a model cast with `.to(dtype)` casts its buffers too). A buffer neither
-way can make is a ValueError naming it; nothing is ever expected from the file for a non-persistent buffer.
+The new buffers must have the meta ones' shapes; values are cast to the meta buffer's dtype (a model cast with
+`.to(dtype)` casts its buffers too). A buffer no way can make is a ValueError naming it; nothing is ever expected from
+the file for a non-persistent buffer. Rebuilding never moves the global random number generator.
+
+`materialize_tensor_attributes` does the same for plain tensor attributes that are neither parameters nor buffers
+(Lumina2's rotary `freqs_cis` list, QwenImage's `pos_freqs` / `neg_freqs`): on the meta device they would pass
+staging and fail in the forward ("Cannot copy out of meta tensor"), so they are rebuilt by ways 2 and 3, or refused
+up front naming the attribute.
 
 `tie_meta_weights` ties again the weights a model declares tied (transformers' `tie_weights()`, as
 `from_pretrained` does after loading): `accelerate.init_empty_weights()` replaces every parameter registered while
@@ -23,10 +35,12 @@ weight once.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -67,6 +81,7 @@ def materialize_non_persistent_buffers(model: nn.Module) -> list[str]:
     if not todo:
         return []
     owners = _library_owners(model)
+    rebuilt = _Rebuilt(model)
     made: dict[int, torch.Tensor] = {}  # a meta buffer shared by several modules is computed once
     olds: list[torch.Tensor] = []  # kept until the end, so no id in `made` is reused by another tensor
     done: list[str] = []
@@ -77,6 +92,8 @@ def materialize_non_persistent_buffers(model: nn.Module) -> list[str]:
         if wanted:
             owner = _nearest_owner(path, owners)
             values = _by_library_init(owner, mod, wanted, why) if owner is not None else None
+            if values is None:
+                values = _by_rebuilt_model(rebuilt, path, mod, wanted, why)
             if values is None:
                 values = _by_constructor(mod, wanted, why)
             if values is None:
@@ -151,18 +168,25 @@ def _by_library_init(owner: nn.Module, mod: nn.Module, names: list[str], why: li
     return {n: v.to(mod._buffers[n].dtype) for n, v in values.items()}
 
 
-def _by_constructor(mod: nn.Module, names: list[str], why: list[str]) -> dict | None:
-    """Construct a fresh `type(mod)` on the CPU with arguments recovered from `mod`'s attributes."""
+def _fresh_module(mod: nn.Module, why: list[str]) -> nn.Module | None:
+    """A fresh `type(mod)` built on the CPU with the arguments recovered from `mod` (see the module docstring)."""
     cls = type(mod)
     try:
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
     except (TypeError, ValueError) as exc:
         why.append(f"{cls.__name__}'s constructor has no signature ({exc})")
         return None
+    if any(p.kind == p.POSITIONAL_ONLY for p in params):
+        why.append(f"{cls.__name__} takes positional-only arguments")
+        return None
     attrs = vars(mod)
+    config = attrs.get("config") if isinstance(attrs.get("config"), Mapping) else None  # diffusers' FrozenDict
     kwargs: dict[str, Any] = {}
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if config is not None and p.name in config:
+            kwargs[p.name] = config[p.name]
             continue
         for attr in (p.name, "_" + p.name):
             value = attrs.get(attr)
@@ -174,20 +198,204 @@ def _by_constructor(mod: nn.Module, names: list[str], why: list[str]) -> dict | 
                 why.append(f"{cls.__name__}({p.name}=...) cannot be recovered from the module's attributes")
                 return None
     try:
-        with torch.device("cpu"), torch.no_grad():
-            fresh = cls(**kwargs) if not any(p.kind == p.POSITIONAL_ONLY for p in params) else None
+        with _quiet_construction():
+            return cls(**kwargs)
     except Exception as exc:  # noqa: BLE001
         why.append(f"{cls.__name__}(...) failed on the CPU: {exc}")
         return None
+
+
+def _by_constructor(mod: nn.Module, names: list[str], why: list[str]) -> dict | None:
+    """Construct a fresh `type(mod)` on the CPU with arguments recovered from `mod` and take its buffers."""
+    fresh = _fresh_module(mod, why)
     if fresh is None:
-        why.append(f"{cls.__name__} takes positional-only arguments")
         return None
+    return _buffers_from(fresh, mod, names, why, f"a fresh {type(mod).__name__}")
+
+
+def _buffers_from(fresh: nn.Module, mod: nn.Module, names: list[str], why: list[str], what: str) -> dict | None:
     values = {}
     for n in names:
         value = fresh._buffers.get(n)
         meta = mod._buffers[n]
         if value is None or value.is_meta or tuple(value.shape) != tuple(meta.shape):
-            why.append(f"a fresh {cls.__name__} has no {n!r} of shape {tuple(meta.shape)}")
+            why.append(f"{what} has no {n!r} of shape {tuple(meta.shape)}")
             return None
         values[n] = value.to(meta.dtype)
     return values
+
+
+# rebuilding the nearest library model ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_construction() -> Iterator[None]:
+    """Construct on the CPU without grad and without moving the caller's random number generator."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad():
+        yield
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """While active, every parameter a constructor registers goes to the meta device at once, buffers stay real
+    (accelerate's `init_empty_weights()`, without needing accelerate): a rebuild costs the buffers, not the model."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        value = module._parameters.get(name)
+        if value is not None and type(value) is nn.Parameter and not value.is_meta:
+            module._parameters[name] = nn.Parameter(value.detach().to("meta"), requires_grad=value.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _rebuild(model: nn.Module) -> nn.Module | None:
+    """`model` constructed again from the config its library kept (parameters on meta, buffers real), or None when
+    it is no library model."""
+    cls = type(model)
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    with _quiet_construction(), _parameters_on_meta():
+        if isinstance(config, Mapping) and callable(getattr(cls, "from_config", None)) and \
+                getattr(cls, "config_name", None):
+            return cls.from_config(dict(config))  # diffusers ConfigMixin (register_to_config kept the arguments)
+        if getattr(cls, "config_class", None) is not None and not isinstance(config, Mapping):
+            return cls(copy.deepcopy(config))  # transformers PreTrainedModel
+    return None
+
+
+class _Rebuilt:
+    """The library models above meta modules, each rebuilt once (by path), on demand."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._fresh: dict[str, nn.Module | None] = {}
+        self._errors: dict[str, str] = {}
+
+    def ancestors(self, path: str) -> Iterator[tuple[str, nn.Module]]:
+        """(path, module) of `path` itself and of every module above it, nearest first."""
+        parts = path.split(".") if path else []
+        for n in range(len(parts), -1, -1):
+            at = ".".join(parts[:n])
+            try:
+                yield at, (self.model.get_submodule(at) if at else self.model)
+            except AttributeError:
+                continue
+
+    def counterpart(self, path: str, why: list[str]) -> tuple[nn.Module, str] | None:
+        """The module at `path` in a fresh build of the nearest library model above it, and that model's name."""
+        for at, owner in self.ancestors(path):
+            if getattr(owner, "config", None) is None:
+                continue
+            if at not in self._fresh:
+                try:
+                    self._fresh[at] = _rebuild(owner)
+                except Exception as exc:  # noqa: BLE001 - any failure means "not this way"
+                    self._fresh[at] = None
+                    self._errors[at] = f"rebuilding {type(owner).__name__} from its config failed: {exc}"
+            fresh = self._fresh[at]
+            if fresh is None:
+                if at in self._errors:
+                    why.append(self._errors[at])
+                continue
+            relative = path[len(at) + 1:] if at else path
+            try:
+                return (fresh.get_submodule(relative) if relative else fresh), type(owner).__name__
+            except AttributeError:
+                why.append(f"a rebuilt {type(owner).__name__} has no module {relative!r}")
+                continue
+        return None
+
+
+def _by_rebuilt_model(rebuilt: _Rebuilt, path: str, mod: nn.Module, names: list[str], why: list[str]) -> dict | None:
+    found = rebuilt.counterpart(path, why)
+    if found is None:
+        return None
+    fresh, owner = found
+    if type(fresh) is not type(mod):
+        why.append(f"a rebuilt {owner} holds a {type(fresh).__name__} where the model holds a {type(mod).__name__}")
+        return None
+    return _buffers_from(fresh, mod, names, why, f"a rebuilt {owner}")
+
+
+# tensor attributes ----------------------------------------------------------------------------------------------
+_MODULE_STATE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
+
+
+def _has_meta(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.is_meta
+    if isinstance(value, (list, tuple)):
+        return any(_has_meta(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_meta(v) for v in value.values())
+    return False
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    """Whether `b` can stand in for the meta value `a`: tensors of the same shapes, in the same containers."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and not b.is_meta and tuple(a.shape) == tuple(b.shape)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_structure(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_structure(a[k], b[k]) for k in a)
+    return True
+
+
+def _cast_like(meta: Any, value: Any) -> Any:
+    if isinstance(meta, torch.Tensor):
+        return value.to(meta.dtype)
+    if isinstance(meta, (list, tuple)):
+        return type(meta)(_cast_like(m, v) for m, v in zip(meta, value))
+    if isinstance(meta, dict):
+        return {k: _cast_like(meta[k], value[k]) for k in meta}
+    return value
+
+
+def meta_tensor_attributes(model: nn.Module) -> dict[str, tuple[nn.Module, list[str]]]:
+    """`{module path: (module, [attribute names])}` of plain attributes (not parameters or buffers) holding a tensor
+    on the meta device, alone or in a list, tuple or dict."""
+    found: dict[str, tuple[nn.Module, list[str]]] = {}
+    for path, mod in model.named_modules():
+        names = [k for k, v in vars(mod).items() if k not in _MODULE_STATE and _has_meta(v)]
+        if names:
+            found[path] = (mod, names)
+    return found
+
+
+def materialize_tensor_attributes(model: nn.Module) -> list[str]:
+    """Recompute every plain tensor attribute of `model` still on the meta device (see the module docstring);
+    returns their names. Raises ValueError naming one that cannot be recomputed."""
+    todo = meta_tensor_attributes(model)
+    if not todo:
+        return []
+    rebuilt = _Rebuilt(model)
+    done: list[str] = []
+    for path, (mod, names) in todo.items():
+        why: list[str] = []
+        found = rebuilt.counterpart(path, why)
+        fresh = found[0] if found is not None and type(found[0]) is type(mod) else None
+        if fresh is None or not all(_same_structure(vars(mod)[n], vars(fresh).get(n)) for n in names):
+            fresh = _fresh_module(mod, why)
+        for n in names:
+            qualified = f"{path}.{n}" if path else n
+            value = vars(fresh).get(n) if fresh is not None else None
+            if fresh is None or not _same_structure(vars(mod)[n], value):
+                if fresh is not None:
+                    why.append(f"a fresh {type(mod).__name__} has no {n!r} of the same shape")
+                raise ValueError(
+                    f"{qualified}: a tensor attribute (neither a parameter nor a buffer, so in no checkpoint) is on "
+                    f"the meta device and could not be recomputed ({'; '.join(why) or 'no way to rebuild it'}); the "
+                    f"forward would fail with 'Cannot copy out of meta tensor'. Build the model with real tensors "
+                    f"(accelerate.init_empty_weights(include_buffers=False) keeps them real), or set {qualified} "
+                    f"before offloading")
+            mod.__dict__[n] = _cast_like(vars(mod)[n], value)
+            done.append(qualified)
+    log.info("recomputed %d tensor attribute(s) on the meta device (no checkpoint holds them): %s", len(done),
+             ", ".join(done[:4]) + (", ..." if len(done) > 4 else ""))
+    return done

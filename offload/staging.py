@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from .blocks import Unit
 from .layout import Binding, TensorLayout, plan_layout, unit_tensors
-from .meta_buffers import materialize_non_persistent_buffers, tie_meta_weights
+from .meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
 from .storage import (BouncedSource, BounceReader, CorruptFileError, DiskSource, HostSource, SafetensorsFile,
                       UnitSource)
 
@@ -272,6 +272,7 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     # weights the model declares tied and a meta init untied are tied again (a checkpoint holds them once)
     tie_meta_weights(model)
     materialize_non_persistent_buffers(model)
+    materialize_tensor_attributes(model)  # plain tensor attributes on meta (rotary tables): rebuilt, or refused by name
     shared = shared_tensor_ids(model, units)
     layouts: list[TensorLayout] = []
     in_units: set[tuple[int, str, str]] = set()
@@ -286,7 +287,7 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     for i, layout in enumerate(layouts):
         ok = layout.plain and file is not None
         if any(leaf.meta for leaf in layout.leaves):
-            if file is None or not layout.plain:
+            if file is None or not _fillable(layout):
                 _refuse_meta(units[i].name, layout, file)
             laid.keys[i] = _meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
             # part of the unit is in RAM already (recomputed buffers): no file view; a misaligned tensor neither
@@ -295,7 +296,7 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
             _file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
         laid.disk_ok.append(ok)
     if any(leaf.meta for leaf in rest_layout.leaves):
-        if file is None or not rest_layout.plain:
+        if file is None or not _fillable(rest_layout):
             _refuse_meta("the weights outside the blocks", rest_layout, file)
         laid.rest_keys = _meta_file_keys(file, rest_layout, laid.key_of)
     return laid
@@ -371,10 +372,16 @@ def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | 
     return HostSource(master.host, master.pinned, backend)
 
 
+def _fillable(layout: TensorLayout) -> bool:
+    """Every tensor is a plain one: its meta leaves can be read from a safetensors file, whatever their strides (a
+    transposed or channels_last weight is read in row-major order and copied into its strided place)."""
+    return all(isinstance(e.recipe, int) for e in layout.entries)
+
+
 def _refuse_meta(what: str, layout: TensorLayout, file: SafetensorsFile | None) -> None:
     leaf = next(leaf for leaf in layout.leaves if leaf.meta)
     if file is None:
         raise ValueError(f"{what}: a {tuple(leaf.shape)} {leaf.dtype} tensor is on the meta device and no "
                          f"disk_path was given to read it from")
-    raise ValueError(f"{what}: holds meta tensors that {file.path} cannot fill (tensor subclasses or non-contiguous "
-                     f"layouts cannot be read from a safetensors file)")
+    raise ValueError(f"{what}: holds meta tensors that {file.path} cannot fill (a tensor subclass cannot be read from a "
+                     f"safetensors file); build those modules with real weights, or quantize after loading")
