@@ -189,6 +189,8 @@ class TensorLayout:
                 continue
             value_p = nn.Parameter(value, requires_grad=entry.requires_grad) if any(
                 kind == "param" for _, _, kind in entry.locations) else None
+            if not master and value_p is None and isinstance(entry.recipe, int):
+                value = own_version_alias(value)  # a device copy's buffer: a write to it is told apart (buffer_writes)
             for module, attr, kind in entry.locations:
                 if kind == "param":
                     dict_sets.append((module._parameters, attr, value_p))
@@ -225,6 +227,14 @@ class TensorLayout:
                     module._parameters[attr] = param
                 else:
                     module._buffers[attr] = value
+
+
+def own_version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over `t`'s very memory (storage, offset, shape, strides) with a version counter of its own: a view
+    shares its base's counter, so an in-place write to one buffer of a unit would bump every leaf of the unit."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                   t.shape, t.stride())
 
 
 def fresh_param(like: torch.Tensor, view: torch.Tensor, requires_grad: bool) -> nn.Parameter:

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .backends.base import Backend
+from .buffer_writes import BufferShapeError, BufferWatch
 from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
                        trainable_weight_error)
 from .host_tiers import HostTiers
@@ -83,6 +84,7 @@ class ActiveUnit:
     start: Any  # compute started (after the wait)
     holds_lock: bool = False  # entered outside a root pass: the unit holds the pass lock until it finishes
     hooks: Any = None  # the saved-tensor hooks pushed while it computes with grad (offload/backward.py)
+    buffers: Any = None  # its buffers as bound before it ran (offload/buffer_writes.py); None: it has none
 
 
 class ModelStreamer:
@@ -103,6 +105,11 @@ class ModelStreamer:
         self.placement = DevicePlacement(staged, self.units, self.sources, backend, self.worker,
                                          self.host.promote_to_ram)
         self.writes = WriteWatch(staged, self.units, self.placement, self.host, self.worker)
+        # buffers a unit writes during its own forward (running stats, step counters) reach the host master
+        self.buffer_watch = [BufferWatch(u.staged.layout) for u in self.units]
+        self.rest_watch = BufferWatch(staged.rest.layout)
+        self._rest_marks: Any = None
+        self._resident_marks: dict[int, Any] = {}
         self.metrics = MetricsCollector(backend, len(self.units), profile)
         self.backward = BackwardStreamer(self.units, self.placement, self.worker, backend, self.metrics,
                                          _WeakHook(self, ModelStreamer._fetch),
@@ -204,6 +211,7 @@ class ModelStreamer:
                 if self.active is not None:  # a unit raised: give its slot back
                     self._finish_active()
                 self.backward.after_forward(self._seen)
+                self._rest_written()
                 if self._refusal is not None:
                     refuse_backward(output, self._refusal)
                 listener = self._listener()
@@ -254,6 +262,7 @@ class ModelStreamer:
             self.worker.set_order(self._seen)
         self._seen = []
         self.worker.begin_pass()  # the last pass goes into the order history; predict this one
+        self._rest_marks = self.rest_watch.mark() if self.rest_watch else None
         self.metrics.forward_started()
         self.worker.fill()
 
@@ -306,6 +315,8 @@ class ModelStreamer:
             u = self.units[index]
             if u.resident_buf is not None:
                 self._resident_start[index] = (self.backend.record(), outside)
+                if self.buffer_watch[index]:
+                    self._resident_marks[index] = self.buffer_watch[index].mark()
                 return
             if torch.is_grad_enabled():
                 self._check_trainable([index])
@@ -315,6 +326,8 @@ class ModelStreamer:
             self.placement.binding(u, slot).apply()
             self.active = ActiveUnit(index, slot, copy_event, ready, start, outside)
             self.active.hooks = self.backward.hooks_for(index, slot)
+            if self.buffer_watch[index]:
+                self.active.buffers = self.buffer_watch[index].mark()
         except BaseException:
             if outside:
                 self._lock.release()
@@ -362,6 +375,9 @@ class ModelStreamer:
                 self.metrics.add(index, None, None, started[0], self.backend.record(), 0)
                 if started[1]:
                     self._lock.release()
+            marks = self._resident_marks.pop(index, None)
+            if marks is not None:
+                self._resident_written(u, marks)
             return None
         active = self.active
         if active is not None and active.index == index:
@@ -378,12 +394,65 @@ class ModelStreamer:
         try:
             if active.hooks is not None:
                 active.hooks.pop()
+            refused = self._write_back(active) if active.buffers is not None else None
             free = self._unbind(active)
             nbytes = self.units[active.index].nbytes
             self.metrics.add(active.index, active.copy, active.ready, active.start, free, nbytes)
+            if refused is not None:
+                raise refused
         finally:
             if active.holds_lock:
                 self._lock.release()
+
+    # buffers a unit writes during its own forward (offload/buffer_writes.py) ------------------------
+    def _write_back(self, active: ActiveUnit) -> BufferShapeError | None:
+        """A streamed unit's buffers written in its forward go into its host master before its slot goes back to the
+        ring: device-to-host, only those bytes (a disk-tier unit gets a RAM master first: it is no longer the file's).
+        Returns the refusal of a buffer reassigned with another shape or dtype (raised once the slot is back)."""
+        watch = self.buffer_watch[active.index]
+        in_place, reassigned = watch.written(active.buffers)
+        if not in_place and not reassigned:
+            return None
+        for k, value in reassigned:
+            try:
+                watch.check_value(k, value)
+            except BufferShapeError as exc:
+                return exc
+        u = self.units[active.index]
+        slot = self.placement.slots[active.slot]
+        self.backend.synchronize()  # the unit's writes on the compute stream are done
+        with torch.no_grad():
+            if u.master.host is None:
+                self.host.promote_to_ram(u, slot[:u.nbytes])
+            else:
+                for k in in_place:
+                    watch.leaf_bytes(u.master.host, k).copy_(watch.leaf_bytes(slot, k))
+            for k, value in reassigned:
+                watch.leaf_view(u.master.host, k).copy_(value)
+        u.mark = u.staged.layout.version()  # the host master changed on purpose: nothing queued holds this unit
+        if any(queued[0] == active.index for queued in self.worker.inflight):
+            self.worker.restart()  # a copy queued for the unit's next call in this pass holds the old bytes
+        return None
+
+    def _resident_written(self, u: UnitState, marks: Any) -> None:
+        """A resident unit wrote buffers on its own device copy: the host master catches up when it is evicted."""
+        watch = self.buffer_watch[u.index]
+        in_place, reassigned = watch.written(marks)
+        if reassigned:
+            watch.put_back(marks, reassigned)
+        if in_place or reassigned:
+            u.device_newer = True
+
+    def _rest_written(self) -> None:
+        """The same for the weights outside the blocks (always resident while a pass runs)."""
+        marks, self._rest_marks = self._rest_marks, None
+        if marks is None:
+            return
+        in_place, reassigned = self.rest_watch.written(marks)
+        if reassigned:
+            self.rest_watch.put_back(marks, reassigned)
+        if (in_place or reassigned) and self.placement.rest_buf is not None:
+            self.placement.rest_device_newer = True
 
     def _unbind(self, active: ActiveUnit) -> Any:
         """The unit's parameters back on the host master, its slot back to the ring; returns the slot-free event."""
