@@ -12,8 +12,12 @@ unpacks one of its `_SlotView`s, or when a checkpointed unit re-runs its forward
 slot until backward enters another unit: autograd runs nodes in reverse creation order, so by then every node of
 the units after it in the forward has run. The prefetch worker follows the reversed forward order, so the next
 units are copying while the current one computes. Frozen weights stay read-only host masters; nothing is copied
-device-to-host. Parameters that are not part of a streamed unit's layout (LoRA adapters added after offloading, a
-trainable norm kept outside the unit) never enter a slot and get their gradients as usual.
+device-to-host. Parameters that are not part of a streamed unit's layout never enter a slot and get their gradients
+as usual: LoRA adapters added after offloading, and the trainable parameters a block held when it was offloaded
+(`trainable_in_blocks`: peft's LoRA layers added before offloading, a norm left trainable while the base weights are
+frozen). Those are staged with the weights outside the blocks, so they live on the device for the whole run, count
+in the device bytes every plan holds (`rest_bytes`), and the optimizer updates them in place there; detach() gives
+them back as ordinary parameters with their trained values.
 
 A streamed weight that requires grad (full fine-tuning of a streamed block) is refused with `TrainableWeightError`
 naming the parameter. A weight made trainable after offloading (it was frozen when the model was offloaded) is a
@@ -35,6 +39,43 @@ import torch.nn as nn
 from .layout import is_subclass_tensor
 
 log = logging.getLogger(__name__)
+
+
+# dtypes a parameter is trained in: a frozen float8 or integer weight is frozen because it cannot train, so it says
+# nothing about whether the model is being set up for training
+_TRAINABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def trainable_in_blocks(modules: list[nn.Module], skip: set[int]) -> list[nn.Parameter]:
+    """The parameters the blocks hold that train, kept on the device outside the streamed bytes (see the module
+    docstring): adapters a library added before offloading (peft's LoRA layers), norms left trainable. Empty unless
+    the model is set up for training: offloaded with gradients enabled (not under no_grad or inference_mode), some of
+    the blocks' parameters frozen, and the trainable ones the smaller part of the two. A model whose parameters all
+    require grad (any nn.Module's default) streams all of them, as does one offloaded for inference."""
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return []
+    trainable: list[nn.Parameter] = []
+    seen = set(skip)
+    trainable_bytes = frozen_bytes = 0
+    for module in modules:
+        for sub in module.modules():
+            for p in sub._parameters.values():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if p.dtype not in _TRAINABLE_DTYPES:
+                    continue
+                nbytes = p.numel() * p.element_size()
+                if not p.requires_grad:
+                    frozen_bytes += nbytes
+                elif type(p) is nn.Parameter:
+                    trainable.append(p)
+                    trainable_bytes += nbytes
+    if not trainable or trainable_bytes >= frozen_bytes:
+        return []
+    log.info("%d trainable parameter(s) inside the blocks (%.2f MB) are kept on the device; the frozen weights "
+             "stream", len(trainable), trainable_bytes / 2**20)
+    return trainable
 
 
 class TrainableWeightError(RuntimeError):
@@ -71,9 +112,11 @@ def trainable_weight_error(model: nn.Module | None, unit_name: str, module: nn.M
                 break
     return TrainableWeightError(
         f"the streamed weight {name!r} requires grad: backward through streamed blocks computes gradients for "
-        f"parameters kept on the device (LoRA adapters, added after offloading) but never for streamed base weights "
-        f"(full fine-tuning of a streamed block is not supported). Freeze it (requires_grad_(False)), run inference "
-        f"under torch.no_grad(), or keep its block resident")
+        f"parameters kept on the device but never for streamed base weights (full fine-tuning of a streamed block "
+        f"is not supported). Parameters on the device are adapters added after offloading, and the trainable "
+        f"parameters the blocks held when the model was offloaded with gradients enabled and its base weights frozen "
+        f"(peft's get_peft_model, a norm left trainable). Freeze it (requires_grad_(False)) before offloading, run "
+        f"inference under torch.no_grad(), or keep its block resident")
 
 
 @dataclass(frozen=True)

@@ -740,5 +740,6 @@ def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: 
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig (OffloadConfig.from_preset(...)), got {type(config).__name__}")
     _check_arguments(model, config, name, budget, units, progress)
-    with torch.inference_mode(False):  # our buffers and views must serve grad-mode and inference-mode calls
+    grad = torch.is_grad_enabled()  # the caller's: trainable parameters in blocks stay on the device only with grad
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):  # buffers and views serve grad and inference calls
         return OffloadHandle(model, config, name or type(model).__name__, priority, budget, units, progress)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .backward import trainable_in_blocks
 from .blocks import Unit
 from .layout import Binding, TensorLayout, plan_layout, unit_tensors
 from .meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
@@ -274,6 +275,8 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     materialize_non_persistent_buffers(model)
     materialize_tensor_attributes(model)  # plain tensor attributes on meta (rotary tables): rebuilt, or refused by name
     shared = shared_tensor_ids(model, units)
+    # trainable parameters inside the blocks (a training setup) stay with the rest: on the device, never streamed
+    shared |= {id(p) for p in trainable_in_blocks([u.module for u in units], shared)}
     layouts: list[TensorLayout] = []
     in_units: set[tuple[int, str, str]] = set()
     for unit in units:

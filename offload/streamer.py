@@ -502,6 +502,9 @@ class ModelStreamer:
             if self.active is not None:
                 self._finish_active()
             self.backward.close()
+            # written since the pass began (an optimizer step on the trainable parameters kept on the device): the
+            # host copy catches up before the device copy goes
+            self.writes.check_writes()
             return self.placement.unload(nbytes)
 
     # host memory -----------------------------------------------------------------------
