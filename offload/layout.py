@@ -40,7 +40,8 @@ class Leaf:
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...] | None  # None: contiguous; else the original strides over a span of memory
-    meta: bool = False  # on the meta device when planned: its bytes must come from a file
+    meta: bool = False  # its bytes must come from a file: on the meta device when planned, or a persistent buffer
+    # of a model being loaded from its file (staging.persistent_buffers_from_file)
 
     @property
     def row_major(self) -> bool:

@@ -67,7 +67,7 @@ class StagingBuffer:
         views = layout.leaf_views(host)
         with torch.no_grad():
             for i, (view, src) in enumerate(zip(views, layout.sources())):
-                if src.is_meta:
+                if src.is_meta or layout.leaves[i].meta:  # a meta leaf, or a persistent buffer of a model being loaded
                     src = file.read_tensor(keys[i])  # validated before staging began
                 view.copy_(src)
                 del src
@@ -207,6 +207,33 @@ def _meta_file_keys(file: SafetensorsFile, layout: TensorLayout,
     return keys
 
 
+def persistent_buffers_from_file(file: SafetensorsFile, layouts: list[TensorLayout],
+                                 key_of: Callable[[nn.Module, str], str]) -> int:
+    """A model being loaded from its file (some tensor is on the meta device) takes every persistent buffer the file
+    holds from the file, as `load_state_dict` would: a buffer the init left real (accelerate's `init_empty_weights()`
+    keeps buffers real by default) holds the constructor's value, not the checkpoint's (BatchNorm running stats).
+    Their leaves are marked to be read from the file like meta ones; a buffer the file lacks keeps its value."""
+    suffixes = set()
+    for key in file.tensors:
+        parts = key.split(".")
+        suffixes.update(".".join(parts[j:]) for j in range(len(parts)))
+    marked = 0
+    for layout in layouts:
+        if not layout.plain:
+            continue  # a tensor subclass or a strided leaf: no file can fill it, so its buffers stay as they are
+        for entry in layout.entries:
+            leaf = layout.leaves[entry.recipe]
+            if leaf.meta or not all(kind == "buffer" and name not in mod._non_persistent_buffers_set
+                                    for mod, name, kind in entry.locations):
+                continue
+            if _entry_name(file, entry, key_of) in suffixes:
+                leaf.meta = True
+                marked += 1
+    if marked:
+        log.info("%d persistent buffer(s) come from %s (the model is being loaded from it)", marked, file.path)
+    return marked
+
+
 def _non_persistent(layout: TensorLayout) -> str | None:
     """The name of a non-persistent buffer in the layout (no checkpoint holds it), if any."""
     for entry in layout.entries:
@@ -287,6 +314,8 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
                                if (id(sub), name, kind) not in in_units])
     laid = ModelLayout(units, layouts, rest_layout, file, _key_namer(model), file_optional)
+    if file is not None and any(leaf.meta for layout in layouts + [rest_layout] for leaf in layout.leaves):
+        persistent_buffers_from_file(file, layouts + [rest_layout], laid.key_of)
     for i, layout in enumerate(layouts):
         ok = layout.plain and file is not None
         if any(leaf.meta for leaf in layout.leaves):
