@@ -1,11 +1,13 @@
-"""Offload TTS Loader / Offload TTS Generate: a transformers text-to-speech model (VibeVoice first) from models/tts/,
-streamed under the pack's budget, joined to ComfyUI's memory manager, AUDIO out.
+"""Offload TTS Loader / Offload TTS Generate: a transformers text-to-speech model (VibeVoice, Higgs Audio v2, Dia,
+CSM) from models/tts/, streamed under the pack's budget, joined to ComfyUI's memory manager, AUDIO out.
 
-The model-side work (loading, which blocks stream, voices, generation) is offload/tts/vibevoice.py; this module is
-the ComfyUI face: the `tts` model folder, the nodes, ComfyUI's memory manager, progress, cancel and the report.
+The model-side work (loading, which blocks stream, voices, generation) is one module per family in offload/tts/
+behind one interface (`offload.tts.common.TTSFamily`); this module is the ComfyUI face and holds no per-model branch:
+the `tts` model folder, the nodes, ComfyUI's memory manager, progress, cancel and the report.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
@@ -17,10 +19,11 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from ..offload.tts import vibevoice
+from ..offload.tts import FAMILIES, family as family_of_type, family_for, model_type_of
+from ..offload.tts.common import TTSRequest, Voice
 from .apply import attach_engine
 from .comfy_patcher import OffloadModelPatcher
-from .common import CATEGORY, engine_device, io_type, optional_inputs, preset_input
+from .common import CATEGORY, engine_device, io_type, log_once, optional_inputs, preset_input
 from .registry import Managed, track_patcher
 from . import status
 
@@ -28,7 +31,8 @@ log = logging.getLogger("layer_offload")
 
 TTS_FOLDER = "tts"
 TTS_TYPE = "TTS_MODEL"
-DTYPE_CHOICES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]
+DTYPE_CHOICES = ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]  # the V1 choices (the loader takes fp8_e5m2 too)
+MAX_VOICES = 4
 KV_CHOICES = ["auto", "off", "on"]
 PAGE_TOKENS = 64
 
@@ -48,8 +52,25 @@ def register_tts_folder() -> None:
         folder_paths.add_model_folder_path(TTS_FOLDER)
 
 
+def _listed(path: str) -> bool:
+    """A folder the loader lists: its config.json names a supported model type, or cannot be read (so loading it
+    says what is wrong); folders of other model types are left out (logged once)."""
+    model_type = model_type_of(path)
+    if model_type in FAMILIES or not os.path.isfile(os.path.join(path, "config.json")):
+        return True
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return True  # half-written: listed, and loading it is a clear error
+    log_once("tts-type-" + path, "Layer Offload: %s is a %r model folder; the TTS loader takes %s", path, model_type,
+             ", ".join(FAMILIES), level=logging.INFO)
+    return False
+
+
 def model_folders() -> List[str]:
-    """Every model folder (one holding a config.json) under the tts folders, as paths relative to them."""
+    """Every TTS model folder (one holding a config.json of a supported model type) under the tts folders, as paths
+    relative to them."""
     names: List[str] = []
     try:
         bases = folder_paths.get_folder_paths(TTS_FOLDER)
@@ -60,8 +81,9 @@ def model_folders() -> List[str]:
             continue
         for root, dirs, files in os.walk(base, followlinks=True):
             if "config.json" in files:
-                names.append(os.path.relpath(root, base).replace(os.sep, "/"))
-                dirs[:] = []  # a model folder's subfolders are part of it
+                if _listed(root):
+                    names.append(os.path.relpath(root, base).replace(os.sep, "/"))
+                dirs[:] = []  # a model folder's subfolders (its codec in audio_tokenizer/) are part of it
             else:
                 dirs.sort()
     return sorted(set(names))
@@ -77,15 +99,16 @@ def model_folder_path(name: str) -> str:
             return path
     found = model_folders()
     raise ValueError("no TTS model folder {!r} under models/tts/; found: {}".format(
-        name, ", ".join(found) if found else "none (put a VibeVoice folder, with its config.json, in models/tts/)"))
+        name, ", ".join(found) if found else "none (put a VibeVoice, Higgs Audio v2, Dia or CSM folder, with its config.json, in models/tts/)"))
 
 
 class TTSModel:
     """What the loader hands the generate node: the offload patcher over the model, its processor, its settings."""
 
     def __init__(self, name: str, patcher: Any, processor: Any, managed: Optional[Managed], dtype: str,
-                 kv_offload: str) -> None:
+                 kv_offload: str, family: Any = None) -> None:
         self.name = name
+        self.family = family if family is not None else family_of_type("vibevoice")
         self.patcher = patcher
         self.processor = processor
         self.managed = managed
@@ -97,24 +120,20 @@ class TTSModel:
         return self.patcher.model
 
     def __repr__(self) -> str:
-        return "TTSModel({}, dtype={}, kv_offload={})".format(self.name, self.dtype, self.kv_offload)
+        return "TTSModel({}, {}, dtype={}, kv_offload={})".format(self.name, self.family.name, self.dtype,
+                                                               self.kv_offload)
 
 
-def _kv_pager(tts: TTSModel, max_new_tokens: int, prompt_tokens: int, cfg_scale: float) -> Any:
+def _kv_pager(tts: TTSModel, request: TTSRequest) -> Any:
     """The model's KV pager (None with kv_offload off or no offloading); `auto` offloads only when the caches would
-    not fit the model's free share of the budget."""
+    not fit the model's free share of the budget (the family estimates their size)."""
     st = tts.managed
     if st is None or tts.kv_offload == "off":
         return None
     handle = st.handle
     if tts.kv_offload == "on":
         return handle.kv_pager(PAGE_TOKENS, offload=True)
-    text = tts.model.config.text_config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    dtype_bytes = tts.model.model.language_model.embed_tokens.weight.element_size()
-    per_token = 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes
-    estimate = per_token * (prompt_tokens + max_new_tokens) * (2 if cfg_scale != 1.0 else 1)
+    estimate = tts.family.kv_estimate(tts.model, tts.processor, request)
     budget = handle.budget
     free = int(budget.total_bytes or 0) - handle.planned_device_bytes()
     offload = estimate > free
@@ -125,20 +144,23 @@ def _kv_pager(tts: TTSModel, max_new_tokens: int, prompt_tokens: int, cfg_scale:
 
 
 class OffloadTTSLoader(io.ComfyNode):
-    """Load a transformers TTS model (VibeVoice) from models/tts/ and stream its blocks under the pack's budget."""
+    """Load a transformers TTS model (VibeVoice, Higgs Audio v2, Dia, CSM) from models/tts/ and stream its blocks under
+    the pack's budget."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="OffloadTTSLoader", display_name="Offload TTS Loader", category=CATEGORY,
-            description=("Load a VibeVoice text-to-speech model from models/tts/ (local files only) and stream its "
-                         "blocks under the pack's VRAM budget, with optional fp8 weights and a paged KV cache."),
+            description=("Load a text-to-speech model (VibeVoice, Higgs Audio v2, Dia or CSM) from models/tts/ (local "
+                         "files only) and stream its blocks under the pack's VRAM budget, with optional fp8 weights "
+                         "and a paged KV cache."),
             inputs=[io.Combo.Input("model_name", options=model_folders(), tooltip=(
-                        "A model folder (holding config.json) under models/tts/, in the transformers layout "
-                        "(VibeVoice).")),
+                        "A model folder (holding config.json) under models/tts/, as transformers' save_pretrained "
+                        "writes it: VibeVoice, Higgs Audio v2, Dia or CSM. Dia's DAC codec and Higgs' audio "
+                        "tokenizer go in its audio_tokenizer/ subfolder.")),
                     preset_input(), *optional_inputs(),
                     io.Combo.Input("dtype", options=list(DTYPE_CHOICES), default="default", optional=True, tooltip=(
-                        "Weight dtype: the checkpoint's (default), bf16, fp16, fp32, or fp8_e4m3fn (the decoder's "
+                        "Weight dtype: the checkpoint's (default), bf16, fp16, fp32, or fp8_e4m3fn (the backbone's "
                         "linear weights stored and streamed as float8 with per-channel scales: half the bytes).")),
                     io.Combo.Input("kv_offload", options=list(KV_CHOICES), default="auto", optional=True, tooltip=(
                         "Paged KV cache: auto keeps pages beyond the model's share of the VRAM budget in host memory "
@@ -158,69 +180,102 @@ class OffloadTTSLoader(io.ComfyNode):
         if kv_offload not in KV_CHOICES:
             raise ValueError("kv_offload must be one of {}, got {!r}".format(", ".join(KV_CHOICES), kv_offload))
         path = model_folder_path(model_name)
-        model, processor, _ = vibevoice.load(path, dtype)  # TTSModelError (a ValueError) says what is wrong
+        family = family_for(path)  # TTSModelError (a ValueError) says what is wrong
+        model, processor, _ = family.load(path, dtype)
         mm = comfy.model_management
         patcher = OffloadModelPatcher(model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device())
         managed = None
         if engine_device() is not None:
             managed = attach_engine(model, preset, budget, priority, "tts:" + model_name, kind="tts",
-                                    units=vibevoice.stream_units(model))
+                                    units=family.stream_units(model))
             if managed is not None:
                 track_patcher(patcher, managed)
-        return (TTSModel(model_name, patcher, processor, managed, dtype, kv_offload),)
+        return (TTSModel(model_name, patcher, processor, managed, dtype, kv_offload, family),)
+
+
+def _setting(value: Any, kind: type) -> Any:
+    """An optional sampling widget: 0 (or nothing) keeps the model's own default."""
+    if value is None:
+        return None
+    value = kind(value)
+    return None if value == 0 else value
 
 
 class OffloadTTSGenerate(io.ComfyNode):
-    """Text (Speaker 1..4 lines) and optional voice references in, AUDIO out."""
+    """Text and optional voice references in, AUDIO out (at the model's sampling rate)."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
         voices = [io.Audio.Input("voice_{}".format(i), optional=True, tooltip=(
-                      "Speaker {}'s voice reference (any sample rate and channels: resampled to 24 kHz "
-                      "mono).".format(i)))
-                  for i in range(1, vibevoice.MAX_SPEAKERS + 1)]
+                      "Speaker {}'s voice reference (any sample rate and channels: resampled to the model's rate, "
+                      "mono). Higgs Audio v2 and Dia take voice_1 only (a voice prompt); CSM and VibeVoice one per "
+                      "speaker.".format(i)))
+                  for i in range(1, MAX_VOICES + 1)]
         return io.Schema(
             node_id="OffloadTTSGenerate", display_name="Offload TTS Generate", category=CATEGORY,
-            description="Speak a script with an offloaded TTS model; voice references clone the speakers' voices.",
+            description=("Speak a text with an offloaded TTS model; voice references clone the speakers' voices. "
+                         "'Speaker N:' lines work for every model (Dia: [S1]/[S2], Higgs: [SPEAKERk] also)."),
             inputs=[io_type(TTS_TYPE).Input("tts_model", tooltip="From Offload TTS Loader."),
                     io.String.Input("text", multiline=True,
                                     default="Speaker 1: Hello, and welcome.\nSpeaker 2: Thanks!",
-                                    tooltip="One line per turn: 'Speaker N: text' (N from 1 to 4)."),
+                                    tooltip=("One line per turn: 'Speaker N: text' (VibeVoice and CSM: N from 1 to 4, "
+                                             "Dia 1 to 2), or the model's own format (Dia: [S1] ... [S2] ...; Higgs: "
+                                             "plain text or [SPEAKER0] ... lines).")),
                     io.Int.Input("seed", default=0, min=0, max=0xffffffffffffffff,
                                  tooltip="The same seed gives the same audio."),
                     io.Float.Input("cfg_scale", default=1.3, min=1.0, max=10.0, step=0.05,
-                                   tooltip="Classifier-free guidance of the speech diffusion."),
+                                   tooltip=("Classifier-free guidance: VibeVoice's speech diffusion, Dia's tokens "
+                                            "(Dia's own default is 3.0); Higgs and CSM do not use it.")),
                     io.Int.Input("diffusion_steps", default=10, min=1, max=100,
-                                 tooltip="Diffusion steps per speech token (7.5 tokens a second)."),
+                                 tooltip="VibeVoice: diffusion steps per speech token (7.5 tokens a second)."),
                     io.Int.Input("max_new_tokens", default=1024, min=1, max=65536,
-                                 tooltip="Upper bound on generated tokens (speech runs 7.5 tokens a second)."),
-                    *voices],
-            outputs=[io.Audio.Output(tooltip="The speech, 24 kHz mono: {waveform [1, 1, T], sample_rate}.")])
+                                 tooltip=("Upper bound on generated tokens: audio frames (VibeVoice 7.5, Higgs 25, Dia "
+                                          "86, CSM 12.5 a second; CSM: per turn).")),
+                    *voices,
+                    io.String.Input("voice_text", default="", multiline=True, optional=True, tooltip=(
+                        "What voice_1 says (its transcript): Higgs Audio v2, Dia and CSM prompt with it; empty "
+                        "without a transcript (cloning is weaker).")),
+                    io.Float.Input("temperature", default=0.0, min=0.0, max=5.0, step=0.05, optional=True, tooltip=(
+                        "Sampling temperature (Higgs, Dia, CSM); 0 keeps the model's own default.")),
+                    io.Int.Input("top_k", default=0, min=0, max=100000, optional=True, tooltip=(
+                        "Top-k sampling (Higgs, Dia, CSM); 0 keeps the model's own default.")),
+                    io.Float.Input("top_p", default=0.0, min=0.0, max=1.0, step=0.01, optional=True, tooltip=(
+                        "Top-p sampling (Higgs, Dia, CSM); 0 keeps the model's own default."))],
+            outputs=[io.Audio.Output(tooltip="The speech at the model's sampling rate: {waveform [1, C, T], "
+                                             "sample_rate}.")])
 
     @classmethod
     def execute(cls, tts_model: Any, text: str, seed: int, cfg_scale: float, diffusion_steps: int,
-                max_new_tokens: int, **voice_inputs: Any) -> io.NodeOutput:
+                max_new_tokens: int, **optional: Any) -> io.NodeOutput:
         return io.NodeOutput(*cls.generate(tts_model, text, seed, cfg_scale, diffusion_steps, max_new_tokens,
-                                           **voice_inputs))
+                                           **optional))
 
     @classmethod
     def generate(cls, tts_model: TTSModel, text: str, seed: int, cfg_scale: float, diffusion_steps: int,
-                 max_new_tokens: int, **voice_inputs: Any) -> Tuple[Dict[str, Any]]:
+                 max_new_tokens: int, voice_text: str = "", temperature: Optional[float] = None,
+                 top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 **voice_inputs: Any) -> Tuple[Dict[str, Any]]:
         if not isinstance(tts_model, TTSModel):
             raise ValueError("tts_model must come from Offload TTS Loader, got {}".format(type(tts_model).__name__))
         voices = {}
         for key, audio in voice_inputs.items():
-            if audio is None or not key.startswith("voice_"):
+            if not key.startswith("voice_"):
+                raise ValueError("unknown input {!r}".format(key))
+            if audio is None:
                 continue
             if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
                 raise ValueError("{} must be AUDIO ({{'waveform', 'sample_rate'}}), got {}".format(key, type(audio)))
-            voices[key[len("voice_"):]] = vibevoice.voice_from_audio(audio["waveform"], int(audio["sample_rate"]))
+            if not isinstance(audio["waveform"], torch.Tensor) or audio["waveform"].numel() == 0:
+                raise ValueError("{} holds no samples".format(key))
+            voices[key[len("voice_"):]] = Voice(audio["waveform"], int(audio["sample_rate"]))
+        request = TTSRequest(text=text, seed=int(seed), max_new_tokens=int(max_new_tokens), voices=voices,
+                             voice_text=voice_text or "", cfg_scale=float(cfg_scale),
+                             diffusion_steps=int(diffusion_steps), temperature=_setting(temperature, float),
+                             top_k=_setting(top_k, int), top_p=_setting(top_p, float))
         mm = comfy.model_management
         mm.load_models_gpu([tts_model.patcher])
         device = torch.device("cpu") if engine_device() in (None, "sim") else tts_model.patcher.load_device
-        prompt_tokens = len(tts_model.processor.tokenizer(text)["input_ids"]) + 64 + sum(
-            len(v) // vibevoice.HOP + 1 for v in voices.values())
-        pager = _kv_pager(tts_model, int(max_new_tokens), prompt_tokens, float(cfg_scale))
+        pager = _kv_pager(tts_model, request)
         pbar = comfy.utils.ProgressBar(int(max_new_tokens))
 
         def on_token(n: int) -> None:
@@ -229,10 +284,12 @@ class OffloadTTSGenerate(io.ComfyNode):
 
         try:
             with torch.inference_mode():
-                wave = vibevoice.generate(tts_model.model, tts_model.processor, text, voices=voices, seed=seed,
-                                          cfg_scale=cfg_scale, diffusion_steps=diffusion_steps,
-                                          max_new_tokens=max_new_tokens, device=device, pager=pager,
-                                          on_token=on_token)
+                result = tts_model.family.speak(tts_model.model, tts_model.processor, request, device=device,
+                                                pager=pager, on_token=on_token)
         finally:
             status.publish()
-        return ({"waveform": wave.reshape(1, 1, -1).cpu(), "sample_rate": vibevoice.SAMPLE_RATE},)
+        wave = result.audio
+        if not torch.isfinite(wave).all():
+            raise ValueError("{} produced non-finite audio (NaN or inf); try another dtype (fp32) or seed".format(
+                tts_model.family.name))
+        return ({"waveform": wave.reshape(1, wave.shape[0], -1).cpu(), "sample_rate": int(result.sample_rate)},)

@@ -72,7 +72,8 @@ def test_nodes_and_the_tts_folder_are_registered(env):
     assert combo_choices(spec["optional"]["dtype"]) == ["default", "bf16", "fp16", "fp32", "fp8_e4m3fn"]
     assert combo_choices(spec["optional"]["kv_offload"]) == ["auto", "off", "on"]
     gen = env["M"]["OffloadTTSGenerate"].INPUT_TYPES()
-    assert set(gen["optional"]) == {"voice_1", "voice_2", "voice_3", "voice_4"}
+    assert list(gen["optional"])[:4] == ["voice_1", "voice_2", "voice_3", "voice_4"], "V1 inputs first"
+    assert list(gen["optional"])[4:] == ["voice_text", "temperature", "top_k", "top_p"]
     assert tuple(env["M"]["OffloadTTSGenerate"].RETURN_TYPES) == ("AUDIO",)
 
 
