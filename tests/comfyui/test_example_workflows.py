@@ -21,9 +21,15 @@ import comfy_server as cs  # noqa: E402
 import tiny_wan  # noqa: E402
 
 tv = load_tests_module("tts/tiny_vibevoice.py")
+tt = load_tests_module("tts/tiny_tts.py")
 WORKFLOWS = os.path.join(REPO_ROOT, "example_workflows")
 WAN = "wan2.1_t2v_layer_offload"
 TTS = "vibevoice_tts_layer_offload"
+# the TTS workflows, run with a tiny model of their type: (folder, writer, max_new_tokens, sample rate)
+TTS_RUNS = {TTS: ("tiny-vibevoice", tv.write_tiny_vibevoice, 24, 24000),
+            "higgs_audio_v2_tts_layer_offload": ("tiny-higgs", tt.write_tiny_higgs, 10, 24000),
+            "dia_tts_layer_offload": ("tiny-dia", tt.write_tiny_dia, 12, 44100),
+            "csm_tts_layer_offload": ("tiny-csm", tt.write_tiny_csm, 3, 24000)}
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 
 
@@ -89,7 +95,8 @@ def server(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("comfy_workflows"))
     paths = cs.prepare_base_dir(base)
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], "tiny_wan.safetensors"))
-    tv.write_tiny_vibevoice(os.path.join(paths["tts"], "tiny-vibevoice"))
+    for folder, write, _, _ in TTS_RUNS.values():
+        write(os.path.join(paths["tts"], folder))
     from test_tts_server import write_voice
 
     write_voice(os.path.join(paths["input"], "voice.wav"))
@@ -104,10 +111,10 @@ def server(tmp_path_factory):
 
 def test_the_template_browser_lists_the_example_workflows(server):
     listed = server.get_json("/workflow_templates")
-    assert sorted(listed.get(cs.PACK_FOLDER, [])) == sorted([TTS, WAN]), listed
+    assert sorted(listed.get(cs.PACK_FOLDER, [])) == sorted([*TTS_RUNS, WAN]), listed
 
 
-@pytest.mark.parametrize("name", [WAN, TTS])
+@pytest.mark.parametrize("name", [WAN, *TTS_RUNS])
 def test_every_node_widget_and_link_is_valid(server, name):
     wf = workflow(name)
     info = server.info
@@ -137,17 +144,19 @@ def test_every_node_widget_and_link_is_valid(server, name):
                 assert i["name"] in declared, (node["type"], i["name"])
 
 
-def test_the_tts_workflow_runs(server):
-    prompt = to_api(workflow(TTS), server.info)
-    prompt["2"]["inputs"]["model_name"] = "tiny-vibevoice"
-    prompt["4"]["inputs"]["max_new_tokens"] = 24
+@pytest.mark.parametrize("name", list(TTS_RUNS))
+def test_the_tts_workflow_runs(server, name):
+    folder, _, tokens, rate = TTS_RUNS[name]
+    prompt = to_api(workflow(name), server.info)
+    prompt["2"]["inputs"]["model_name"] = folder
+    prompt["4"]["inputs"]["max_new_tokens"] = tokens
     if "LoadAudio" not in server.info:  # no torchaudio on this install: the same clip through a test node
         prompt["3"] = {"class_type": "LOTestWavAudio", "inputs": {"name": "voice.wav"}}
     if "SaveAudio" not in server.info:
         del prompt["5"]
     prompt["9"] = {"class_type": "LOTestAudioHash", "inputs": {"audio": ["4", 0]}}
     entry = server.run_prompt(prompt, timeout=180)
-    assert "rate=24000" in cs.ui_texts(entry, "9")[0]
+    assert "rate={}".format(rate) in cs.ui_texts(entry, "9")[0]
     report = json.loads(entry["outputs"]["6"]["report_json"][0])
     assert any(m["kind"] == "tts" for m in report["models"])
     if "5" in prompt:
