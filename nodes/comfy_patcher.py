@@ -24,7 +24,7 @@ import comfy.model_patcher
 import comfy.utils
 from comfy.model_patcher import ModelPatcher
 
-from . import patches
+from . import host_memory, patches
 from .common import log_once
 from .registry import Managed, managed_root, track_patcher
 
@@ -39,7 +39,8 @@ REPORT_WRAPPER_KEY = "layer_offload_report"
 
 
 def _accounting(p: Any) -> Any:
-    """Where this ComfyUI keeps a patcher's load accounting: `_memory_measurements` (0.12+) or the model."""
+    """Where this ComfyUI keeps a patcher's load accounting: `_memory_measurements` (0.12 to about 0.21) or the
+    model (before 0.12, and again since)."""
     return getattr(p, "_memory_measurements", None) or p.model
 
 
@@ -157,6 +158,15 @@ def _patch_hooks_outside(patcher: Any, hooks: Any, combined: Dict[str, list]) ->
                                                 original_weights=originals, memory_counter=counter)
 
 
+def _mark_active(patcher: Any, st: Managed) -> None:
+    """ComfyUI loads this model for a node's work: it leads its priority in the budget (idle models of the same
+    priority give it their bytes now, least recently used first), and it carries its patcher's `fast_disk`."""
+    st.fast_disk = bool(getattr(patcher, "fast_disk", False))  # host_memory: releases RAM first under pressure
+    mark = getattr(st.handle, "mark_active", None)
+    if callable(mark):
+        mark()
+
+
 def _reassert_budget(st: Managed) -> None:
     """A model wired to a VRAM Budget node re-applies that budget when it loads (the latest loaded wins)."""
     apply = getattr(st.budget, "apply", None)
@@ -190,6 +200,8 @@ class OffloadPatcherMethods:
             track_patcher(n, st)
             # ComfyUI's clone keeps current_hooks (a plain model's weights still carry them): so do the patch stages
             n.__dict__[patches.HOOK_PATCHES_ATTR] = self.__dict__.get(patches.HOOK_PATCHES_ATTR)
+        if "fast_disk" in self.__dict__ and getattr(n, "fast_disk", None) != self.fast_disk:
+            n.fast_disk = self.fast_disk  # 0.39's per-model setting, which a pack's own clone may not carry over
         return n
 
     def is_dynamic(self) -> bool:
@@ -290,6 +302,7 @@ class OffloadPatcherMethods:
             else:
                 patch_counter = patches.install(self, root, prefix)
             st.handle.reset_stats()  # the report describes the run this load serves, not every run since setup
+            _mark_active(self, st)
             st.handle.load()
             for _, m in _outside_modules(self, root):
                 _move_own_tensors(m, device_to)
@@ -515,3 +528,6 @@ def add_report_wrapper(patcher: Any, publish: Any) -> None:
     patcher.remove_wrappers_with_key(WrappersMP.OUTER_SAMPLE, REPORT_WRAPPER_KEY) \
         if hasattr(patcher, "remove_wrappers_with_key") else None
     patcher.add_wrapper_with_key(WrappersMP.OUTER_SAMPLE, REPORT_WRAPPER_KEY, outer_sample)
+
+
+host_memory.install()  # the engine's pins in ComfyUI's pin budget, its RAM under ComfyUI's RAM pressure

@@ -5,8 +5,10 @@
   the engine adopts a model DynamicVRAM loaded, DynamicVRAM lets go of it: the model is unloaded from ComfyUI's
   memory manager, its pins are released through ComfyUI's own API (`unpin_all_weights`, which unpins through
   `comfy.pinned_memory`), its VBAR memory is freed (`partially_unload`), and the VBAR state on its modules and
-  weights (`_v`, `_v_signature`, `*_lowvram_function`, `_pin`) is removed, so `ops.cast_bias_weight` never takes
-  the VBAR path around the engine's slots and no `LowVramPatch` stacks on the pack's exact patch. A non-dynamic
+  weights (`_v`, `_v_signature`, `*_lowvram_function`, `_pin`; since 0.33 also `_v_weight`, `_v_bias`, `_prefetch`,
+  `_v_block`, `_pin_state`) is removed, so `ops.cast_bias_weight` never takes the VBAR path (or a stale prefetch)
+  around the engine's slots and no `LowVramPatch` stacks on the pack's exact patch. A module's `_pins` stays: since
+  0.23 ComfyUI's `unpin_all_weights` empties it, and nothing reads it without `_v`. A non-dynamic
   delegate is used where ComfyUI offers one (`get_non_dynamic_delegate`); otherwise the patcher's state moves
   into the plain offload patcher class (nodes/comfy_patcher.py).
 - One card, both kinds: the other models of the workflow stay dynamic; the offloaded model reports its true
@@ -25,7 +27,10 @@ from .common import log_once
 
 log = logging.getLogger("layer_offload")
 
-MODULE_VBAR_ATTRS = ("_v", "_v_signature", "weight_lowvram_function", "bias_lowvram_function", "pin_failed")
+MODULE_VBAR_ATTRS = ("_v", "_v_signature", "weight_lowvram_function", "bias_lowvram_function", "pin_failed",
+                     # 0.33+ (0.39's names too): the VBAR copy of a resident weight, a prefetch in flight, a block's
+                     # VBAR span on its unit root and the model's pin state (which holds its pinned host buffers)
+                     "_v_weight", "_v_bias", "_prefetch", "_v_block", "_v_block_faulted", "_pin_state")
 TENSOR_VBAR_ATTRS = ("_v", "_v_signature", "_model_dtype")
 
 

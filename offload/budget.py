@@ -299,6 +299,11 @@ class VramBudget:
                 other.touch(f, explicit=explicit)
         return takes or lead is member
 
+    def recency(self, member: BudgetMember) -> int:
+        """When `member` last started a pass, on the budget's clock (higher is more recent; 0 for a stranger)."""
+        with self._lock:
+            return self._touched.get(id(member), 0) if id(member) in self._ran else 0
+
     def _leader(self, priority: int) -> BudgetMember | None:
         """The member of `priority` that took the lead last (None while none of them ever ran)."""
         best, best_tick = None, 0
