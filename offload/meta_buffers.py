@@ -29,16 +29,19 @@ staging and fail in the forward ("Cannot copy out of meta tensor"), so they are 
 up front naming the attribute.
 
 `tie_meta_weights` ties again the weights a model declares tied (transformers' `tie_weights()`, as
-`from_pretrained` does after loading): `accelerate.init_empty_weights()` replaces every parameter registered while
-it is active by a new object, which unties `lm_head.weight` from the embeddings, and a checkpoint holds a tied
-weight once.
+`from_pretrained` does after loading), and those the file's metadata records as saved once
+(`safetensors.torch.save_model` writes `{removed: kept}`; a plain module tied by assignment, accelerate's
+`ModelForTestTiedWeights`): `accelerate.init_empty_weights()` replaces every parameter registered while it is active
+by a new object, which unties them, and a checkpoint holds a tied weight once.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import inspect
+import json
 import logging
+import struct
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -59,19 +62,60 @@ def meta_non_persistent_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, 
     return found
 
 
-def tie_meta_weights(model: nn.Module) -> bool:
-    """Call the model's own `tie_weights()` when some parameter is still on the meta device (see the module
-    docstring); True when it was called. Nothing is read or computed: tied parameters become one object."""
+def tie_meta_weights(model: nn.Module, file: Any = None) -> bool:
+    """Tie again the weights a meta init untied (see the module docstring): the model's own `tie_weights()` when
+    some parameter is still on the meta device, then the ties `safetensors.torch.save_model` recorded in `file`'s
+    metadata (`{removed name: kept name}`: a tied weight saved once, as accelerate's and plain torch models tie by
+    assignment); True when something was tied. Nothing is read or computed: tied parameters become one object."""
+    if not any(p.is_meta for p in model.parameters()):
+        return False
+    tied = False
     tie = getattr(model, "tie_weights", None)
-    if not callable(tie) or not any(p.is_meta for p in model.parameters()):
-        return False
+    if callable(tie):
+        try:
+            tie()
+            tied = True
+        except Exception as exc:  # noqa: BLE001 - a model whose tying needs real weights: matched as it is
+            log.debug("%s.tie_weights() on the meta device failed (%s); weights matched as they are",
+                      type(model).__name__, exc)
+    return _tie_saved_aliases(model, file) or tied
+
+
+def _saved_aliases(file: Any) -> dict[str, str]:
+    """`{removed: kept}` from a safetensors file's `__metadata__` (what `save_model` writes for shared tensors)."""
+    path = getattr(file, "path", None)
+    if path is None or not str(path).endswith(".safetensors"):
+        return {}
     try:
-        tie()
-    except Exception as exc:  # noqa: BLE001 - a model whose tying needs real weights: matched as it is
-        log.debug("%s.tie_weights() on the meta device failed (%s); weights matched as they are",
-                  type(model).__name__, exc)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error):
+        return {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        return {}
+    return {k: v for k, v in meta.items() if isinstance(v, str) and k not in header and v in header}
+
+
+def _tie_saved_aliases(model: nn.Module, file: Any) -> bool:
+    aliases = _saved_aliases(file) if file is not None else {}
+    if not aliases:
         return False
-    return True
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = []
+    for removed, kept in aliases.items():
+        ours, theirs = params.get(removed), params.get(kept)
+        if ours is None or theirs is None or ours is theirs or not ours.is_meta:
+            continue
+        if ours.shape != theirs.shape or ours.dtype != theirs.dtype:
+            continue
+        owner, _, attr = removed.rpartition(".")
+        model.get_submodule(owner)._parameters[attr] = theirs
+        tied.append(removed)
+    if tied:
+        log.info("tied %d weight(s) the file saved once again to their twin: %s", len(tied), ", ".join(tied[:4]))
+    return bool(tied)
 
 
 def materialize_non_persistent_buffers(model: nn.Module) -> list[str]:

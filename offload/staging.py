@@ -298,7 +298,7 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     touching the model's weights on bad input (meta tensors no file can fill, a header that does not match)."""
     # 0. non-persistent buffers on the meta device are computed as the model computes them, never read from a file;
     # weights the model declares tied and a meta init untied are tied again (a checkpoint holds them once)
-    tie_meta_weights(model)
+    tie_meta_weights(model, file)
     materialize_non_persistent_buffers(model)
     materialize_tensor_attributes(model)  # plain tensor attributes on meta (rotary tables): rebuilt, or refused by name
     shared = shared_tensor_ids(model, units)

@@ -172,6 +172,15 @@ class ModelStreamer:
             for child in module.children():
                 self._hooks.append(child.register_forward_pre_hook(_WeakHook(self, cls._child_pre, u.index),
                                                                    prepend=True))
+        # A module outside the blocks called on its own before any block (generate() entering T5's or Whisper's
+        # encoder, whose embedding runs first) must not compute on the host copy: it brings the placement in.
+        rest = {id(m): m for e in self.staged.rest.layout.entries for m, _, _ in e.locations if m is not model}
+        for sub in rest.values():
+            self._hooks.append(sub.register_forward_pre_hook(_WeakHook(self, cls._rest_pre), prepend=True))
+
+    def _rest_pre(self, module: nn.Module, args: Any) -> None:
+        if not self.placement.loaded and not in_backward():
+            self.ensure_loaded()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -150,3 +150,42 @@ def test_multihead_attention_leaf_units(sim_cfg, offload):
     assert names == ["0", "1", "2"]
     with torch.no_grad(), host_master_guard(handle):
         assert torch.equal(model(x), ref)
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.blocks = nn.ModuleList(_Block(16) for _ in range(3))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _EncoderDecoder(nn.Module):
+    """generate() calls the encoder on its own, before any forward of the whole model (T5, Whisper)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = _Encoder()
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(ids))
+
+
+def test_an_encoder_called_on_its_own_first_computes_on_the_device(sim_cfg, offload):
+    """The embedding (outside the blocks) runs before the first block: it must find the weights outside the blocks
+    on the device, right after offloading and after unload()."""
+    model = _EncoderDecoder().eval()
+    ids = torch.randint(0, 50, (2, 5))
+    with torch.no_grad():
+        ref = model.encoder(ids)
+    handle = offload(model, sim_cfg(vram_fraction=0))
+    for _ in range(2):
+        with torch.no_grad(), host_master_guard(handle):
+            assert torch.equal(model.encoder(ids), ref)
+        handle.unload()

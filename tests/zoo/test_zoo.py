@@ -1,0 +1,258 @@
+"""The peer-fixture zoo (tests/zoo/zoo_models.py): every case streamed on the simulated device, bitwise.
+
+Each case is a tiny model from a peer library's own test suite (the file it imitates is named in the case). Every
+check runs the offloaded model under the host-master guard (tests/host_master_guard.py), so a tensor the engine
+never moved shows up as the device mismatch it would be on a GPU. A case passes, or `offload_module` refuses it up
+front with a message naming the tensor or module (the refusals the zoo expects are listed in REFUSED, with the
+words the message must hold); never a silent difference, never an error in the forward.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from offload import OffloadConfig, VramBudget, offload_module
+from tests.host_master_guard import host_master_guard
+from tests.zoo.zoo_models import CASES, ZooCase, call, leaf_units, output_tensors, to_channels_last, units_for
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+# diffusers' own deprecation notices inside the models it builds (Chroma uses the deprecated FluxPosEmbed path)
+pytestmark = pytest.mark.filterwarnings("ignore:.*FluxPosEmbed.*:FutureWarning")
+
+NAMES = list(CASES)
+GENERATE = [n for n, c in CASES.items() if c.generate is not None]
+CONV = [n for n, c in CASES.items() if c.channels_last]
+
+
+def _cfg(**kw) -> OffloadConfig:
+    kw.setdefault("device", "sim")
+    return OffloadConfig(**kw)
+
+
+def _offload(model: nn.Module, case: ZooCase, **kw):
+    return offload_module(model, _cfg(**kw), budget=VramBudget(None), units=units_for(case, model))
+
+
+def _equal(got: list[torch.Tensor], ref: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(ref), f"{what}: {len(got)} output tensors, the plain model gives {len(ref)}"
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: output {i} is {a.shape} {a.dtype}, not {b.shape} " \
+                                                          f"{b.dtype}"
+        assert torch.equal(a, b), f"{what}: output {i} differs by {(a.double() - b.double()).abs().max().item():.3g}"
+
+
+_REFS: dict[str, list[list[torch.Tensor]]] = {}
+
+
+def _refs(model: nn.Module, case: ZooCase) -> list[list[torch.Tensor]]:
+    """The plain model's outputs for both inputs (computed once per case: every build of a case is the same model)."""
+    if case.name not in _REFS:
+        with torch.no_grad():
+            _REFS[case.name] = [call(model, case.inputs(v)) for v in (0, 1)]
+    return _REFS[case.name]
+
+
+def _guarded(handle, model: nn.Module, case: ZooCase, v: int) -> list[torch.Tensor]:
+    with torch.no_grad(), host_master_guard(handle):
+        return call(model, case.inputs(v))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_block_streamed_bitwise(name):
+    """Ring only (vram_fraction 0): both input shapes, twice, under the guard; detach gives back the same outputs."""
+    case = CASES[name]
+    model = case.build()
+    refs = _refs(model, case)
+    handle = _offload(model, case, vram_fraction=0)
+    blocks = handle.report().blocks
+    assert len(blocks) >= 2 and all(b.tier != "vram" for b in blocks), [(b.name, b.tier) for b in blocks]
+    for _ in range(2):
+        for v in (0, 1):
+            _equal(_guarded(handle, model, case, v), refs[v], f"{name} streamed, input {v}")
+    assert all(b.calls > 0 for b in handle.report().blocks), "every block was streamed at least once"
+    handle.detach()
+    with torch.no_grad():
+        for v in (0, 1):
+            _equal(call(model, case.inputs(v)), refs[v], f"{name} after detach, input {v}")
+
+
+def _unit_bytes(handle) -> list[int]:
+    return [b.bytes for b in handle.report().blocks]
+
+
+def _finer_units(model: nn.Module, case: ZooCase) -> list[str]:
+    """Three or more units for a mixed plan: the case's units, or the children holding weights of each."""
+    from offload.blocks import find_units
+
+    units = [u.name for u in find_units(model, units_for(case, model))]
+    if len(units) >= 3:
+        return units
+    finer = []
+    for name in units:
+        children = [f"{name}.{c}" for c, m in model.get_submodule(name).named_children()
+                    if any(True for _ in m.parameters())]
+        finer.extend(children if len(children) >= 2 else [name])
+    return finer if len(finer) >= 3 else leaf_units(model)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_plan_bitwise(name):
+    """Some blocks resident, the others streamed through a one-slot ring (a budget one byte short of everything)."""
+    case = CASES[name]
+    model = case.build()
+    refs = _refs(model, case)
+    units = _finer_units(model, case)
+    probe = offload_module(model, _cfg(vram_fraction=0), budget=VramBudget(None), units=units)
+    sizes, rest = _unit_bytes(probe), probe.streamer.rest_bytes
+    probe.detach()
+    assert len(sizes) >= 3, f"{name}: {units} cannot make a mixed plan"
+    handle = offload_module(model, _cfg(vram_budget_bytes=rest + sum(sizes) - 1, prefetch=0), budget=VramBudget(None),
+                            units=units)
+    for v in (0, 1, 0):
+        _equal(_guarded(handle, model, case, v), refs[v], f"{name} mixed plan, input {v}")
+    tiers = [b.tier for b in handle.report().blocks]
+    assert "vram" in tiers and any(t != "vram" for t in tiers), tiers
+    handle.detach()
+
+
+def _meta_context(how: str):
+    if how == "meta":
+        return torch.device("meta")
+    import accelerate
+
+    return accelerate.init_empty_weights()
+
+
+@pytest.mark.parametrize("how", ["meta", "init_empty_weights"])
+@pytest.mark.parametrize("name", NAMES)
+def test_meta_model_loads_from_its_file(name, how, tmp_path):
+    """Built on the meta device (`torch.device("meta")`, or accelerate's default init_empty_weights: parameters on
+    meta, buffers real), loaded from the plain model's own safetensors file through disk_path, every block
+    streamed: the plain model's outputs."""
+    case = CASES[name]
+    plain = case.build()
+    refs = _refs(plain, case)
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_model(plain, str(path))
+    torch.manual_seed(1)  # whatever the meta build initialises must not matter
+    with _meta_context(how):
+        model = case.build()
+    assert any(p.is_meta for p in model.parameters())
+    handle = _offload(model, case, vram_fraction=0, disk_path=str(path))
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    for v in (0, 1):
+        _equal(_guarded(handle, model, case, v), refs[v], f"{name} built with {how}, input {v}")
+    handle.detach()
+    with torch.no_grad():
+        _equal(call(model, case.inputs(0)), refs[0], f"{name} built with {how}, after detach")
+
+
+@pytest.mark.parametrize("name", GENERATE)
+def test_generate_streamed_bitwise(name):
+    case = CASES[name]
+    model = case.build()
+    with torch.no_grad():
+        refs = [case.generate(model, v) for v in (0, 1)]
+    handle = _offload(model, case, vram_fraction=0)
+    for v in (0, 1):
+        with torch.no_grad(), host_master_guard(handle):
+            out = case.generate(model, v)
+        _equal(output_tensors(out), output_tensors(refs[v]), f"{name} generate(), input {v}")
+    handle.detach()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_train_mode_bitwise(name):
+    """model.train(): dropout (same seed), BatchNorm batch statistics and their running-stat updates; after
+    detach the buffers hold what the plain model's hold."""
+    case = CASES[name]
+    plain = case.build().train()
+    model = case.build().train()
+    handle = _offload(model, case, vram_fraction=0)
+    for step, v in enumerate((0, 1, 0)):
+        torch.manual_seed(100 + step)
+        with torch.no_grad():
+            ref = call(plain, case.inputs(v))
+        torch.manual_seed(100 + step)
+        _equal(_guarded(handle, model, case, v), ref, f"{name} train mode, step {step}")
+    handle.detach()
+    for (key, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), f"{name}: {key} after train-mode passes differs from the plain model's"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deepcopy_runs_independently(name):
+    case = CASES[name]
+    model = case.build()
+    refs = _refs(model, case)
+    handle = _offload(model, case, vram_fraction=0)
+    _equal(_guarded(handle, model, case, 0), refs[0], f"{name} before deepcopy")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        _equal(call(twin, case.inputs(0)), refs[0], f"{name} deepcopy")
+    _equal(_guarded(handle, model, case, 1), refs[1], f"{name} after deepcopy")
+    del twin
+    handle.detach()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cast_after_offloading(name):
+    """`.to(torch.bfloat16)` after offloading takes effect (the bf16 model's outputs) or raises at the call naming
+    detach(); never reverted at the next pass."""
+    case = CASES[name]
+    plain = case.build().to(torch.bfloat16)
+    model = case.build()
+    handle = _offload(model, case, vram_fraction=0)
+    _guarded(handle, model, case, 0)
+    try:
+        model.to(torch.bfloat16)
+    except Exception as exc:  # noqa: BLE001 - a refusal is allowed if it says what to do
+        assert "detach" in str(exc), f"{name}: .to(bfloat16) refused without naming detach(): {exc}"
+        return
+    inputs = {k: (v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+              for k, v in case.inputs(0).items()}
+    with torch.no_grad():
+        ref = call(plain, inputs)
+    with torch.no_grad(), host_master_guard(handle):
+        got = call(model, inputs)
+    _equal(got, ref, f"{name} cast to bfloat16 after offloading")
+    handle.detach()
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.library == "diffusers"])
+def test_layerwise_casting_after_offloading(name):
+    """diffusers' enable_layerwise_casting on an offloaded model: float8 storage, float32 compute, as on the plain
+    model (or a refusal naming detach())."""
+    case = CASES[name]
+    plain = case.build()
+    plain.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    with torch.no_grad():
+        ref = call(plain, case.inputs(0))
+    model = case.build()
+    handle = _offload(model, case, vram_fraction=0)
+    try:
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001
+        assert "detach" in str(exc), f"{name}: layerwise casting refused without naming detach(): {exc}"
+        return
+    _equal(_guarded(handle, model, case, 0), ref, f"{name} layerwise casting after offloading")
+    handle.detach()
+
+
+@pytest.mark.parametrize("name", CONV)
+def test_channels_last_bitwise(name):
+    case = CASES[name]
+    model = to_channels_last(case.build())
+    with torch.no_grad():
+        refs = [call(model, case.inputs(v)) for v in (0, 1)]  # this model's own strides: not the cached outputs
+    handle = _offload(model, case, vram_fraction=0)
+    for v in (0, 1):
+        _equal(_guarded(handle, model, case, v), refs[v], f"{name} channels_last, input {v}")
+    handle.detach()
