@@ -100,12 +100,15 @@ def _find_units(model: nn.Module, explicit: list[str] | None) -> list[Unit]:
             except AttributeError as exc:
                 raise ValueError(f"unit {path!r} is not a submodule of {type(model).__name__}: {exc}") from None
         names = [u.name for u in units]
-        for a in names:
-            for b in names:
-                if a != b and b.startswith(a + "."):
-                    raise ValueError(f"units overlap: {b!r} is inside {a!r}")
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate unit paths in {names}")
+        known = set(names)
+        for b in names:  # a unit inside another: one of its enclosing paths is a unit too
+            parts = b.split(".")
+            for n in range(1, len(parts)):
+                a = ".".join(parts[:n])
+                if a in known:
+                    raise ValueError(f"units overlap: {b!r} is inside {a!r}")
         return units
 
     total = _param_bytes(model)
@@ -137,14 +140,18 @@ def _find_units(model: nn.Module, explicit: list[str] | None) -> list[Unit]:
 _NOT_FORWARD = re.compile(r"^_*(init|fuse|unfuse|tie|load|save|state_dict|from_|set_|enable|disable|reset|"
                           r"extra_repr|convert|register|__)")
 # Attributes of a tensor that read no bytes: `self.linear.weight.dtype` is not a compute read.
-_METADATA = re.compile(r"\.(dtype|device|shape|size|ndim|dim|requires_grad|is_\w+|numel|element_size|nbytes|"
-                       r"itemsize|data_ptr|stride)\b")
+_METADATA = re.compile(r"dtype|device|shape|size|ndim|dim|requires_grad|is_\w+|numel|element_size|nbytes|itemsize|"
+                       r"data_ptr|stride")
+
+
+_CHAIN = re.compile(r"\bself((?:\s*\.\s*\w+|\s*\[\s*\d+\s*\])+)")
 
 
 @functools.lru_cache(maxsize=None)
-def _method_sources(cls: type) -> tuple[str, ...]:
-    """The source of `cls`'s methods that may run inside a forward (its bases' too, nn.Module's excluded)."""
-    out = []
+def _self_chains(cls: type) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Every attribute chain `self.a[0].b.c` the methods of `cls` (its bases' too, nn.Module's excluded) that may
+    run inside a forward write, as name tuples (`("a", "0", "b", "c")`), by first name: parsed once per class."""
+    chains: dict[str, dict[tuple[str, ...], None]] = {}  # insertion-ordered sets: the first read in source order
     for klass in cls.__mro__:
         if klass in (nn.Module, object) or not issubclass(klass, nn.Module):
             continue
@@ -155,27 +162,25 @@ def _method_sources(cls: type) -> tuple[str, ...]:
             if not inspect.isfunction(fn):
                 continue
             try:
-                out.append(inspect.getsource(fn))
+                source = inspect.getsource(fn)
             except (OSError, TypeError):
                 continue
-    return tuple(out)
+            for match in _CHAIN.finditer(source):
+                parts = tuple(re.findall(r"\w+", match.group(1)))
+                if len(parts) >= 2:
+                    chains.setdefault(parts[0], {})[parts] = None
+    return {k: tuple(v) for k, v in chains.items()}
 
 
-def _attr_path(relative: str) -> str:
-    """`blocks.0.linear` as it is written in source: `blocks[0].linear` (a regular expression)."""
-    out = ""
-    for part in relative.split("."):
-        out += rf"\[{part}\]" if part.isdigit() else rf"\.{re.escape(part)}"
-    return out
-
-
-def _read_tensor(unit: nn.Module, chain: str) -> str | None:
-    """The name of the tensor of `unit` an attribute chain (`.weight`, `.sub.bias`) names, if it names one."""
+def _read_tensor(unit: nn.Module, chain: tuple[str, ...]) -> str | None:
+    """The name of the tensor of `unit` an attribute chain (`weight`, `sub.bias`) names and reads (not only its
+    `.dtype` or `.shape`), if it names one."""
     obj, names = unit, []
-    for name in chain.strip(".").split("."):
+    for i, name in enumerate(chain):
         names.append(name)
         if name in obj._parameters or name in obj._buffers:
-            return ".".join(names)
+            after = chain[i + 1] if i + 1 < len(chain) else ""
+            return None if _METADATA.fullmatch(after) else ".".join(names)
         sub = obj._modules.get(name)
         if sub is None:
             return None
@@ -196,18 +201,12 @@ def _reader_of(model: nn.Module, unit: Unit) -> tuple[str, str] | None:
         if isinstance(holder, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and type(holder).__module__.startswith(
                 "torch."):
             continue  # torch's containers only call their children
-        relative = _attr_path(".".join(parts[depth:]))
-        pattern = re.compile(r"\bself" + relative + r"((?:\s*\.\s*\w+)+)")
-        for source in _method_sources(type(holder)):
-            for match in pattern.finditer(source):
-                chain = re.sub(r"\s+", "", match.group(1))
-                # the longest prefix of the chain that ends at a tensor, unless only its metadata is read
-                name = _read_tensor(unit.module, chain)
-                if name is None:
-                    continue
-                if _METADATA.match(chain[len("." + name):]):
-                    continue
-                return path, f"{unit.name}.{name}"
+        relative = tuple(parts[depth:])
+        for chain in _self_chains(type(holder)).get(relative[0], ()):
+            if len(chain) > len(relative) and chain[:len(relative)] == relative:
+                name = _read_tensor(unit.module, chain[len(relative):])
+                if name is not None:
+                    return path, f"{unit.name}.{name}"
     return None
 
 

@@ -29,7 +29,6 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import offload
 
@@ -159,18 +158,22 @@ class HostMasterGuard(TorchDispatchMode):
         super().__init__()
         self.handles = handles
         self.checked = 0  # ops looked at (a guard that saw nothing proves nothing)
+        self._key: tuple | None = None
+        self._cached: list[_Span] = []
 
     def _spans(self) -> list[_Span]:
-        spans: list[_Span] = []
-        for handle in self.handles:
-            spans.extend(_master_spans(handle))
-        return spans
+        """The masters' spans, recomputed only when a master changed (a unit promoted to RAM, a handle detached)."""
+        key = tuple(_masters_key(h) for h in self.handles)
+        if key != self._key:
+            self._key = key
+            self._cached = [span for handle in self.handles for span in _master_spans(handle)]
+        return self._cached
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.checked += 1
         if not getattr(func, "is_view", False) and func not in _METADATA_OPS:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            tensors = _tensors(args, []) if not kwargs else _tensors(list(kwargs.values()), _tensors(args, []))
             if tensors:
                 spans = self._spans()
                 if spans:
@@ -182,6 +185,25 @@ class HostMasterGuard(TorchDispatchMode):
                                     f"{func} read a host master on the simulated device: {_name_of(hit, t)}; on a "
                                     f"GPU this is a device mismatch (the engine never moved that tensor)")
         return func(*args, **kwargs)
+
+
+def _tensors(values: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors among an op's arguments (lists and tuples of tensors included)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            _tensors(v, out)
+    return out
+
+
+def _masters_key(handle: Any) -> tuple:
+    streamer = getattr(handle, "streamer", None)
+    staged = getattr(streamer, "staged", None)
+    if staged is None or not getattr(handle, "attached", False):
+        return ()
+    return tuple((id(u.master), id(u.master.host) if u.master is not None else 0) for u in staged.units) + (
+        id(staged.rest),)
 
 
 def _hit(spans: list[_Span], t: torch.Tensor) -> _Span | None:
