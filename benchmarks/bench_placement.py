@@ -40,7 +40,7 @@ def measure(kinds: str, mode: str, gbps: float, iters: int, x: torch.Tensor) -> 
     cfg = OffloadConfig(device="sim", prefetch=2, sim_bandwidth_gbps=gbps, sim_capacity_bytes=(96 << 20) + 17)
     h = offload_module(model, cfg, budget=budget)
     if mode == "count":
-        h._costs.update = lambda *a, **k: False  # the tracker never becomes ready: count-based plan throughout
+        h.keeper.costs.update = lambda *a, **k: False  # the tracker never becomes ready: count-based plan throughout
     for _ in range(4):  # measure, then (cost mode) re-plan at the end of a pass
         with torch.no_grad():
             model(x)

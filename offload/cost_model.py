@@ -1,41 +1,19 @@
-"""Placement from measured costs: which units stay resident so that the copies of the others hide behind compute.
+"""Measured costs: per-unit compute, copy and stall times per call, from the metrics' running totals.
 
-`CostTracker` turns the metrics' running totals into per-unit compute and copy times per call. `predict_stalls`
-simulates one steady-state pass of the slot ring (copies in order on one transfer stream, each into the slot the
-unit `k` streamed places earlier frees). `plan_by_cost` grows the resident set greedily, each step keeping the unit
-that removes the most predicted stall per byte (then, once nothing stalls, the most copy-bound units while room
-is left), and says for every unit why it was placed so.
+`CostTracker` is what the planner knows of a model's units once they ran (offload/replan.py folds the metrics in at
+the end of passes). The simulation these costs feed is offload/ring_sim.py; the placement they decide is
+offload/plan_device.py, called only through `planner.make_plan`. `UnitCosts`, `predict_stalls` and `plan_by_cost`
+are importable from here as before.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from .plan_device import plan_by_cost  # noqa: F401  (placement from costs: decided by the planner)
+from .ring_sim import UnitCosts, predict_stalls  # noqa: F401
 
-from .planner import PlanError, UnitPlan, plan_units, ring_slots
-
-MIN_SAVING_MS = 1.0  # a new plan replaces the one in place only when it saves more predicted stall per pass than
-MIN_SAVING_FRACTION = 0.25  # this, and this fraction of the stall the plan in place is predicted to have
 SMOOTHING = 0.25  # weight of the newest passes in the per-unit averages (timings on a busy host are noisy)
-GREEDY_MAX_UNITS = 160  # above this the greedy search (n^3) gives way to ranking by copy/compute ratio
-MAX_WIDTHS = 4  # slot widths tried by the search
+STALL_SMOOTHING = 0.5  # weight of the newest passes in the per-unit stall under the plan in place
 SHIFT_FACTOR = 2.0  # a unit's time changing by this factor (and by SHIFT_MIN_MS) re-plans
 SHIFT_MIN_MS = 0.5
-
-
-@dataclass
-class UnitCosts:
-    """Per-call compute and copy milliseconds of every unit (copy estimated from bandwidth where not measured)."""
-
-    compute_ms: list[float]
-    copy_ms: list[float]
-
-
-@dataclass
-class CostPlan(UnitPlan):
-    """A UnitPlan with, per unit, the predicted stall per pass and the reason for its place."""
-
-    predicted_stall_ms: list[float] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
 
 
 class CostTracker:
@@ -44,17 +22,21 @@ class CostTracker:
     def __init__(self, sizes: list[int]) -> None:
         self.sizes = list(sizes)
         n = len(sizes)
-        self._last: tuple[list[int], list[float], list[float], list[int]] | None = None
+        self._last: tuple[list, ...] | None = None
         self.compute_ms: list[float | None] = [None] * n
         self.copy_ms: list[float | None] = [None] * n
+        self.stall_ms: list[float | None] = [None] * n  # per call, since the plan in place was made (None: not yet)
+        self._cold = True
         self._copy_bytes = 0
         self._copy_time = 0.0
         self._planned_on: UnitCosts | None = None
 
-    def update(self, calls: list[int], compute_ms: list[float], h2d_ms: list[float], nbytes: list[int]) -> bool:
+    def update(self, calls: list[int], compute_ms: list[float], h2d_ms: list[float], nbytes: list[int],
+               stall_ms: list[float] | None = None) -> bool:
         """Fold the totals' growth since the last call into the per-call averages; True when anything was new."""
         last = self._last
-        self._last = (list(calls), list(compute_ms), list(h2d_ms), list(nbytes))
+        self._last = (list(calls), list(compute_ms), list(h2d_ms), list(nbytes),
+                      list(stall_ms) if stall_ms is not None else None)
         new = False
         for i in range(len(self.sizes)):
             dc, dt, dh, db = calls[i], compute_ms[i], h2d_ms[i], nbytes[i]
@@ -63,6 +45,11 @@ class CostTracker:
             if dc <= 0:
                 continue
             new = True
+            if stall_ms is not None and not self._cold:
+                ds = stall_ms[i] - (last[4][i] if last is not None and last[4] is not None else 0.0)
+                per_call = max(0.0, ds) / dc
+                old = self.stall_ms[i]
+                self.stall_ms[i] = per_call if old is None else (1 - STALL_SMOOTHING) * old + STALL_SMOOTHING * per_call
             per_call = max(0.0, dt) / dc
             old = self.compute_ms[i]
             self.compute_ms[i] = per_call if old is None else (1 - SMOOTHING) * old + SMOOTHING * per_call
@@ -73,6 +60,8 @@ class CostTracker:
                 self.copy_ms[i] = per_copy if old is None else (1 - SMOOTHING) * old + SMOOTHING * per_copy
                 self._copy_bytes += db
                 self._copy_time += dh
+        if new:
+            self._cold = False
         return new
 
     @property
@@ -103,185 +92,9 @@ class CostTracker:
         """Remember the estimates a plan was made from."""
         self._planned_on = costs
 
-
-def predict_stalls(order: list[int], costs: UnitCosts, resident: set[int], slots: int) -> list[float]:
-    """Per-unit stall (ms) in a steady-state pass: copies run one at a time, in streamed order, each into the slot
-    the unit `slots` streamed places earlier frees when its compute ends; a unit waits for its own copy."""
-    n = len(costs.compute_ms)
-    stalls = [0.0] * n
-    streamed = [u for u in order if u not in resident]
-    if not streamed or slots < 1:
-        return stalls
-    ends: list[float] = []  # compute end of each streamed use, in order, over two passes
-    t = xfer = 0.0
-    for p in range(2):
-        for u in order:
-            if u in resident:
-                t += costs.compute_ms[u]
-                continue
-            j = len(ends)
-            slot_free = ends[j - slots] if j >= slots else 0.0
-            done = max(xfer, slot_free) + costs.copy_ms[u]
-            xfer = done
-            start = max(t, done)
-            if p == 1:
-                stalls[u] += start - t
-            t = start + costs.compute_ms[u]
-            ends.append(t)
-    return stalls
+    def stalls_measured_anew(self) -> None:
+        """Another plan is in place: the stalls measured under the last one say nothing of it."""
+        self.stall_ms = [None] * len(self.sizes)
+        self._cold = True  # the first pass on a new plan starts with nothing in flight: its stalls are not counted
 
 
-def _fit(sizes: list[int], resident: set[int], avail: int, want_slots: int) -> tuple[int, int] | None:
-    """(slots, slot bytes) of the widest ring that fits beside `resident`; None when not even one slot fits."""
-    streamed = [s for i, s in enumerate(sizes) if i not in resident]
-    used = sum(sizes[i] for i in resident)
-    if not streamed:
-        return (0, 0) if used <= avail else None
-    slot = max(streamed)
-    k = min(want_slots, len(streamed))
-    while k >= 1 and used + k * slot > avail:
-        k -= 1
-    return (k, slot) if k >= 1 else None
-
-
-def plan_by_cost(sizes: list[int], names: list[str], rest_bytes: int, allowance: int, prefetch: int,
-                 costs: UnitCosts, order: list[int] | None = None, stream_all: bool = False,
-                 current: set[int] | None = None) -> CostPlan:
-    """The resident set and ring for `allowance` device bytes that minimise the predicted stall (see module).
-
-    The plan in place (`current`, else the count-based one) is kept unless the new one saves a clear share of
-    its predicted stall: timings are noisy, and every change of plan moves bytes."""
-    base = plan_units(sizes, names, rest_bytes, allowance, prefetch, stream_all)  # the errors, the all-fits case
-    if current is not None and not stream_all and len(base.resident) < len(sizes):
-        fit = _fit(sizes, current, allowance - rest_bytes, ring_slots(prefetch, len(sizes)))
-        if fit is not None and len(current) < len(sizes):
-            k, slot = fit
-            base = UnitPlan(set(current), k, slot, rest_bytes + sum(sizes[i] for i in current) + k * slot,
-                            k < ring_slots(prefetch, len(sizes)))
-    n = len(sizes)
-    order = list(order) if order is not None else list(range(n))
-    if len(base.resident) == n:
-        return CostPlan(base.resident, base.n_slots, base.slot_bytes, base.device_bytes, base.shrunk_lookahead,
-                        base.notes, predicted_stall_ms=[0.0] * n,
-                        reasons=["resident: every block fits the budget"] * n)
-    avail = allowance - rest_bytes
-    want = ring_slots(prefetch, n)
-    resident: set[int] = set()
-    if not stream_all:
-        resident = _search(sizes, avail, want, costs, order)
-    fit = _fit(sizes, resident, avail, want)
-    if fit is None:  # cannot happen: the empty set fits whenever plan_units did not raise
-        raise PlanError(f"no plan fits {allowance} bytes")
-    k, slot = fit
-    stalls = predict_stalls(order, costs, resident, k)
-    base_stalls = predict_stalls(order, costs, base.resident, base.n_slots)
-    saved = sum(base_stalls) - sum(stalls)
-    if saved <= max(MIN_SAVING_MS, MIN_SAVING_FRACTION * sum(base_stalls)):
-        # the plan in place is as good as the model can tell: keep it (no churn for a rounding error)
-        resident, k, slot, stalls = base.resident, base.n_slots, base.slot_bytes, base_stalls
-    kept_for = _what_each_saves(sizes, avail, want, costs, order, resident, stalls)
-    reasons = []
-    for i in range(n):
-        if i in resident:
-            if kept_for.get(i, 0.0) > 0:
-                reasons.append(f"resident: streaming it would stall about {kept_for[i]:.2f} ms per pass (its copy, "
-                               f"{costs.copy_ms[i]:.2f} ms, does not hide behind the compute before it)")
-            else:
-                reasons.append(f"resident: room left in the budget (copy {costs.copy_ms[i]:.2f} ms vs compute "
-                               f"{costs.compute_ms[i]:.2f} ms)")
-        elif stalls[i] > 0:
-            reasons.append(f"streamed: no room to keep it resident (predicted stall {stalls[i]:.2f} ms per pass)")
-        else:
-            reasons.append(f"streamed: its copy ({costs.copy_ms[i]:.2f} ms) hides behind compute")
-    notes = [f"lookahead shrunk from {want - 1} to {k - 1} unit(s) to fit the budget"] if k < want else []
-    device = rest_bytes + sum(sizes[i] for i in resident) + k * slot
-    return CostPlan(resident, k, slot, device, k < want, notes, predicted_stall_ms=stalls, reasons=reasons)
-
-
-def _what_each_saves(sizes: list[int], avail: int, want: int, costs: UnitCosts, order: list[int],
-                     resident: set[int], stalls: list[float]) -> dict[int, float]:
-    """Per resident unit: the predicted stall per pass it would add if it streamed (its copy time where streaming
-    it alone does not fit: the ring would have to widen)."""
-    if len(sizes) > GREEDY_MAX_UNITS:
-        return {u: max(0.0, costs.copy_ms[u] - costs.compute_ms[u]) for u in resident}
-    total = sum(stalls)
-    saves = {}
-    for u in resident:
-        fit = _fit(sizes, resident - {u}, avail, want)
-        if fit is None:
-            saves[u] = costs.copy_ms[u]
-        else:
-            saves[u] = max(0.0, sum(predict_stalls(order, costs, resident - {u}, fit[0])) - total)
-    return saves
-
-
-def _search(sizes: list[int], avail: int, want: int, costs: UnitCosts,
-            order: list[int]) -> set[int]:
-    """The slot is as wide as the widest streamed unit, so keeping all the wide units resident can pay where
-    keeping any one of them does not: try each slot width (the units wider than it resident), grow the resident
-    set from there, and keep the plan with the least predicted stall."""
-    widths = sorted(set(sizes), reverse=True)
-    if len(widths) > MAX_WIDTHS:  # many distinct sizes: a few widths spread over them
-        widths = [widths[round(i * (len(widths) - 1) / (MAX_WIDTHS - 1))] for i in range(MAX_WIDTHS)]
-    best: tuple[float, int, int, set[int]] | None = None
-    for width in widths:
-        forced = {u for u, size in enumerate(sizes) if size > width}
-        fit = _fit(sizes, forced, avail, want)
-        if fit is None:
-            continue
-        if len(sizes) <= GREEDY_MAX_UNITS:
-            resident = _greedy(sizes, avail, want, costs, order, forced)
-        else:
-            resident = _by_ratio(sizes, avail, want, costs, forced)
-        k = _fit(sizes, resident, avail, want)[0]
-        total = sum(predict_stalls(order, costs, resident, k))
-        key = (total, -k, -sum(sizes[u] for u in resident))
-        if best is None or key < best[:3]:
-            best = (*key, resident)
-    return set() if best is None else best[3]
-
-
-def _greedy(sizes: list[int], avail: int, want: int, costs: UnitCosts, order: list[int],
-            start: set[int]) -> set[int]:
-    resident: set[int] = set(start)
-    fit = _fit(sizes, resident, avail, want)
-    current = sum(predict_stalls(order, costs, resident, fit[0])) if fit else math.inf
-    while len(resident) < len(sizes) - 1:
-        best: tuple[float, float, int, float] | None = None  # (gain per byte, ratio, unit, new total)
-        for u in range(len(sizes)):
-            if u in resident:
-                continue
-            trial = resident | {u}
-            fit = _fit(sizes, trial, avail, want)
-            if fit is None:
-                continue
-            total = sum(predict_stalls(order, costs, trial, fit[0]))
-            gain = current - total
-            if gain < -1e-9:
-                continue  # keeping it would cost lookahead the others need
-            if gain <= 1e-9 and fit[0] < min(want, len(sizes) - len(trial)):
-                continue  # filling spare room never shrinks the lookahead
-            ratio = costs.copy_ms[u] / max(costs.compute_ms[u], 1e-6)
-            key = (gain / max(sizes[u], 1) if gain > 1e-9 else 0.0, ratio, u, total)
-            if best is None or key[:2] > best[:2]:
-                best = key
-        if best is None:
-            break
-        resident.add(best[2])
-        current = best[3]
-    return resident
-
-
-def _by_ratio(sizes: list[int], avail: int, want: int, costs: UnitCosts,
-              start: set[int]) -> set[int]:
-    """Many units: keep the most copy-bound ones (copy time over compute time) while they fit."""
-    ranked = sorted(range(len(sizes)), key=lambda u: -costs.copy_ms[u] / max(costs.compute_ms[u], 1e-6))
-    resident: set[int] = set(start)
-    for u in ranked:
-        if u in resident:
-            continue
-        if len(resident) == len(sizes) - 1:
-            break
-        if _fit(sizes, resident | {u}, avail, want) is not None:
-            resident.add(u)
-    return resident

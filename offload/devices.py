@@ -2,8 +2,8 @@
 
 `SecondaryShare` is the model's member in a secondary device's `VramBudget` (it holds no floor: a secondary device
 only takes blocks that would otherwise stream). `ActivationHop` moves a block's inputs to the device its resident
-copy lives on and its outputs back to the compute device, and counts the bytes each hop moves.
-`place_remote` decides which of the blocks the compute device cannot keep go to which secondary device.
+copy lives on and its outputs back to the compute device, and counts the bytes each hop moves. `SecondaryDevices`
+is all of that for one model. Which blocks go to which device is the planner's (`plan_device.across_devices`).
 """
 from __future__ import annotations
 
@@ -77,18 +77,68 @@ class SecondaryShare:
         return owner.shrink_remote(self.device, nbytes) if owner is not None else 0
 
 
-def place_remote(candidates: list[int], sizes: list[int], allowances: dict[str, int]) -> dict[int, str]:
-    """Blocks the compute device streams, placed on the secondary devices in order while each one's allowance
-    lasts (largest first, so the fewest bytes are left to stream); `candidates` come most wanted first."""
-    remote: dict[int, str] = {}
-    left = dict(allowances)
-    ranked = sorted(candidates, key=lambda u: -sizes[u])
-    for device in allowances:
-        for u in ranked:
-            if u not in remote and sizes[u] <= left[device]:
-                remote[u] = device
-                left[device] -= sizes[u]
-    return remote
+class SecondaryDevices:
+    """One model's secondary devices: their backends, its share in each one's budget, and the activation hops.
+
+    Made before staging (each budget is sized and checked against its device, so a refused model is left as it
+    was); `attach` installs the hops once the model streams. Which blocks go where is the planner's
+    (plan_device.across_devices); this only answers for the budgets and moves activations.
+    """
+
+    def __init__(self, owner: Any, config: Any, devices: list[str], budgets: dict[str, "VramBudget"]) -> None:
+        from .backends import get_backend
+        from .budget import default_budget
+        from .planner import default_reserve
+
+        self.backends = {d: get_backend(config, d) for d in devices}
+        self.budgets = {d: budgets.get(d) or default_budget(d) for d in devices}
+        for d, b in self.budgets.items():  # sized (when self-sized) and checked before staging
+            back = self.backends[d]
+            d_free, d_total = back.mem_get_info()
+            b.resolve_total(max(0, min(d_free, d_total) - default_reserve(d_total, back.name)), back)
+            b.check_device(d_total)
+        self.shares = {d: SecondaryShare(owner, d, self.backends[d], b) for d, b in self.budgets.items()}
+        self.hop: ActivationHop | None = None
+
+    def attach(self, placement: "DevicePlacement", compute: Backend, units: list[nn.Module]) -> None:
+        """The model streams now: the placement knows these devices, and blocks resident on one compute there."""
+        placement.secondaries = dict(self.backends)
+        if self.shares:
+            self.hop = ActivationHop(placement, compute, dict(self.backends))
+            self.hop.install(units)
+
+    def register(self) -> None:
+        for share in self.shares.values():
+            share.budget.register(share)
+
+    def unregister(self) -> None:
+        for share in self.shares.values():
+            share.budget.unregister(share)
+
+    def remove(self) -> None:
+        """Detach: the hops go, the budgets forget the model."""
+        if self.hop is not None:
+            self.hop.remove()
+        self.unregister()
+
+    def allowances(self) -> dict[str, int]:
+        """Bytes this model may keep on each secondary device now (idle others give back what it is owed)."""
+        return {d: share.budget.allowance(share) for d, share in self.shares.items()}
+
+    def priority_changed(self) -> None:
+        for share in self.shares.values():
+            share.budget.priority_changed(share)
+
+    def report(self, placement: "DevicePlacement") -> dict[str, dict[str, int]]:
+        """Per secondary device: bytes held now, the peak, blocks resident, activation bytes moved."""
+        out = {}
+        for d in self.shares:
+            out[d] = {"device_bytes": placement.bytes_on(d),
+                      "peak_device_bytes": max(placement.peak_on.get(d, 0), placement.bytes_on(d)),
+                      "resident_blocks": sum(1 for u in placement.units if u.home == d)}
+            if self.hop is not None:
+                out[d]["activation_bytes"] = self.hop.hop_bytes[d]
+        return out
 
 
 class _WeakCall:

@@ -70,6 +70,11 @@ class OffloadReport:
     devices: dict[str, dict[str, int]] = field(default_factory=dict)
     demand_loads: int = 0  # streamed units called while not in flight (loaded on demand)
     prefetch_hits: int = 0  # streamed units found in flight (prefetched) when called
+    budget_reason: str = ""  # why the model holds what it holds in its VRAM budget (VramBudget.explain_share)
+    # one pass: the plan's predicted compute plus stall (None before anything was measured) and the measured mean
+    # (the blocks' compute plus stall per forward since the last reset; None before a forward)
+    predicted_step_ms: float | None = None
+    step_ms: float | None = None
 
     @property
     def streamed_bytes(self) -> int:
@@ -140,7 +145,8 @@ class MetricsCollector:
         self._pending: list[_Record] = []
         self.lock = threading.Lock()  # a report read from another thread (a UI route) while a pass runs
         self.n_units = n_units
-        self._lifetime_base: list[list] = [[0] * n_units, [0.0] * n_units, [0.0] * n_units, [0] * n_units]
+        self._lifetime_base: list[list] = [[0] * n_units, [0.0] * n_units, [0.0] * n_units, [0] * n_units,
+                                           [0.0] * n_units]
         self._zero()
 
     def reset(self) -> None:
@@ -152,12 +158,12 @@ class MetricsCollector:
                 base[k] = [a + b for a, b in zip(base[k], now)]
             self._zero()
 
-    def _forward_totals(self) -> tuple[list, list, list, list]:
-        return self.calls, self.compute_ms, self.h2d_ms, self.bytes_streamed
+    def _forward_totals(self) -> tuple[list, list, list, list, list]:
+        return self.calls, self.compute_ms, self.h2d_ms, self.bytes_streamed, self.stall_ms
 
-    def lifetime(self) -> tuple[list[int], list[float], list[float], list[int]]:
-        """Forward calls, compute ms, copy ms and bytes streamed per unit since setup, resets included (the
-        placement planner's running totals; a user's reset_stats() must not make it forget)."""
+    def lifetime(self) -> tuple[list[int], list[float], list[float], list[int], list[float]]:
+        """Forward calls, compute ms, copy ms, bytes streamed and stall ms per unit since setup, resets included
+        (the placement planner's running totals; a user's reset_stats() must not make it forget)."""
         with self.lock:
             return tuple([a + b for a, b in zip(base, now)]  # type: ignore[return-value]
                          for base, now in zip(self._lifetime_base, self._forward_totals()))

@@ -77,6 +77,7 @@ class DevicePlacement:
         self.slot_bytes = 0
         self.resident_set: set[int] = set()
         self.n_slots = 0  # slots the current plan asks for
+        self.eviction: list[int] = []  # resident units in the order the plan gives them up when memory is wanted
         self.loaded = False
         self.peak_device_bytes = 0
         # several devices: units resident on a secondary device (unit -> device name), and those devices' backends
@@ -103,9 +104,13 @@ class DevicePlacement:
         """Device bytes this model holds now on one of its secondary devices."""
         return sum(u.nbytes for u in self.units if u.resident_buf is not None and u.home == device)
 
-    def set_plan(self, resident: set[int], n_slots: int, remote: dict[int, str] | None = None) -> bool:
-        """Adopt a resident set, slot count and remote placements; returns whether device memory must change."""
+    def set_plan(self, resident: set[int], n_slots: int, remote: dict[int, str] | None = None,
+                 eviction: list[int] | None = None) -> bool:
+        """Adopt a resident set, slot count and remote placements (and the order the plan gives resident units up
+        in, for `unload`); returns whether device memory must change."""
         remote = dict(remote or {})
+        if eviction is not None:
+            self.eviction = list(eviction)
         n_streamed = len(self.units) - len(resident)  # remote units count: the ring must fit them if they fall back
         n_slots = min(n_slots, n_streamed) if n_streamed else 0
         if n_streamed and n_slots < 1:
@@ -244,9 +249,10 @@ class DevicePlacement:
                 if u.home is not None:
                     self.evict(u)
         target = 0 if nbytes is None else max(0, before - int(nbytes))
-        # demote resident units (last first), then the ring, then the rest
+        # demote resident units (in the plan's eviction order, then last first), then the ring, then the rest
+        rank = {i: k for k, i in enumerate(self.eviction)}
         for u in sorted((u for u in self.units if u.resident_buf is not None and u.home is None),
-                        key=lambda u: -u.index):
+                        key=lambda u: (rank.get(u.index, -1), -u.index)):
             if self.device_bytes() <= target:
                 break
             self.evict(u)
@@ -265,12 +271,14 @@ class DevicePlacement:
         self.remote = {u.index: u.home for u in self.units if u.home is not None}
         return before - self.device_bytes()
 
-    def unload_remote(self, device: str, nbytes: int) -> int:
-        """Hold at most `nbytes` on a secondary device: its units (last first) go back to streaming; nothing may be
-        computing. The caller re-plans before the next forward (the ring may have to widen for them)."""
+    def unload_remote(self, device: str, nbytes: int, keep: set[int] | None = None) -> int:
+        """Hold at most `nbytes` on a secondary device: its units the plan no longer keeps there (`keep`), then the
+        others (last first), go back to streaming; nothing may be computing. The caller re-plans before the next
+        forward (the ring may have to widen for them)."""
         before = self.bytes_on(device)
         quiesce(self.staged, self.backend)
-        for u in sorted((u for u in self.units if u.home == device), key=lambda u: -u.index):
+        keep = keep or set()
+        for u in sorted((u for u in self.units if u.home == device), key=lambda u: (u.index in keep, -u.index)):
             if self.bytes_on(device) <= nbytes:
                 break
             self.evict(u)

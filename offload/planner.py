@@ -1,7 +1,18 @@
-"""Auto-configuration: how many units stay resident, how many slots the ring gets, which units live on disk.
+"""THE plan: where every unit of a model lives, decided by one pure function from facts.
 
-Reads free device memory from the backend, available host memory from MemAvailable and the cgroup limit
-(a container's limit is lower than what `free` shows), and keeps a reserve for activations.
+`make_plan(facts)` takes what is known about a model and the machine (`PlanFacts`: unit sizes and dtypes, the
+non-block bytes, each device's allowance from its budget, the host RAM the model may use and the pin limit, which
+units the file can stream, the measured costs and stalls, the plan in place) and returns a `Plan`: for every unit
+its device, its tier (vram on which device, pinned, pageable, disk), whether it streams through the slot ring, the
+stall predicted for it and the reason; the ring per device, the lookahead, the bounce buffers. First placement,
+budget changes, out-of-memory shrinks, re-plans from measured costs and secondary devices all call it with new
+facts; nothing else decides where a unit lives. Applying a plan is `DevicePlacement`'s (device side) and
+`staging.stage_model`'s (host side); gathering the facts is the handle's (offload/handle.py, offload/replan.py).
+
+How each side is decided lives beside it: `plan_device.py` (resident set and ring, by count before anything is
+measured, by predicted stall after; secondary devices), `plan_host.py` (host tiers under the RAM the model may
+use), `ring_sim.py` (the simulated slot ring the stall predictions come from). This module also reads the facts
+the machine offers (available host memory, the cgroup limit, the activation reserve).
 """
 from __future__ import annotations
 
@@ -13,88 +24,263 @@ from typing import Any
 
 import psutil
 
+from .plan_device import (PlanError, UnitPlan, across_devices, plan_by_cost, plan_units, ring_slots,  # noqa: F401
+                          spread)
+from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
+                        bounce_buffers, host_ram_bytes, plan_host, plan_host_capped)
+from .ring_sim import UnitCosts, simulate_pass
+
 log = logging.getLogger(__name__)
 
-MIB = 1 << 20
-GIB = 1 << 30
+STALL_MARGIN_MS = 1.0  # passes that stall more than their plan predicted by more than this per pass (and by more
+STALL_MARGIN_FRACTION = 0.25  # than this fraction of the predicted stall) feed the measured stalls to the next plan
 
 
-class PlanError(ValueError):
-    """The budget cannot hold even the smallest working plan; the message names what does not fit."""
+@dataclass(frozen=True)
+class HostFacts:
+    """What the host offers one model: the RAM it may hold (a hard ceiling or what is available), pinning, the file."""
+
+    ram_budget: int  # bytes of host RAM for the blocks (hard: everything the engine holds for the model)
+    hard: bool  # ram_budget_bytes was given: a ceiling that must hold (else: what the machine has available)
+    pin_limit: int  # bytes that may be pinned (0: none)
+    pin: bool  # pin the masters (asked for, and the device has pinned memory)
+    allow_disk: bool  # the preset allows the disk tier and a file was given
+    bounces_pageable: bool  # the device has pinned memory: pageable masters are copied through a bounce buffer
+    disk_optional: bool  # blocks the file cannot stream stay in RAM instead of failing
+    file_path: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """Everything a plan is made from (see `make_plan`); a re-plan is the same call with some facts changed."""
+
+    name: str  # the model's name, for messages
+    sizes: tuple[int, ...]  # bytes of each unit as it moves (aligned layout)
+    names: tuple[str, ...]
+    rest_bytes: int  # the weights outside the units (always resident on the compute device)
+    prefetch: int  # the lookahead asked for, in streamed units
+    stream_all: bool  # the preset keeps no unit resident (vram_fraction 0)
+    device: str  # the compute device
+    allowance: int  # device bytes the compute device's budget lets this model hold now
+    remote_allowances: tuple[tuple[str, int], ...] = ()  # the same on each secondary device, in order
+    dtypes: tuple[tuple[str, ...], ...] = ()  # each unit's tensor dtypes (what its bytes are)
+    disk_ok: tuple[bool, ...] = ()  # per unit: the model's file can stream it (empty: none can)
+    host: HostFacts | None = None  # None: the host side is staged already (its tiers are kept)
+    host_tiers: tuple[str, ...] = ()  # the host tiers in place when `host` is None
+    costs: UnitCosts | None = None  # measured per-unit compute and copy times (None: nothing measured yet)
+    excess_ms: tuple[float, ...] | None = None  # per unit: stall measured beyond the prediction under `current`
+    order: tuple[int, ...] | None = None  # the call order (None: index order)
+    current: "Plan | None" = None  # the plan in place: kept unless a new one clearly saves stall
+
+
+@dataclass(frozen=True)
+class UnitPlacement:
+    """Where one unit lives and why."""
+
+    name: str
+    device: str | None  # the device holding a copy of its own (the compute device or a secondary); None: streamed
+    tier: str  # vram (resident on `device`), else its host tier: pinned | pageable | disk
+    host_tier: str  # where its master lives: pinned | pageable | disk
+    predicted_stall_ms: float  # per pass (0 until costs are known, or when it cannot stall)
+    reason: str
 
 
 @dataclass
-class UnitPlan:
-    """Where each unit lives on the device side: resident units and the slot ring for the rest."""
+class Plan:
+    """Where every unit lives: one value, made by `make_plan` (see the module docstring)."""
 
-    resident: set[int]
-    n_slots: int
-    slot_bytes: int
-    device_bytes: int
-    shrunk_lookahead: bool = False
-    notes: list[str] = field(default_factory=list)
-    remote: dict[int, str] | None = None  # several devices: units resident on a secondary device (None: decide later)
+    units: tuple[UnitPlacement, ...]
+    device_plan: UnitPlan  # the compute device: resident set, slot ring, the bytes they take; remote placements
+    host_plan: HostPlan | None  # None for a device-only re-plan (the host tiers stay as staged)
+    allowance: int  # the compute device's allowance the plan was made for
+    prefetch: int  # the lookahead asked for
+    bounce_count: int  # the read-ahead thread's bounce buffers
+    from_costs: bool  # made from measured costs (else by count)
+    predicted_step_ms: float | None  # compute plus predicted stall of one pass (None: nothing measured yet)
+    messages: list[tuple[int, str]] = field(default_factory=list)  # (log level, text) for the caller to log
+    compute_device: str = ""
+
+    # the device side, as the placement applies it
+    @property
+    def resident(self) -> set[int]:
+        return self.device_plan.resident
+
+    @property
+    def remote(self) -> dict[int, str]:
+        return dict(self.device_plan.remote or {})
+
+    @property
+    def n_slots(self) -> int:
+        return self.device_plan.n_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.device_plan.slot_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_plan.device_bytes
+
+    @property
+    def lookahead(self) -> int:
+        """Streamed units on their way while one computes (the ring's slots less the one computing)."""
+        return max(0, self.device_plan.n_slots - 1)
+
+    @property
+    def shrunk_lookahead(self) -> bool:
+        return self.device_plan.shrunk_lookahead
+
+    @property
+    def notes(self) -> list[str]:
+        return self.device_plan.notes
+
+    @property
+    def rings(self) -> dict[str, tuple[int, int]]:
+        """Per device, (slots, bytes per slot): the compute device's ring (secondary devices hold no ring)."""
+        return {self.compute_device: (self.device_plan.n_slots, self.device_plan.slot_bytes)}
+
+    @property
+    def predicted_stall_ms(self) -> list[float]:
+        return [u.predicted_stall_ms for u in self.units]
+
+    @property
+    def reasons(self) -> list[str]:
+        return [u.reason for u in self.units]
+
+    @property
+    def host_tiers(self) -> dict[int, str]:
+        return {i: u.host_tier for i, u in enumerate(self.units)}
+
+    @property
+    def disk_units(self) -> list[int]:
+        return [i for i, u in enumerate(self.units) if u.host_tier == "disk"]
+
+    @property
+    def bounce_bytes(self) -> int | None:
+        return self.host_plan.bounce_bytes if self.host_plan is not None else None
+
+    def eviction_order(self) -> list[int]:
+        """The order `unload(nbytes)` gives resident units up in: the last first (the first units of the next pass
+        stay, and the ring has the whole pass to bring the late ones in)."""
+        return sorted(self.device_plan.resident, reverse=True)
+
+    def summary(self) -> str:
+        n = len(self.units)
+        p = self.device_plan
+        return (f"{len(p.resident)} resident, {n - len(p.resident)} streamed, "
+                f"{p.n_slots} slot(s) of {p.slot_bytes / 1e6:.1f} MB, plan {p.device_bytes / 1e6:.1f} MB")
 
 
-def ring_slots(prefetch: int, n_streamed: int) -> int:
-    """Slots the ring wants: the unit computing plus `prefetch` on their way, never more than units streamed."""
-    return max(0, min(prefetch + 1, n_streamed))
+def make_plan(facts: PlanFacts) -> Plan:
+    """THE plan for `facts` (see the module docstring); raises PlanError when not even one slot fits the allowance
+    and RamCeilingError when a hard RAM ceiling cannot be kept."""
+    messages: list[tuple[int, str]] = []
+    host = _host_plan(facts, messages) if facts.host is not None else None
+    if host is not None:
+        tiers = [host.tiers.get(i, "pinned") for i in range(len(facts.sizes))]
+    else:
+        tiers = list(facts.host_tiers) or ["pinned"] * len(facts.sizes)
+    device = _device_plan(facts)
+    remote = device.remote or {}
+    n = len(facts.sizes)
+    stalls = device.predicted_stall_ms or [0.0] * n
+    reasons = device.reasons or _count_reasons(facts, device)
+    units = []
+    for i in range(n):
+        if i in remote:
+            placed, tier = remote[i], "vram"
+            reason = (reasons[i] if reasons[i].startswith("resident on") else
+                      f"resident on {remote[i]}: the compute device streams it and {remote[i]} has room")
+            stall = 0.0
+        elif i in device.resident:
+            placed, tier, reason, stall = facts.device, "vram", reasons[i], 0.0
+        else:
+            placed, tier, reason, stall = None, tiers[i], reasons[i], stalls[i]
+        units.append(UnitPlacement(facts.names[i], placed, tier, tiers[i], stall, reason))
+    step = None
+    if facts.costs is not None:
+        streamed_on_ring = device.resident | set(remote)
+        step = simulate_pass(list(facts.order) if facts.order else list(range(n)), facts.costs,
+                             streamed_on_ring, device.n_slots).step_ms
+        if facts.excess_ms is not None:
+            step += sum(e for i, e in enumerate(facts.excess_ms) if i not in streamed_on_ring)
+    return Plan(tuple(units), device, host, facts.allowance, facts.prefetch, bounce_buffers(facts.prefetch),
+                facts.costs is not None, step, messages, facts.device)
 
 
-def bounce_buffers(prefetch: int) -> int:
-    """Pinned bounce buffers the read-ahead thread cycles: one per slot of the ring plus one being filled."""
-    return prefetch + 2
+def _device_plan(facts: PlanFacts) -> UnitPlan:
+    """The compute device's resident set and ring, and what the secondary devices hold."""
+    sizes, names = list(facts.sizes), list(facts.names)
+    if facts.costs is None:
+        plan = plan_units(sizes, names, facts.rest_bytes, facts.allowance, facts.prefetch, facts.stream_all)
+    else:
+        cur = facts.current
+        current = set(cur.resident) if cur is not None and cur.allowance == facts.allowance else None
+        plan = plan_by_cost(sizes, names, facts.rest_bytes, facts.allowance, facts.prefetch, facts.costs,
+                            list(facts.order) if facts.order else None, facts.stream_all, current,
+                            list(facts.excess_ms) if facts.excess_ms is not None else None)
+    return across_devices(plan, sizes, facts.rest_bytes, facts.allowance, dict(facts.remote_allowances),
+                          facts.stream_all)
 
 
-def spread(n: int, k: int) -> list[int]:
-    """k indices spread evenly over range(n)."""
-    if k <= 0:
-        return []
-    if k >= n:
-        return list(range(n))
-    return sorted({min(n - 1, int((i + 0.5) * n / k)) for i in range(k)})
+def _count_reasons(facts: PlanFacts, plan: UnitPlan) -> list[str]:
+    """Why each unit is where a count-based plan (nothing measured yet) put it."""
+    n = len(facts.sizes)
+    if len(plan.resident) == n:
+        return ["resident: every block fits the budget"] * n
+    if facts.stream_all:
+        return ["streamed: the preset keeps no block resident"] * n
+    return [("resident: room left in the budget beside the slot ring (placed by size; costs not measured yet)"
+             if i in plan.resident else
+             "streamed: spread between resident blocks so its copy hides behind their compute (placed by size; "
+             "costs not measured yet)") for i in range(n)]
 
 
-def plan_units(sizes: list[int], names: list[str], rest_bytes: int, allowance: int, prefetch: int,
-               stream_all: bool = False) -> UnitPlan:
-    """Fit rest + resident units + slot ring into `allowance` device bytes.
+def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
+    """Host tiers for the units' masters: pinned RAM, pageable RAM, or the disk file.
 
-    Everything resident when it fits (and streaming is not forced); otherwise a ring of prefetch+1 slots
-    (shrunk down to one slot when the budget is tight) and as many resident units as the remainder holds,
-    with the streamed ones spread evenly so their copies hide behind resident compute.
+    A hard ceiling (`ram_budget_bytes`) bounds everything the engine holds in host RAM for this model (the weights
+    outside the blocks, the blocks kept in RAM and the read-ahead bounce buffers); without it the plan fits the
+    blocks into what the machine has available and only warns when they need more. A unit the file cannot stream
+    stays in pageable RAM.
     """
-    n = len(sizes)
-    avail = allowance - rest_bytes
-    if avail < 0:
-        raise PlanError(f"{allowance} bytes of device memory cannot hold the model's non-block weights "
-                        f"({rest_bytes} bytes); raise the budget")
-    if not stream_all and sum(sizes) <= avail:
-        return UnitPlan(set(range(n)), 0, 0, rest_bytes + sum(sizes))
-    biggest = max(range(n), key=lambda i: sizes[i])
-    slot = sizes[biggest]
-    want_slots = ring_slots(prefetch, n)
-    k = want_slots
-    while k > 1 and k * slot > avail:
-        k -= 1
-    if k * slot > avail:
-        raise PlanError(f"{allowance} bytes of device memory cannot hold one slot for unit {names[biggest]!r} "
-                        f"({sizes[biggest]} bytes) plus the non-block weights ({rest_bytes} bytes); "
-                        f"raise the budget to at least {rest_bytes + sizes[biggest]} bytes")
-    notes = []
-    if k < want_slots:
-        notes.append(f"lookahead shrunk from {want_slots - 1} to {k - 1} unit(s) to fit the budget")
-    if stream_all:
-        return UnitPlan(set(), k, slot, rest_bytes + k * slot, k < want_slots, notes)
-    best = UnitPlan(set(), k, slot, rest_bytes + k * slot, k < want_slots, notes)
-    for n_streamed in range(1, n):
-        streamed = set(spread(n, n_streamed))
-        resident = set(range(n)) - streamed
-        s_slot = max(sizes[i] for i in streamed)
-        s_k = min(k, n_streamed)
-        need = sum(sizes[i] for i in resident) + s_k * s_slot
-        if need <= avail:
-            return UnitPlan(resident, s_k, s_slot, rest_bytes + need, k < want_slots, notes)
-    return best
+    h = facts.host
+    sizes = list(facts.sizes)
+    pin_limit = h.pin_limit if h.pin else 0
+    if h.hard:
+        plan = plan_host_capped(sizes, facts.rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
+                                facts.prefetch, h.bounces_pageable)
+    else:
+        plan = plan_host(sizes, h.ram_budget, pin_limit, h.allow_disk, h.pin)
+        if plan.ram_bytes > h.ram_budget:
+            messages.append((logging.WARNING, f"{facts.name} needs {plan.ram_bytes / GIB:.2f} GiB of host RAM for its "
+                                              f"blocks but about {h.ram_budget / GIB:.2f} GiB is available; give "
+                                              f"disk_path (its safetensors file) to stream the rest from disk"))
+    disk_ok = facts.disk_ok or (False,) * len(sizes)
+    tiers = {i: t if t != "disk" or disk_ok[i] else "pageable" for i, t in plan.tiers.items()}
+    plan = HostPlan(tiers, plan.ram_bytes, plan.pinned_bytes, plan.bounce_bytes)
+    disk = sum(1 for t in tiers.values() if t == "disk")
+    if disk:
+        messages.append((logging.INFO, f"{facts.name}: {disk} unit(s) stream from {h.file_path} (RAM budget "
+                                       f"{h.ram_budget / MIB:.1f} MB)"))
+    if h.hard:
+        ram = host_ram_bytes(sizes, facts.rest_bytes, tiers, plan.bounce_bytes, facts.prefetch,
+                             h.bounces_pageable)
+        if ram > h.ram_budget:
+            kept = sum(1 for t in tiers.values() if t != "disk")
+            if not h.disk_optional:
+                raise RamCeilingError(
+                    f"{facts.name}: ram_budget_bytes={h.ram_budget} cannot be kept: {kept} block(s) cannot stream "
+                    f"from disk (tensor subclasses, misaligned tensors, or bytes {h.file_path} does not hold) and "
+                    f"need {ram} bytes of host RAM; raise ram_budget_bytes to at least {ram}")
+            # asked for: blocks the file does not hold stay in RAM rather than fail
+            messages.append((logging.WARNING, f"{facts.name}: host RAM is {ram} bytes, over ram_budget_bytes="
+                                              f"{h.ram_budget}: {kept} block(s) could not go to the disk tier "
+                                              f"(disk_optional=True keeps them in RAM)"))
+    return plan
+
+
+# Facts the machine offers ---------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -160,84 +346,6 @@ def read_host_memory(pin_fraction: float | None = None, cgroup_root: Path = Path
     mem = HostMemory(int(vm.available), limit, usage, 0)
     mem.pin_limit = int(min(vm.total, limit or vm.total) * pin_fraction)
     return mem
-
-
-@dataclass
-class HostPlan:
-    """Which host tier each streamed unit's master lives in."""
-
-    tiers: dict[int, str]  # unit index -> pinned | pageable | disk
-    ram_bytes: int
-    pinned_bytes: int
-    bounce_bytes: int | None = None  # size of each bounce buffer under a RAM ceiling (None: the largest unit)
-
-
-def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: bool, pin: bool,
-              order: list[int] | None = None) -> HostPlan:
-    """Put units in pinned RAM while the pin limit allows, pageable RAM after, disk when RAM runs out."""
-    tiers: dict[int, str] = {}
-    ram = pinned = 0
-    for i in (order if order is not None else range(len(sizes))):
-        size = sizes[i]
-        if ram + size <= ram_budget or not allow_disk:
-            if pin and pinned + size <= pin_limit:
-                tiers[i] = "pinned"
-                pinned += size
-            else:
-                tiers[i] = "pageable"
-            ram += size
-        else:
-            tiers[i] = "disk"
-    return HostPlan(tiers, ram, pinned)
-
-
-MIN_BOUNCE = 4096  # the smallest bounce buffer a RAM ceiling may shrink the read-ahead ring to
-PREFERRED_BOUNCE = 4 * MIB  # below a whole block, reads of this size keep the disk tier near its sequential speed
-
-
-class RamCeilingError(ValueError):
-    """`ram_budget_bytes` is below what the model needs in host RAM at the least: names that minimum."""
-
-
-def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_limit: int, allow_disk: bool,
-                     pin: bool, prefetch: int, bounces_pageable: bool) -> HostPlan:
-    """Host tiers under a hard RAM ceiling: the non-block weights, the blocks kept in RAM and the read-ahead
-    thread's bounce buffers together stay within `ram_budget`; the rest of the blocks go to the disk tier.
-
-    Bounce buffers are needed for disk blocks, and for pageable blocks where the device has pinned memory
-    (`bounces_pageable`). They are whole blocks or PREFERRED_BOUNCE when RAM allows (a quarter of it at most);
-    when RAM is tight, blocks kept in RAM come first and the buffers get what is left (MIN_BOUNCE at the least):
-    a block is then read in ranges. A ceiling below the least such a plan needs raises RamCeilingError.
-    """
-    count = bounce_buffers(prefetch)
-    biggest = max(sizes, default=0)
-    least_bounce = count * min(biggest, MIN_BOUNCE)
-    avail = ram_budget - rest_bytes
-    in_ram = plan_host(sizes, max(0, avail), pin_limit, False, pin)  # every block in RAM
-    bounced_in_ram = bounces_pageable and any(t == "pageable" for t in in_ram.tiers.values())
-    if allow_disk:
-        minimum = rest_bytes + least_bounce
-        how = "or give it more RAM"
-    else:
-        minimum = rest_bytes + sum(sizes) + (least_bounce if bounced_in_ram else 0)
-        how = "or give disk_path (the model's safetensors file) so blocks can stream from disk"
-    if ram_budget < minimum:
-        raise RamCeilingError(
-            f"ram_budget_bytes={ram_budget} is below the {minimum} bytes this model needs in host RAM at the least "
-            f"({rest_bytes} bytes of weights outside the blocks"
-            + (f", {least_bounce} bytes of bounce buffers" if allow_disk else f", {sum(sizes)} bytes of blocks")
-            + f"); raise ram_budget_bytes to at least {minimum} {how}")
-    if in_ram.ram_bytes <= avail and not bounced_in_ram:
-        return in_ram  # everything in RAM, no bounce buffer at all
-    preferred = min(biggest, max(PREFERRED_BOUNCE, avail // 4 // count // 4096 * 4096))
-    if count * preferred <= avail // 2:
-        chunk = preferred
-        plan = plan_host(sizes, avail - count * chunk, pin_limit, allow_disk, pin)
-    else:  # tight: blocks in RAM first, the bounce buffers share what they leave
-        plan = plan_host(sizes, avail - least_bounce, pin_limit, allow_disk, pin)
-        chunk = min(biggest, max(MIN_BOUNCE, (avail - plan.ram_bytes) // count // 4096 * 4096))
-    plan.bounce_bytes = chunk
-    return plan
 
 
 def default_reserve(total_device_bytes: int, backend_name: str) -> int:

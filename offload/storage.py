@@ -23,6 +23,7 @@ import queue
 import struct
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -476,6 +477,7 @@ class UnitSource(Protocol):
     tier: str  # pinned | pageable | disk
     nbytes: int
     reads: int  # times the bytes were read into a bounce buffer (disk, bounced pageable RAM)
+    read_ms: float  # time spent reading them into bounce buffers, in all (before each copy could start)
 
     def issue(self, dst: torch.Tensor, after: Any) -> Any: ...
 
@@ -484,6 +486,7 @@ class HostSource:
     """A host buffer copied straight to the device (pinned; or pageable where the device has no pinned memory)."""
 
     reads = 0
+    read_ms = 0.0
 
     def __init__(self, host: torch.Tensor, pinned: bool, backend: Any) -> None:
         self.host = host
@@ -505,9 +508,12 @@ class BouncedSource:
         self.nbytes = host.numel()
         self.reader = reader
         self.reads = 0
+        self.read_ms = 0.0  # time the read-ahead thread spent filling bounce buffers with this unit's bytes
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        t0 = time.perf_counter()
         buf[:end - start].copy_(self.host[start:end])
+        self.read_ms += (time.perf_counter() - t0) * 1e3
         return 0
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
@@ -527,11 +533,16 @@ class DiskSource:
         self.nbytes = nbytes
         self.pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
         self.reads = 0
+        self.read_ms = 0.0  # time the read-ahead thread spent reading this unit's bytes from the file
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
-        if start == 0 and end == self.nbytes:
-            return self.file.read_into(buf, self.pieces)
-        return self.file.read_range(buf, self.pieces, start, end)
+        t0 = time.perf_counter()
+        try:
+            if start == 0 and end == self.nbytes:
+                return self.file.read_into(buf, self.pieces)
+            return self.file.read_range(buf, self.pieces, start, end)
+        finally:
+            self.read_ms += (time.perf_counter() - t0) * 1e3
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
         self.reads += 1

@@ -484,11 +484,12 @@ class ModelStreamer:
         """Device bytes this model holds now."""
         return self.placement.device_bytes()
 
-    def set_plan(self, resident: set[int], n_slots: int, remote: dict[int, str] | None = None) -> None:
+    def set_plan(self, resident: set[int], n_slots: int, remote: dict[int, str] | None = None,
+                 eviction: list[int] | None = None) -> None:
         """Adopt a resident set, slot count and units resident on secondary devices (at a safe point); takes
         effect now if loaded, else on load."""
         with self._lock:
-            if self.placement.set_plan(resident, n_slots, remote):
+            if self.placement.set_plan(resident, n_slots, remote, eviction):
                 self._apply()
 
     def ensure_loaded(self) -> None:

@@ -1,0 +1,106 @@
+"""What a VramBudget asks of an offloaded model (budget.py `BudgetMember`), answered for `OffloadHandle`: the least
+and the most it can use, what it holds now, and shrinking while it is idle; the same for its share of each
+secondary device. The model's plan itself is the PlanKeeper's (offload/replan.py); this only answers for bytes."""
+from __future__ import annotations
+
+from typing import Any
+
+from .planner import ring_slots
+
+
+class BudgetMembership:
+    """Mixed into OffloadHandle: it has `config`, `budget`, `backend`, `streamer`, `keeper`, `attached`, `_kv`."""
+
+    config: Any
+    budget: Any
+    backend: Any
+    streamer: Any
+    keeper: Any
+    _kv: Any
+
+    def floor_bytes(self) -> int:
+        """The least this model can run in: the non-block weights plus one slot of its largest unit."""
+        return self.streamer.rest_bytes + max(self.keeper.base.sizes)
+
+    def want_bytes(self) -> int:
+        """The most this model asks for: every unit, or its preset's share of the budget (a full ring at least)."""
+        cfg, rest, sizes = self.config, self.streamer.rest_bytes, self.keeper.base.sizes
+        everything = rest + sum(sizes)
+        ring = rest + ring_slots(cfg.prefetch, len(sizes)) * max(sizes)
+        if cfg.vram_fraction <= 0:
+            want = ring
+        elif cfg.vram_fraction < 1 and self.budget.total_bytes is not None:
+            want = max(ring, min(everything, int(cfg.vram_fraction * self.budget.total_bytes)))
+        else:
+            want = everything
+        if cfg.vram_budget_bytes is not None:
+            want = min(want, int(cfg.vram_budget_bytes))
+        return want
+
+    def device_bytes(self) -> int:
+        """Device bytes this model holds now (resident units, the slot ring, the non-block weights)."""
+        return self.streamer.device_bytes() if self.attached else 0
+
+    def is_busy(self) -> bool:
+        return self.attached and self.streamer.is_busy()
+
+    def pass_thread(self) -> int | None:
+        """The thread running a pass over this model now (None between passes)."""
+        return self.streamer._pass_owner if self.attached else None
+
+    def kv_device_bytes(self) -> int:
+        """Device bytes of this model's paged KV caches now (a budget member of their own)."""
+        return self._kv.device_bytes() if self._kv is not None else 0
+
+    def device_total(self) -> int | None:
+        return self.backend.mem_get_info()[1]
+
+    def shrink_to(self, nbytes: int) -> int:
+        """Called by the budget while this model is idle: hold at most `nbytes` from now on."""
+        if not self.attached:
+            return 0
+        with self.streamer.exclusive(blocking=False) as idle:
+            if not idle or self.streamer.is_busy():
+                return 0  # a pass is running (maybe on another thread): it re-plans at its next start
+            return self.keeper.shrink_to(nbytes, self.floor_bytes())
+
+    # a secondary device's budget (devices.py SecondaryShare asks through these) --------------------
+    def remote_want_bytes(self) -> int:
+        """What this model could keep on a secondary device: every block (the budget caps it)."""
+        return sum(self.keeper.base.sizes)
+
+    def remote_bytes(self, device: str) -> int:
+        """Bytes of blocks resident on secondary `device` now."""
+        return self.streamer.placement.bytes_on(device) if self.attached else 0
+
+    def shrink_remote(self, device: str, nbytes: int) -> int:
+        """Called by a secondary device's budget while this model is idle: keep at most `nbytes` there."""
+        if not self.attached:
+            return 0
+        with self.streamer.exclusive(blocking=False) as idle:
+            if not idle or self.streamer.is_busy():
+                return 0  # a pass is running: it re-plans at its next start
+            return self.keeper.shrink_remote(device, nbytes)
+
+    def share_explained(self, allowance: int) -> str:
+        """Where this model's allowance came from: the budget's total, what the others hold, its own limit."""
+        total = self.budget.total_bytes
+        parts = []
+        if total is not None and allowance < total:
+            held = self.budget.others_bytes(self)
+            parts.append(f"This model's share is {allowance} bytes of the VRAM budget's {total} bytes "
+                         f"({held} bytes are held by other models)")
+        if self.config.vram_budget_bytes is not None and allowance >= int(self.config.vram_budget_bytes):
+            parts.append(f"vram_budget_bytes={int(self.config.vram_budget_bytes)} limits this model")
+        parts.append(self.budget.explain())
+        return ". ".join(parts)
+
+    def planned_device_bytes(self) -> int:
+        """Device bytes the plan for this model's current share of the budget holds when placed."""
+        if not self.attached:
+            return 0
+        share = self.budget.targets().get(id(self))
+        allowance = self.keeper.allowance if share is None else min(share, self.want_bytes())
+        if allowance is None:
+            allowance = self.budget.allowance(self)
+        return self.keeper.plan_for(max(allowance, min(self.floor_bytes(), self.want_bytes()))).device_bytes

@@ -1,0 +1,102 @@
+"""The host side of a plan: which tier each unit's master lives in (pinned RAM, pageable RAM, the disk file) and the
+read-ahead thread's bounce buffers, under the RAM the model may use. Called only by `planner.make_plan`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1 << 20
+GIB = 1 << 30
+MIN_BOUNCE = 4096  # the smallest bounce buffer a RAM ceiling may shrink the read-ahead ring to
+PREFERRED_BOUNCE = 4 * MIB  # below a whole block, reads of this size keep the disk tier near its sequential speed
+
+
+class RamCeilingError(ValueError):
+    """`ram_budget_bytes` is below what the model needs in host RAM at the least: names that minimum."""
+
+
+@dataclass
+class HostPlan:
+    """Which host tier each streamed unit's master lives in."""
+
+    tiers: dict[int, str]  # unit index -> pinned | pageable | disk
+    ram_bytes: int
+    pinned_bytes: int
+    bounce_bytes: int | None = None  # size of each bounce buffer under a RAM ceiling (None: the largest unit)
+
+
+def bounce_buffers(prefetch: int) -> int:
+    """Pinned bounce buffers the read-ahead thread cycles: one per slot of the ring plus one being filled."""
+    return prefetch + 2
+
+
+def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: bool, pin: bool,
+              order: list[int] | None = None) -> HostPlan:
+    """Put units in pinned RAM while the pin limit allows, pageable RAM after, disk when RAM runs out."""
+    tiers: dict[int, str] = {}
+    ram = pinned = 0
+    for i in (order if order is not None else range(len(sizes))):
+        size = sizes[i]
+        if ram + size <= ram_budget or not allow_disk:
+            if pin and pinned + size <= pin_limit:
+                tiers[i] = "pinned"
+                pinned += size
+            else:
+                tiers[i] = "pageable"
+            ram += size
+        else:
+            tiers[i] = "disk"
+    return HostPlan(tiers, ram, pinned)
+
+
+def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_limit: int, allow_disk: bool,
+                     pin: bool, prefetch: int, bounces_pageable: bool) -> HostPlan:
+    """Host tiers under a hard RAM ceiling: the non-block weights, the blocks kept in RAM and the read-ahead
+    thread's bounce buffers together stay within `ram_budget`; the rest of the blocks go to the disk tier.
+
+    Bounce buffers are needed for disk blocks, and for pageable blocks where the device has pinned memory
+    (`bounces_pageable`). They are whole blocks or PREFERRED_BOUNCE when RAM allows (a quarter of it at most);
+    when RAM is tight, blocks kept in RAM come first and the buffers get what is left (MIN_BOUNCE at the least):
+    a block is then read in ranges. A ceiling below the least such a plan needs raises RamCeilingError.
+    """
+    count = bounce_buffers(prefetch)
+    biggest = max(sizes, default=0)
+    least_bounce = count * min(biggest, MIN_BOUNCE)
+    avail = ram_budget - rest_bytes
+    in_ram = plan_host(sizes, max(0, avail), pin_limit, False, pin)  # every block in RAM
+    bounced_in_ram = bounces_pageable and any(t == "pageable" for t in in_ram.tiers.values())
+    if allow_disk:
+        minimum = rest_bytes + least_bounce
+        how = "or give it more RAM"
+    else:
+        minimum = rest_bytes + sum(sizes) + (least_bounce if bounced_in_ram else 0)
+        how = "or give disk_path (the model's safetensors file) so blocks can stream from disk"
+    if ram_budget < minimum:
+        raise RamCeilingError(
+            f"ram_budget_bytes={ram_budget} is below the {minimum} bytes this model needs in host RAM at the least "
+            f"({rest_bytes} bytes of weights outside the blocks"
+            + (f", {least_bounce} bytes of bounce buffers" if allow_disk else f", {sum(sizes)} bytes of blocks")
+            + f"); raise ram_budget_bytes to at least {minimum} {how}")
+    if in_ram.ram_bytes <= avail and not bounced_in_ram:
+        return in_ram  # everything in RAM, no bounce buffer at all
+    preferred = min(biggest, max(PREFERRED_BOUNCE, avail // 4 // count // 4096 * 4096))
+    if count * preferred <= avail // 2:
+        chunk = preferred
+        plan = plan_host(sizes, avail - count * chunk, pin_limit, allow_disk, pin)
+    else:  # tight: blocks in RAM first, the bounce buffers share what they leave
+        plan = plan_host(sizes, avail - least_bounce, pin_limit, allow_disk, pin)
+        chunk = min(biggest, max(MIN_BOUNCE, (avail - plan.ram_bytes) // count // 4096 * 4096))
+    plan.bounce_bytes = chunk
+    return plan
+
+
+def host_ram_bytes(sizes: list[int], rest_bytes: int, tiers: dict[int, str], bounce_bytes: int | None,
+                   prefetch: int, bounces_pageable: bool) -> int:
+    """Host RAM a staged model with these tiers holds: the blocks kept in RAM, the non-block weights and the
+    read-ahead thread's bounce buffers (there when a block is bounced: on disk, or pageable where pinning exists)."""
+    ram = rest_bytes + sum(s for i, s in enumerate(sizes) if tiers.get(i) != "disk")
+    bounced = [s for i, s in enumerate(sizes)
+               if tiers.get(i) == "disk" or (bounces_pageable and tiers.get(i) == "pageable")]
+    if bounced:
+        size = max(bounced) if bounce_bytes is None else min(max(bounced), bounce_bytes)
+        ram += size * bounce_buffers(prefetch)
+    return ram

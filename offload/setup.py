@@ -1,0 +1,134 @@
+"""Setting one model up for streaming, top to bottom: config -> facts -> plan -> stage -> stream.
+
+1. config: the device's backend; a vram_budget_bytes larger than the device is refused.
+2. facts: the model's units (offload/blocks.py) and their layouts with what the model's file can stream
+   (`staging.lay_out_model`), the devices' budgets (sized from free memory minus an activation reserve when they
+   have no total yet, and checked against their devices), and the host memory the model may use.
+3. plan: `planner.make_plan` from those facts; the units it puts on the disk tier are checked against the file
+   byte for byte (`staging.verify_for_disk`), and any the file does not hold make the plan again without them.
+4. stage: `staging.stage_model` puts every unit's master where the plan says, one unit at a time.
+5. stream: `ModelStreamer` installs the hooks; a model on several devices gets its activation hops.
+
+Nothing here changes the model before step 4, so a refused model is left exactly as it was. The handle then makes
+the `PlanKeeper` that keeps the plan current (offload/replan.py) and joins the budget, whose share replaces the
+setup plan's device side (which assumes the whole budget) before the first forward.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import psutil
+import torch.nn as nn
+
+from .backends import get_backend, resolve_device
+from .backends.base import Backend
+from .blocks import find_units
+from .budget import VramBudget, default_budget
+from .config import OffloadConfig
+from .devices import SecondaryDevices
+from .layout import unit_tensors
+from .packed import open_weights
+from . import planner
+from .planner import GIB, HostFacts, Plan, PlanFacts, estimate_reserve, read_host_memory
+from .reserve import ReserveMeter
+from .staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
+from .streamer import ModelStreamer, PassListener
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SetUp:
+    """What setting a model up made: its devices and budgets, the plan and the facts it came from, the streamer."""
+
+    backend: Backend
+    device_name: str
+    budget: VramBudget
+    secondaries: SecondaryDevices
+    reserve: ReserveMeter
+    facts: PlanFacts  # the facts that hold after staging (the host side is staged: its tiers are facts now)
+    plan: Plan
+    streamer: ModelStreamer
+    file_path: str | None
+    notices: dict[str, str]
+
+
+def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudget | dict[str, VramBudget] | None,
+           units: list[str] | None, progress: Callable[[int, int], None] | None, listener: PassListener,
+           owner: Any) -> SetUp:
+    """Set `model` up for streaming (see the module docstring); `owner` is the handle the secondary devices'
+    budget shares answer to, `listener` the streamer's pass listener."""
+    # 1. config
+    backend = get_backend(config)
+    free, total = backend.mem_get_info()
+    if config.vram_budget_bytes is not None and config.vram_budget_bytes > total:
+        raise ValueError(f"vram_budget_bytes={config.vram_budget_bytes} is larger than the device "
+                         f"{backend.describe()} ({total} bytes); the limit is {total} bytes")
+    # 2. facts: the units, the devices and their budgets (sized and checked before anything changes)
+    found = find_units(model, units)
+    device_name = resolve_device(config.device)
+    budgets = budget if isinstance(budget, dict) else {}
+    vbudget = (budgets.get(device_name) or (budget if isinstance(budget, VramBudget) else None) or default_budget())
+    secondaries = SecondaryDevices(owner, config, list(config.devices[1:]) if config.devices else [], budgets)
+    reserve = (config.reserve_bytes if config.reserve_bytes is not None
+               else estimate_reserve(model, total, backend.name))
+    vbudget.resolve_total(max(0, min(free, total) - reserve), backend)
+    vbudget.check_device(total)  # before staging: a refused model is left exactly as it was
+    in_ram = sum(t.numel() * t.element_size() for u in found for _, _, _, t in unit_tensors(u.module)
+                 if t.device.type == "cpu")
+    file = open_weights(config.disk_path) if config.disk_path else None  # a safetensors file or a packed folder
+    file_path = str(file.path) if file is not None else None
+    try:
+        laid = lay_out_model(model, found, file, config.disk_optional)
+        facts = _facts(config, name, backend, device_name, vbudget, laid, in_ram, file_path)
+        # 3. plan
+        plan = planner.make_plan(facts)
+        refused = verify_for_disk(laid, plan.disk_units)  # the file must hold the very bytes it streams
+        if refused:
+            facts = replace(facts, disk_ok=tuple(ok and i not in refused for i, ok in enumerate(facts.disk_ok)))
+            plan = planner.make_plan(facts)
+        for level, message in plan.messages:
+            log.log(level, "%s", message)
+        # 4. stage
+        staged = stage_model(laid, plan.host_tiers, backend, config.pin_memory, plan.bounce_count,
+                             plan.bounce_bytes, progress)
+    except BaseException:
+        if file is not None:
+            file.close()
+        raise
+    # 5. stream
+    streamer = ModelStreamer(model, staged, backend, listener, config.pin_memory, config.prefetch, config.profile)
+    secondaries.attach(streamer.placement, backend, [u.staged.module for u in streamer.units])
+    tiers = tuple(u.tier for u in streamer.units)
+    notices = {}
+    if config.pin_memory and backend.supports_pinned_host and any(
+            u.master.host is not None and not u.master.pinned for u in staged.units):
+        notices["pinned_fallback"] = ("pinning was refused or over the pin limit: some blocks stream from pageable "
+                                      "memory through a bounce buffer (slower copies)")
+    if "disk" in tiers:
+        notices["disk_tier"] = f"{tiers.count('disk')} block(s) stream from {file_path}: host RAM is short"
+    return SetUp(backend, device_name, vbudget, secondaries, ReserveMeter(reserve, config.reserve_bytes is not None),
+                 replace(facts, host=None, host_tiers=tiers), plan, streamer, file_path, notices)
+
+
+def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str, budget: VramBudget,
+           laid: ModelLayout, in_ram: int, file_path: str | None) -> PlanFacts:
+    """What the plan is made from at setup; the compute device's share is the whole budget until the model is
+    a member (the PlanKeeper plans again for its share then)."""
+    mem = read_host_memory()
+    if config.ram_budget_bytes is not None:
+        ram, hard = int(config.ram_budget_bytes), True
+    else:  # what the machine has available, less a margin
+        ram, hard = max(0, mem.available + in_ram - min(4 * GIB, int(psutil.virtual_memory().total * 0.1))), False
+    host = HostFacts(ram, hard, mem.pin_limit, config.pin_memory and backend.supports_pinned_host,
+                     config.allow_disk and file_path is not None, backend.supports_pinned_host, config.disk_optional,
+                     file_path)
+    sizes = tuple(laid.sizes)
+    return PlanFacts(
+        name=name, sizes=sizes, names=tuple(u.name for u in laid.units), rest_bytes=laid.rest_bytes,
+        prefetch=config.prefetch, stream_all=config.vram_fraction <= 0, device=device_name,
+        allowance=max(laid.rest_bytes + max(sizes), budget.total_bytes or 0),
+        dtypes=tuple(tuple(sorted({str(leaf.dtype) for leaf in layout.leaves})) for layout in laid.layouts),
+        disk_ok=tuple(laid.disk_ok), host=host)
