@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from .backends.base import Backend
 from .buffer_writes import BufferShapeError, BufferWatch
+from .compile_support import prepare_dynamo, register_hook_class
 from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
                        trainable_weight_error)
 from .host_tiers import HostTiers
@@ -56,6 +57,7 @@ class PassListener(Protocol):
     def after_pass(self) -> None: ...
 
 
+@register_hook_class  # dynamo calls it eagerly, never traces the engine (offload/compile_support.py)
 class _WeakHook:
     """A hook (or callback) calling a streamer method through a weak reference (no model -> engine -> model cycle)."""
 
@@ -71,6 +73,42 @@ class _WeakHook:
         if s is None:
             return None
         return self._fn(s, *args) if self._index is None else self._fn(s, self._index, *args)
+
+
+class _InFlag:
+    """Whether a unit is in (its container's pre-hook ran): a plain flag, so dynamo can guard on it."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+class _ChildHook:
+    """A unit child's pre-hook: brings the unit in when its container is never called (ComfyUI's UNet calls the
+    layers of a TimestepEmbedSequential). While the unit is in it only reads a flag, which dynamo traces and guards
+    on instead of breaking the graph at every layer of a compiled block (the slow path is an opaque `_WeakHook`)."""
+
+    def __init__(self, flag: _InFlag, slow: _WeakHook) -> None:
+        self.flag = flag
+        self.slow = slow  # refers to the streamer weakly: no model -> hook -> engine -> model cycle
+
+    def __call__(self, module: nn.Module, args: Any) -> Any:
+        if self.flag.on:
+            return None
+        return self.slow(module, args)
+
+
+class _CompileForward:
+    """`unit.compile(...)` on an offloaded block (diffusers' `compile_repeated_blocks` calls it per block): compiles
+    the block's forward instead of its whole call, so the engine's hooks run eagerly around the compiled graph and
+    `fullgraph=True` works (torch's `Module.compile` would compile `_call_impl`, hooks included)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        module = self._module()
+        if module is not None:
+            module.__dict__["forward"] = torch.compile(module.forward, *args, **kwargs)
 
 
 @dataclass
@@ -126,7 +164,10 @@ class ModelStreamer:
         self._last_unit_outside_root: int | None = None
         self._refusal: TrainableWeightError | None = None  # this pass computes with a streamed weight requiring grad
         self._hooks: list[Any] = []
+        self._in_flags = [_InFlag() for _ in self.units]  # unit i is in: its children's hooks have nothing to do
+        self._compile_overrides: list[nn.Module] = []
         self._install_hooks(model)
+        prepare_dynamo()  # a no-op until torch._dynamo is in use
 
     # the placement's figures, read by the handle's report ------------------------------
     @property
@@ -170,8 +211,11 @@ class ModelStreamer:
             # Some models never call the block container itself (ComfyUI's UNet iterates a
             # TimestepEmbedSequential and calls its layers): the first child to run brings the unit in.
             for child in module.children():
-                self._hooks.append(child.register_forward_pre_hook(_WeakHook(self, cls._child_pre, u.index),
-                                                                   prepend=True))
+                self._hooks.append(child.register_forward_pre_hook(
+                    _ChildHook(self._in_flags[u.index], _WeakHook(self, cls._child_pre, u.index)), prepend=True))
+            if "compile" not in module.__dict__:
+                module.__dict__["compile"] = _CompileForward(module)
+                self._compile_overrides.append(module)
         # A module outside the blocks called on its own before any block (generate() entering T5's or Whisper's
         # encoder, whose embedding runs first) must not compute on the host copy: it brings the placement in.
         rest = {id(m): m for e in self.staged.rest.layout.entries for m, _, _ in e.locations if m is not model}
@@ -186,6 +230,10 @@ class ModelStreamer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for module in self._compile_overrides:
+            if isinstance(module.__dict__.get("compile"), _CompileForward):
+                del module.__dict__["compile"]
+        self._compile_overrides.clear()
 
     def is_busy(self) -> bool:
         """A pass (or a unit outside one, or a backward holding a unit) is running."""
@@ -244,6 +292,8 @@ class ModelStreamer:
                 active.hooks.pop()
             self._unbind(active)  # no timing: the unit never finished
         self._resident_start.clear()
+        for flag in self._in_flags:
+            flag.on = False
         self._root_calls = 0
         self._pass_owner = None
         self._last_unit_outside_root = None
@@ -254,6 +304,7 @@ class ModelStreamer:
         """A safe point before a forward: check sources and writes, rebalance, learn the order, start prefetching."""
         if self.active is not None:
             self._finish_active()
+        prepare_dynamo()  # dynamo was imported since (a torch.compile): the hooks must be guarded and opaque
         self.staged.check_sources()
         self.metrics.harvest()
         self.writes.reclaim()
@@ -324,6 +375,7 @@ class ModelStreamer:
             u = self.units[index]
             if u.resident_buf is not None:
                 self._resident_start[index] = (self.backend.record(), outside)
+                self._in_flags[index].on = True
                 if self.buffer_watch[index]:
                     self._resident_marks[index] = self.buffer_watch[index].mark()
                 return
@@ -334,6 +386,7 @@ class ModelStreamer:
             start = self.backend.record()
             self.placement.binding(u, slot).apply()
             self.active = ActiveUnit(index, slot, copy_event, ready, start, outside)
+            self._in_flags[index].on = True
             self.active.hooks = self.backward.hooks_for(index, slot)
             if self.buffer_watch[index]:
                 self.active.buffers = self.buffer_watch[index].mark()
@@ -379,6 +432,7 @@ class ModelStreamer:
             return self.backward.recompute_post(index, output) if index not in self.writes.foreign else None
         u = self.units[index]
         if u.resident_buf is not None:
+            self._in_flags[index].on = False
             started = self._resident_start.pop(index, None)
             if started is not None:
                 self.metrics.add(index, None, None, started[0], self.backend.record(), 0)
@@ -465,6 +519,7 @@ class ModelStreamer:
 
     def _unbind(self, active: ActiveUnit) -> Any:
         """The unit's parameters back on the host master, its slot back to the ring; returns the slot-free event."""
+        self._in_flags[active.index].on = False
         self.units[active.index].master.host_binding.apply()
         free = self.backend.record()
         self.worker.release(active.slot, free)
