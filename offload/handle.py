@@ -22,7 +22,6 @@ from .budget import VramBudget
 from .config import OffloadConfig
 from .membership import BudgetMembership
 from .metrics import OffloadReport
-from .planner import ring_slots
 from .replan import PlanKeeper
 from .reporting import ReportBase, build_report
 from .setup import set_up
@@ -138,31 +137,6 @@ class OffloadHandle(BudgetMembership):
                      "(adapters added after offloading train; streamed weights that require grad are refused); "
                      "use torch.no_grad() for inference", self.name)
 
-    # sizes and plans ----------------------------------------------------------------------
-    def _make_plan(self, allowance: int) -> Any:
-        """The plan for `allowance` device bytes now (DeviceMemoryError when not even one slot fits)."""
-        return self.keeper.plan_for(allowance)
-
-    def unit_bytes(self) -> dict[str, int]:
-        """Each unit's size as it moves (aligned layout): what slots and resident units really take."""
-        return dict(zip(self.keeper.base.names, self.keeper.base.sizes))
-
-    @property
-    def non_block_bytes(self) -> int:
-        """Device bytes of the weights outside the units (always resident)."""
-        return self.streamer.rest_bytes
-
-    def budget_for(self, resident_units: int = 0, prefetch: int | None = None) -> int:
-        """Device bytes a plan with the `resident_units` largest units resident and a full ring would need."""
-        prefetch = self.config.prefetch if prefetch is None else prefetch
-        sizes = sorted(self.keeper.base.sizes, reverse=True)
-        resident, streamed = sizes[:resident_units], sizes[resident_units:]
-        ring = ring_slots(prefetch, len(streamed)) * max(streamed) if streamed else 0
-        return self.streamer.rest_bytes + sum(resident) + ring
-
-    def plan_summary(self) -> str:
-        return self.keeper.plan.summary() if self.keeper.plan is not None else "no plan"
-
     # public API -------------------------------------------------------------------------------
     def load(self) -> None:
         """Place the resident set and the slot ring now instead of at the next forward."""
@@ -200,7 +174,7 @@ class OffloadHandle(BudgetMembership):
             raise ValueError(f"release_host_memory(nbytes) takes a number of bytes >= 0, got {nbytes!r}")
         if not self.config.allow_disk:
             return 0  # the preset keeps every block in RAM (high_end, mid_range)
-        freed = self.streamer.release_host_memory(int(min(nbytes, 1 << 62)))
+        freed = self.streamer.release_host_memory(int(min(nbytes, 1 << 62)), self.keeper.plan.ram_release_order())
         if freed:
             self.notice("disk_tier", f"blocks stream from {self._file_path}: host RAM was released on request")
         return freed
@@ -255,17 +229,10 @@ class OffloadHandle(BudgetMembership):
         """Per-unit and total figures since setup or the last `reset_stats()` (the last report after detach)."""
         if self._final_report is not None:
             return self._final_report
-        s = self.streamer
-        p = s.placement
-        devices = {self.device_name: {"device_bytes": p.device_bytes(),
-                                      "peak_device_bytes": max(p.peak_device_bytes, p.device_bytes()),
-                                      "resident_blocks": sum(1 for u in p.units
-                                                             if u.resident_buf is not None and u.home is None)},
-                   **self.secondaries.report(p)}
-        return build_report(s, self.keeper.plan, self._report_base, self.device_name, name=self.name,
-                            device=self.backend.describe(), preset=self.config.preset, priority=self.priority,
-                            notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
-                            kv=self._kv.report() if self._kv is not None else None, devices=devices,
+        return build_report(self.streamer, self.keeper.plan, self._report_base, self.device_name, self.secondaries,
+                            name=self.name, device=self.backend.describe(), preset=self.config.preset,
+                            priority=self.priority, notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
+                            kv=self._kv.report() if self._kv is not None else None,
                             budget_reason=self.budget.explain_share(self))
 
     def detach(self) -> None:

@@ -85,15 +85,16 @@ class HostTiers:
             pinned += reader.bounce_bytes * reader.count if reader.pinned else 0
         return {"ram": ram, "pinned": pinned, "disk": disk}
 
-    def release_host_memory(self, nbytes: int) -> int:
-        """Free at least `nbytes` of host RAM by moving blocks to the disk tier, where the model's file holds their
-        exact bytes (checked); returns the bytes freed, net of any bounce buffers the disk tier needed (0 without a
-        file). The caller holds the pass lock."""
+    def release_host_memory(self, nbytes: int, order: list[int]) -> int:
+        """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
+        model's file holds their exact bytes (checked); returns the bytes freed, net of any bounce buffers the disk
+        tier needed (0 without a file). The caller holds the pass lock."""
         staged = self.staged
         file = staged.file
         if file is None or nbytes <= 0:
             return 0
-        candidates = [u for u in reversed(self.units) if u.master.host is not None and u.staged.layout.plain]
+        candidates = [self.units[i] for i in order
+                      if self.units[i].master.host is not None and self.units[i].staged.layout.plain]
         biggest = max((x.nbytes for x in self.units), default=0)
         reader = staged.reader
         if reader is None or reader.bounce_bytes < biggest:  # the disk tier would need new bounce buffers

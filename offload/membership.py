@@ -1,6 +1,7 @@
 """What a VramBudget asks of an offloaded model (budget.py `BudgetMember`), answered for `OffloadHandle`: the least
 and the most it can use, what it holds now, and shrinking while it is idle; the same for its share of each
-secondary device. The model's plan itself is the PlanKeeper's (offload/replan.py); this only answers for bytes."""
+secondary device; and the sizes ComfyUI's accounting and the nodes ask for (unit bytes, the plan for a share).
+The model's plan itself is the PlanKeeper's (offload/replan.py); this only answers for bytes."""
 from __future__ import annotations
 
 from typing import Any
@@ -104,3 +105,28 @@ class BudgetMembership:
         if allowance is None:
             allowance = self.budget.allowance(self)
         return self.keeper.plan_for(max(allowance, min(self.floor_bytes(), self.want_bytes()))).device_bytes
+
+    # sizes and plans (ComfyUI's accounting and the nodes ask) ---------------------------------------------
+    def _make_plan(self, allowance: int) -> Any:
+        """The plan for `allowance` device bytes now (DeviceMemoryError when not even one slot fits)."""
+        return self.keeper.plan_for(allowance)
+
+    def unit_bytes(self) -> dict[str, int]:
+        """Each unit's size as it moves (aligned layout): what slots and resident units really take."""
+        return dict(zip(self.keeper.base.names, self.keeper.base.sizes))
+
+    @property
+    def non_block_bytes(self) -> int:
+        """Device bytes of the weights outside the units (always resident)."""
+        return self.streamer.rest_bytes
+
+    def budget_for(self, resident_units: int = 0, prefetch: int | None = None) -> int:
+        """Device bytes a plan with the `resident_units` largest units resident and a full ring would need."""
+        prefetch = self.config.prefetch if prefetch is None else prefetch
+        sizes = sorted(self.keeper.base.sizes, reverse=True)
+        resident, streamed = sizes[:resident_units], sizes[resident_units:]
+        ring = ring_slots(prefetch, len(streamed)) * max(streamed) if streamed else 0
+        return self.streamer.rest_bytes + sum(resident) + ring
+
+    def plan_summary(self) -> str:
+        return self.keeper.plan.summary() if self.keeper.plan is not None else "no plan"

@@ -159,6 +159,11 @@ class Plan:
     def bounce_bytes(self) -> int | None:
         return self.host_plan.bounce_bytes if self.host_plan is not None else None
 
+    def ram_release_order(self) -> list[int]:
+        """The order units give host RAM back in (`release_host_memory`: to the disk tier, where the file holds them):
+        the last first, the reverse of the order the host plan fills RAM in."""
+        return list(reversed(range(len(self.units))))
+
     def eviction_order(self) -> list[int]:
         """The order `unload(nbytes)` gives resident units up in: the last first (the first units of the next pass
         stay, and the ring has the whole pass to bring the late ones in)."""

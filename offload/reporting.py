@@ -32,10 +32,15 @@ class ReportBase:
         self.disk_bytes_read = s.staged.reader.counters.bytes_read if s.staged.reader is not None else 0
 
 
-def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_name: str,
+def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_name: str, secondaries: Any,
                  **fields: Any) -> OffloadReport:
     """The report now: per block and in total since setup or the last reset; `fields` are the handle's own (name,
-    device, preset, priority, notices, kv, devices, budget_reason)."""
+    device, preset, priority, notices, kv, budget_reason)."""
+    p = s.placement
+    devices = {device_name: {"device_bytes": p.device_bytes(),
+                             "peak_device_bytes": max(p.peak_device_bytes, p.device_bytes()),
+                             "resident_blocks": sum(1 for u in p.units if u.resident_buf is not None and u.home is None)},
+               **secondaries.report(p)}
     reader = s.staged.reader
     if reader is not None:
         reader.drain()
@@ -57,7 +62,7 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
         slot_bytes=s.slot_bytes, slots=len(s.slots), forwards=forwards, stall_ms=stall, h2d_ms=h2d,
         compute_ms=compute,
         disk_bytes_read=(reader.counters.bytes_read - base.disk_bytes_read) if reader is not None else 0,
-        timeline=list(s.metrics.timeline),
+        timeline=list(s.metrics.timeline), devices=devices,
         demand_loads=s.worker.demand_loads - base.demand_loads,
         prefetch_hits=s.worker.prefetch_hits - base.prefetch_hits,
         predicted_step_ms=plan.predicted_step_ms if plan is not None else None,

@@ -577,11 +577,11 @@ class ModelStreamer:
         """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, and on disk."""
         return self.host.host_memory()
 
-    def release_host_memory(self, nbytes: int) -> int:
+    def release_host_memory(self, nbytes: int, order: list[int]) -> int:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier (see `HostTiers`); waits for a
         running pass to end."""
         with self._lock:
-            return self.host.release_host_memory(nbytes)
+            return self.host.release_host_memory(nbytes, order)
 
     # reporting -----------------------------------------------------------------------
     def block_reports(self) -> list[BlockReport]:
