@@ -19,11 +19,13 @@ del _torch
 from .backends import device_memory, resolve_device
 from .backward import TrainableWeightError
 from .budget import BudgetError, VramBudget, default_budget
+from .cards import Card
 from .config import (DEFAULT_PRESET, PRESETS, OffloadConfig, PresetPolicy, budget_preset_tooltip, preset_tooltip,
                      presets_markdown_table)
 from .handle import DetachedError, OffloadHandle, offload_module
 from .metrics import BlockReport, OffloadReport, summarize
 from .planner import PlanError, RamCeilingError
+from .predict import Prediction, predict
 from .storage import CorruptFileError, SourceChangedError
 from .streamer import DeviceMemoryError
 
@@ -31,4 +33,4 @@ __all__ = ["OffloadConfig", "PRESETS", "PresetPolicy", "DEFAULT_PRESET", "preset
            "presets_markdown_table", "offload_module", "OffloadHandle", "VramBudget", "default_budget",
            "OffloadReport", "BlockReport", "summarize", "device_memory", "resolve_device", "DeviceMemoryError",
            "PlanError", "RamCeilingError", "BudgetError", "CorruptFileError", "SourceChangedError",
-           "DetachedError", "TrainableWeightError"]
+           "DetachedError", "TrainableWeightError", "predict", "Prediction", "Card"]

@@ -1,5 +1,6 @@
-"""Command line: `python -m offload demo [...]` (see `python -m offload demo --help`) and
-`python -m offload pack SRC.safetensors OUT_DIR` (the packed disk format, offload/packed.py)."""
+"""Command line: `python -m offload demo [...]` (see `python -m offload demo --help`),
+`python -m offload pack SRC.safetensors OUT_DIR` (the packed disk format, offload/packed.py) and
+`python -m offload plan MODEL [--card ...]` (will it fit, and how slow: offload/plan_cli.py)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     pack.add_argument("out_dir", help="the folder to write (give it as disk_path)")
     pack.add_argument("--shard-gb", type=float, default=4.0, help="largest shard file, in GiB (default 4)")
     pack.add_argument("--force", action="store_true", help="replace a packed model already in OUT_DIR")
+    plan = sub.add_parser("plan", help="will a model fit a card, and how slow: the plan and predicted step time per "
+                                       "preset, from a config.json or a model file's header (nothing downloaded)")
+    from . import plan_cli
+
+    plan_cli.add_arguments(plan)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -36,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     if args.command == "pack":
         return _pack(args)
+    if args.command == "plan":
+        return plan_cli.main(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 
