@@ -41,39 +41,44 @@ def simulate_pass(order: list[int], costs: UnitCosts, resident: set[int], slots:
     """Simulate passes over `order` with the `resident` units on the device and `slots` slots for the rest.
 
     `gap_ms`: time between the end of one pass and the start of the next (work outside the units), during which
-    copies already queued go on. Returns the steady-state pass (see the module docstring)."""
+    copies already queued go on. Returns the steady-state pass: a pass whose end leaves the ring as the one before
+    it did (the transfer stream's backlog and the slots' free times, relative to the pass end) is what every later
+    pass repeats (see the module docstring)."""
     n = len(costs.compute_ms)
-    compute = costs.compute_ms
-    streamed = [u for u in order if u not in resident]
-    total_compute = sum(compute[u] for u in order)
-    if not streamed or slots < 1:
+    compute, copy = costs.compute_ms, costs.copy_ms
+    steps = [(u, compute[u], copy[u], u not in resident) for u in order]
+    total_compute = sum(c for _, c, _, _ in steps)
+    if slots < 1 or not any(s for _, _, _, s in steps):
         return PassTimes([0.0] * n, total_compute + gap_ms, 0.0)
-    ends: list[float] = []  # compute end of each streamed use, in order, over every pass
+    ring = [0.0] * slots  # compute end of the last `slots` streamed uses: ring[k % slots] frees for use k + slots
+    k = 0  # streamed uses so far
     t = xfer = 0.0
-    last: list[float] | None = None
-    first = 0.0
+    state: tuple[float, ...] | None = None
+    first = step = 0.0
+    stalls = [0.0] * n
     for p in range(MAX_PASSES):
         stalls = [0.0] * n
         start_of_pass = t
-        for u in order:
-            if u in resident:
-                t += compute[u]
+        for u, c, cp, streamed in steps:
+            if not streamed:
+                t += c
                 continue
-            j = len(ends)
-            slot_free = ends[j - slots] if j >= slots else 0.0
-            done = max(xfer, slot_free) + costs.copy_ms[u]
+            done = max(xfer, ring[k % slots]) + cp  # its slot frees when the use `slots` earlier ends
             xfer = done
-            begin = max(t, done)
-            stalls[u] += begin - t
-            t = begin + compute[u]
-            ends.append(t)
+            if done > t:
+                stalls[u] += done - t
+                t = done
+            t += c
+            ring[k % slots] = t
+            k += 1
         step = t - start_of_pass
         t += gap_ms
         if p == 0:
             first = sum(stalls)
-        if last is not None and all(abs(a - b) < STEADY_MS for a, b in zip(stalls, last)):
+        now = (xfer - t,) + tuple(ring[(k + j) % slots] - t for j in range(slots))
+        if state is not None and all(abs(a - b) < STEADY_MS for a, b in zip(now, state)):
             break
-        last = stalls
+        state = now
     return PassTimes(stalls, step + gap_ms, first)
 
 
