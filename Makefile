@@ -5,6 +5,8 @@
 #   make test-comfy  the ComfyUI tests against COMFYUI_PATH (skipped by make test without it)
 #   make bench    benchmarks/bench_offload.py on the scaled-down shapes (BENCH_ARGS="..." to change)
 #   make bench-hooks  benchmarks/bench_hooks.py: hook CPU cost per unit vs accelerate/diffusers (BENCH_HOOKS_ARGS)
+#   make bench-gpu    benchmarks/bench_gpu.py: every offloader against resident on one CUDA GPU in under 8 minutes
+#                     (its dry run on the simulated device without one; BENCH_GPU_ARGS; runbook: docs/benchmarks.md)
 #
 # Environment: a .venv is created when missing. torch is never a project dependency; it is installed
 # only when the chosen interpreter cannot import one, and an installed torch (e.g. a CUDA build) is kept:
@@ -24,6 +26,7 @@ PYTEST_ARGS ?= -q
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 BENCH_HOOKS_ARGS ?=
+BENCH_GPU_ARGS ?=
 
 ifeq ($(PY),$(VENV)/bin/python)
 STAMP := $(VENV)/.layer-offload-installed
@@ -102,6 +105,10 @@ bench-hooks: env
 	@if $(PY) -c "import accelerate, diffusers" >/dev/null 2>&1; then :; else \
 	  echo "[make] accelerate/diffusers not installed: their rows are skipped (make bench-deps installs them)"; fi
 	$(PY) benchmarks/bench_hooks.py $(BENCH_HOOKS_ARGS)
+
+.PHONY: bench-gpu
+bench-gpu: env
+	$(PY) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
 
 clean:
 	rm -rf .make .pytest_cache build *.egg-info
