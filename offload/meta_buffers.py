@@ -24,9 +24,10 @@ The new buffers must have the meta ones' shapes; values are cast to the meta buf
 the file for a non-persistent buffer. Rebuilding never moves the global random number generator.
 
 `materialize_tensor_attributes` does the same for plain tensor attributes that are neither parameters nor buffers
-(Lumina2's rotary `freqs_cis` list, QwenImage's `pos_freqs` / `neg_freqs`): on the meta device they would pass
-staging and fail in the forward ("Cannot copy out of meta tensor"), so they are rebuilt by ways 2 and 3, or refused
-up front naming the attribute.
+(Lumina2's rotary `freqs_cis` list, QwenImage's `pos_freqs` / `neg_freqs`, the tables of a scheduler object a
+module keeps, as ConsistencyDecoderVAE does): on the meta device they would pass staging and fail in the forward
+("Cannot copy out of meta tensor"), so they are rebuilt by ways 2 and 3, or refused up front naming the attribute.
+An attribute weight_norm / spectral_norm recompute before every forward is left alone.
 
 `tie_meta_weights` ties again the weights a model declares tied (transformers' `tie_weights()`, as
 `from_pretrained` does after loading), and those the file's metadata records as saved once
@@ -370,24 +371,37 @@ def _by_rebuilt_model(rebuilt: _Rebuilt, path: str, mod: nn.Module, names: list[
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training"}
 
 
-def _has_meta(value: Any) -> bool:
+def _object_state(value: Any) -> dict | None:
+    """The attributes of a plain object a module keeps (a diffusers scheduler holding its tables), else None."""
+    if isinstance(value, (nn.Module, type)) or callable(value) or not hasattr(value, "__dict__"):
+        return None
+    return vars(value)
+
+
+def _has_meta(value: Any, depth: int = 0) -> bool:
     if isinstance(value, torch.Tensor):
         return value.is_meta
+    if depth > 2:
+        return False
     if isinstance(value, (list, tuple)):
-        return any(_has_meta(v) for v in value)
+        return any(_has_meta(v, depth + 1) for v in value)
     if isinstance(value, dict):
-        return any(_has_meta(v) for v in value.values())
-    return False
+        return any(_has_meta(v, depth + 1) for v in value.values())
+    state = _object_state(value)
+    return state is not None and any(_has_meta(v, depth + 1) for v in state.values())
 
 
 def _same_structure(a: Any, b: Any) -> bool:
-    """Whether `b` can stand in for the meta value `a`: tensors of the same shapes, in the same containers."""
+    """Whether `b` can stand in for the meta value `a`: tensors of the same shapes, in the same containers (an
+    object of the same type with no meta tensor left)."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and not b.is_meta and tuple(a.shape) == tuple(b.shape)
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same_structure(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same_structure(a[k], b[k]) for k in a)
+    if _object_state(a) is not None:
+        return type(a) is type(b) and not _has_meta(b)
     return True
 
 
@@ -398,7 +412,7 @@ def _cast_like(meta: Any, value: Any) -> Any:
         return type(meta)(_cast_like(m, v) for m, v in zip(meta, value))
     if isinstance(meta, dict):
         return {k: _cast_like(meta[k], value[k]) for k in meta}
-    return value
+    return value  # an object: the rebuilt one, as its constructor made it
 
 
 def meta_tensor_attributes(model: nn.Module) -> dict[str, tuple[nn.Module, list[str]]]:
@@ -406,7 +420,10 @@ def meta_tensor_attributes(model: nn.Module) -> dict[str, tuple[nn.Module, list[
     on the meta device, alone or in a list, tuple or dict."""
     found: dict[str, tuple[nn.Module, list[str]]] = {}
     for path, mod in model.named_modules():
-        names = [k for k, v in vars(mod).items() if k not in _MODULE_STATE and _has_meta(v)]
+        # weight_norm / spectral_norm recompute their attribute from parameters before every forward
+        hooked = {getattr(h, "name", None) for h in mod._forward_pre_hooks.values()
+                  if callable(getattr(h, "compute_weight", None))}
+        names = [k for k, v in vars(mod).items() if k not in _MODULE_STATE and k not in hooked and _has_meta(v)]
         if names:
             found[path] = (mod, names)
     return found

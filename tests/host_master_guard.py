@@ -154,6 +154,9 @@ def _name_of(span: _Span, t: torch.Tensor) -> str:
 class HostMasterGuard(TorchDispatchMode):
     """Raises `HostMasterRead` when an op outside the engine reads a host master of one of `handles`."""
 
+    # higher-order operators (flex_attention) come here too: their tensor arguments are checked, then they run as usual
+    supports_higher_order_operators = True
+
     def __init__(self, *handles: Any) -> None:
         super().__init__()
         self.handles = handles

@@ -76,10 +76,21 @@ def test_every_block_streamed_bitwise(name):
     assert len(blocks) >= 2 and all(b.tier != "vram" for b in blocks), [(b.name, b.tier) for b in blocks]
     for v in (0, 1, 0):  # the first shape again after the second: nothing left over from either pass
         _equal(_guarded(handle, model, case, v), refs[v], f"{name} streamed, input {v}")
-    assert all(b.calls > 0 for b in handle.report().blocks), "every block was streamed at least once"
+    never = [b.name for b in handle.report().blocks if b.calls == 0 and not _tied_only(model, b.name)]
+    assert not never, f"{name}: blocks never streamed: {never}"
     handle.detach()
     with torch.no_grad():
         _equal(call(model, case.inputs(0)), refs[0], f"{name} after detach")
+
+
+def _tied_only(model: nn.Module, unit: str) -> bool:
+    """Every tensor of `unit` is used elsewhere too (T5's `shared` embedding, called as `encoder.embed_tokens`): such
+    a unit holds nothing of its own to stream."""
+    inside = {id(t) for t in list(model.get_submodule(unit).parameters()) + list(model.get_submodule(unit).buffers())}
+    outside = {id(t) for name, m in model.named_modules(remove_duplicate=False)
+               if name != unit and not name.startswith(unit + ".")
+               for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))}
+    return bool(inside) and inside <= outside
 
 
 def _unit_bytes(handle) -> list[int]:

@@ -324,9 +324,10 @@ def _group(name: str, **kw) -> Callable[[], nn.Module]:
 
 
 def leaf_units(model: nn.Module) -> list[str]:
-    """diffusers' offload_type="leaf_level": every module holding weights of its own is a unit."""
-    return [n for n, m in model.named_modules() if n and (list(m.parameters(recurse=False)) or
-                                                          list(m.buffers(recurse=False)))]
+    """diffusers' offload_type="leaf_level": every leaf module holding weights is a unit (tensors of modules with
+    children stay with the rest, as diffusers keeps them in a group of their own)."""
+    return [n for n, m in model.named_modules() if n and not m._modules and (list(m.parameters(recurse=False)) or
+                                                                             list(m.buffers(recurse=False)))]
 
 
 # diffusers models ---------------------------------------------------------------------------------------------------
@@ -453,6 +454,24 @@ def _vae_inputs(v: int) -> Inputs:
     # tests/models/autoencoders/test_models_autoencoder_kl.py (batch 4, 32x32; 2 x 16x16 here)
     batch, size = (2, 16) if v == 0 else (1, 8)
     return {"sample": _image_inputs(3, size, batch)}
+
+
+def _oobleck_inputs(v: int) -> Inputs:
+    # tests/models/autoencoders/test_models_autoencoder_oobleck.py (batch 4, 2 channels, 24 samples)
+    batch, length = (4, 24) if v == 0 else (1, 48)
+    return {"sample": randn(batch, 2, length, seed=1), "sample_posterior": False}
+
+
+def _tiny_vae_inputs(v: int) -> Inputs:
+    # tests/models/autoencoders/test_models_autoencoder_tiny.py (batch 4, 32x32; 2 x 16x16 here)
+    batch, size = (2, 16) if v == 0 else (1, 8)
+    return {"sample": _image_inputs(3, size, batch)}
+
+
+def _consistency_inputs(v: int) -> Inputs:
+    # tests/models/autoencoders/test_models_consistency_decoder_vae.py (batch 4, 32x32, a seeded generator)
+    batch, size = (2, 32) if v == 0 else (1, 16)
+    return {"sample": _image_inputs(3, size, batch), "generator": _gen(0)}
 
 
 def _unet_cond_inputs(v: int) -> Inputs:
@@ -647,6 +666,25 @@ def _cases() -> list[ZooCase]:
         ZooCase("autoencoder_kl_wan", dm + "autoencoders/test_models_autoencoder_wan.py", seeded_build(_diffusers(
             "AutoencoderKLWan", base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
             temperal_downsample=[False, True, True])), _wan_vae_inputs, "diffusers", channels_last=True),
+        # weight_norm'ed convolutions: `weight` is an attribute recomputed before every forward
+        ZooCase("autoencoder_oobleck", dm + "autoencoders/test_models_autoencoder_oobleck.py", seeded_build(_diffusers(
+            "AutoencoderOobleck", encoder_hidden_size=12, decoder_channels=12, decoder_input_channels=6,
+            audio_channels=2, downsampling_ratios=[2, 4], channel_multiples=[1, 2])), _oobleck_inputs, "diffusers"),
+        ZooCase("autoencoder_tiny", dm + "autoencoders/test_models_autoencoder_tiny.py", seeded_build(_diffusers(
+            "AutoencoderTiny", in_channels=3, out_channels=3, encoder_block_out_channels=[32, 32],
+            decoder_block_out_channels=[32, 32], num_encoder_blocks=[1, 1], num_decoder_blocks=[1, 1])),
+            _tiny_vae_inputs, "diffusers", channels_last=True),
+        # keeps its scheduler (a plain object holding tensor tables) as an attribute
+        ZooCase("consistency_decoder_vae", dm + "autoencoders/test_models_consistency_decoder_vae.py", seeded_build(
+            _diffusers("ConsistencyDecoderVAE", encoder_block_out_channels=[2, 4], encoder_in_channels=3,
+                       encoder_out_channels=4, encoder_down_block_types=["DownEncoderBlock2D"] * 2,
+                       decoder_add_attention=False, decoder_block_out_channels=[2, 4],
+                       decoder_down_block_types=["ResnetDownsampleBlock2D"] * 2, decoder_downsample_padding=1,
+                       decoder_in_channels=7, decoder_layers_per_block=1, decoder_norm_eps=1e-05,
+                       decoder_norm_num_groups=2, encoder_norm_num_groups=2, decoder_num_train_timesteps=1024,
+                       decoder_out_channels=6, decoder_resnet_time_scale_shift="scale_shift",
+                       decoder_time_embedding_type="learned", decoder_up_block_types=["ResnetUpsampleBlock2D"] * 2,
+                       scaling_factor=1, latent_channels=4)), _consistency_inputs, "diffusers"),
         ZooCase("unet_2d_condition", dm + "unets/test_models_unet_2d_condition.py", seeded_build(_diffusers(
             "UNet2DConditionModel", block_out_channels=(4, 8), norm_num_groups=4,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
@@ -689,6 +727,13 @@ def _cases() -> list[ZooCase]:
             pad_token_id=0, num_mel_bins=80, decoder_start_token_id=85)), _whisper_inputs, "transformers",
             generate=_generate_whisper),
     ]
+    # leaf-level units (diffusers' offload_type="leaf_level") on real models: T5's attention reads its
+    # relative_attention_bias weight without calling it, so those leaves merge into their attention module
+    by_name = {c.name: c for c in cases}
+    for base in ("flux", "t5_encoder"):
+        c = by_name[base]
+        cases.append(ZooCase(f"{base}_leaf", c.peer + " (offload_type=leaf_level)", c.build, c.inputs, c.library,
+                             units=["__leaf__"]))
     return cases
 
 
