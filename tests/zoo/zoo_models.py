@@ -457,8 +457,8 @@ def _vae_inputs(v: int) -> Inputs:
 
 
 def _oobleck_inputs(v: int) -> Inputs:
-    # tests/models/autoencoders/test_models_autoencoder_oobleck.py (batch 4, 2 channels, 24 samples)
-    batch, length = (4, 24) if v == 0 else (1, 48)
+    # tests/models/autoencoders/test_models_autoencoder_oobleck.py (batch 4, 2 channels, 24 samples; batch 2 here)
+    batch, length = (2, 24) if v == 0 else (1, 48)
     return {"sample": randn(batch, 2, length, seed=1), "sample_posterior": False}
 
 
@@ -469,27 +469,27 @@ def _tiny_vae_inputs(v: int) -> Inputs:
 
 
 def _consistency_inputs(v: int) -> Inputs:
-    # tests/models/autoencoders/test_models_consistency_decoder_vae.py (batch 4, 32x32, a seeded generator)
-    batch, size = (2, 32) if v == 0 else (1, 16)
+    # tests/models/autoencoders/test_models_consistency_decoder_vae.py (batch 4, 32x32, a seeded generator; 1 x 16x16 here)
+    batch, size = (1, 16) if v == 0 else (2, 8)
     return {"sample": _image_inputs(3, size, batch), "generator": _gen(0)}
 
 
 def _unet_cond_inputs(v: int) -> Inputs:
-    # tests/models/unets/test_models_unet_2d_condition.py (batch 4; 2 here)
-    batch, size = (2, 16) if v == 0 else (1, 8)
+    # tests/models/unets/test_models_unet_2d_condition.py (batch 4; 1 here)
+    batch, size = (1, 16) if v == 0 else (2, 8)
     return {"sample": _image_inputs(4, size, batch), "timestep": torch.tensor([10]),
             "encoder_hidden_states": randn(batch, 4, 8, seed=2)}
 
 
 def _unet2d_inputs(v: int) -> Inputs:
-    # tests/models/unets/test_models_unet_2d.py (UNet2DModel, batch 4, 32x32; 2 x 16x16 here)
-    batch, size = (2, 16) if v == 0 else (1, 8)
+    # tests/models/unets/test_models_unet_2d.py (UNet2DModel, batch 4, 32x32; 1 x 16x16 here)
+    batch, size = (1, 16) if v == 0 else (2, 8)
     return {"sample": _image_inputs(3, size, batch), "timestep": torch.tensor([10])}
 
 
 def _wan_vae_inputs(v: int) -> Inputs:
-    # tests/models/autoencoders/test_models_autoencoder_wan.py (batch 2, 3 channels, 9 frames, 16x16; 1 x 5 here)
-    batch, frames, size = (1, 5, 16) if v == 0 else (1, 1, 8)
+    # tests/models/autoencoders/test_models_autoencoder_wan.py (batch 2, 3 channels, 9 frames, 16x16; 1 x 5 x 8x8 here)
+    batch, frames, size = (1, 5, 8) if v == 0 else (1, 1, 8)
     return {"sample": _image_inputs(3, size, batch, frames=frames)}
 
 
