@@ -307,7 +307,9 @@ def _rebuild(model: nn.Module) -> nn.Module | None:
     with _quiet_construction(), _parameters_on_meta():
         if isinstance(config, Mapping) and callable(getattr(cls, "from_config", None)) and \
                 getattr(cls, "config_name", None):
-            return cls.from_config(dict(config))  # diffusers ConfigMixin (register_to_config kept the arguments)
+            accepted = set(inspect.signature(cls.__init__).parameters)
+            kwargs = {k: v for k, v in config.items() if k in accepted or k.startswith("_")}
+            return cls.from_config(kwargs)  # diffusers ConfigMixin (register_to_config kept the arguments)
         if getattr(cls, "config_class", None) is not None and not isinstance(config, Mapping):
             return cls(copy.deepcopy(config))  # transformers PreTrainedModel
     return None
@@ -432,6 +434,8 @@ def meta_tensor_attributes(model: nn.Module) -> dict[str, tuple[nn.Module, list[
 def materialize_tensor_attributes(model: nn.Module) -> list[str]:
     """Recompute every plain tensor attribute of `model` still on the meta device (see the module docstring);
     returns their names. Raises ValueError naming one that cannot be recomputed."""
+    if not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        return []  # not built on the meta device: nothing to look for
     todo = meta_tensor_attributes(model)
     if not todo:
         return []
