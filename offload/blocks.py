@@ -149,8 +149,8 @@ _CHAIN = re.compile(r"\bself((?:\s*\.\s*\w+|\s*\[\s*\d+\s*\])+)")
 
 @functools.lru_cache(maxsize=None)
 def _self_chains(cls: type) -> dict[str, tuple[tuple[str, ...], ...]]:
-    """Every attribute chain `self.a[0].b.c` the methods of `cls` (its bases' too, nn.Module's excluded) that may
-    run inside a forward write, as name tuples (`("a", "0", "b", "c")`), by first name: parsed once per class."""
+    """Every attribute chain `self.a[0].b.c` in the methods of `cls` that may run inside a forward (its bases' too,
+    nn.Module's excluded), as name tuples (`("a", "0", "b", "c")`), by first name: parsed once per class."""
     chains: dict[str, dict[tuple[str, ...], None]] = {}  # insertion-ordered sets: the first read in source order
     for klass in cls.__mro__:
         if klass in (nn.Module, object) or not issubclass(klass, nn.Module):
@@ -216,6 +216,7 @@ def _merge_read_units(model: nn.Module, units: list[Unit]) -> list[Unit]:
     its host master would be read by the compute: the nearest enclosing module that reads it becomes the unit (every
     unit inside it merges into it); when that is the model itself, the unit stays resident with the rest."""
     units = list(units)
+    merged: list[str] = []  # one log line for all of them
     i = 0
     while i < len(units):
         unit = units[i]
@@ -226,15 +227,17 @@ def _merge_read_units(model: nn.Module, units: list[Unit]) -> list[Unit]:
         path, tensor = found
         if not path:
             del units[i]
-            log.warning("%s reads %s without calling %s: that block stays resident with the weights outside the "
-                        "blocks", type(model).__name__, tensor, unit.name)
+            merged.append(f"{type(model).__name__} reads {tensor} without calling {unit.name}: that block stays "
+                          f"resident with the weights outside the blocks")
             continue
         inside = [u for u in units if u.name.startswith(path + ".")]
         i = units.index(inside[0])
         units = [u for u in units if u not in inside]
         units.insert(i, Unit(path, model.get_submodule(path)))  # looked at again: its own parent may read it
-        log.warning("%s reads %s without calling %s: streaming %r as one unit instead of %s", path, tensor,
-                    unit.name, path, ", ".join(repr(u.name) for u in inside))
+        merged.append(f"{path} reads {tensor} without calling {unit.name}: {path!r} streams as one unit instead of "
+                      f"{', '.join(repr(u.name) for u in inside)}")
+    if merged:
+        log.warning("%s%s", merged[0], f" (and {len(merged) - 1} more like it)" if len(merged) > 1 else "")
     if not units:
         raise ValueError(f"{type(model).__name__} reads the weights of every block without calling the block, so "
                          f"no block can be streamed; pass units=[...] naming modules whose forward uses their weights")
