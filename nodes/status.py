@@ -8,6 +8,7 @@ every change made from the panel, and when an Offload Report node runs.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -33,7 +34,25 @@ def model_entry(m: Managed) -> Dict[str, Any]:
     d["device"] = m.device  # "sim" under --cpu, else "cuda:N"
     d["priority"] = m.handle.priority
     d["host"] = m.handle.host_memory()
+    d["step"] = step_times(d)
     return d
+
+
+def _finite(v: Any) -> Optional[float]:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def step_times(d: Dict[str, Any]) -> Dict[str, Any]:
+    """The last runs' step time (blocks' compute plus stalls, ms per forward) beside the plan's prediction for the
+    same (`predicted_step_ms`: the ring simulation over the measured costs; None until every block ran once)."""
+    measured, predicted = _finite(d.get("step_ms")), _finite(d.get("predicted_step_ms"))
+    d["step_ms"], d["predicted_step_ms"] = measured, predicted  # strict JSON: never NaN or infinity
+    off = measured / predicted - 1.0 if measured is not None and predicted else None
+    return {"measured_ms": measured, "predicted_ms": predicted, "off_by": off}
 
 
 def build_report(only: Optional[List[Managed]] = None) -> Dict[str, Any]:
@@ -85,8 +104,20 @@ def summary_text(data: Dict[str, Any]) -> str:
                                                                    b["origin"])]
     if not data["models"]:
         lines.append("No offloaded model yet.")
-    lines.extend(summarize(d) for d in data["models"])
+    for d in data["models"]:
+        lines.append(summarize(d))
+        lines.append(step_line(d.get("step") or step_times(dict(d))))
     return "\n".join(lines)
+
+
+def step_line(step: Dict[str, Any]) -> str:
+    """'  step: 123.4 ms measured, 118.0 ms predicted (+4.6%)' for the node's text."""
+    measured, predicted = step.get("measured_ms"), step.get("predicted_ms")
+    if measured is None:
+        return "  step: no forward measured yet"
+    if predicted is None:
+        return f"  step: {measured:.1f} ms measured; predicted once every block has run"
+    return f"  step: {measured:.1f} ms measured, {predicted:.1f} ms predicted by the plan ({step['off_by']:+.1%})"
 
 
 def _prompt_server() -> Any:

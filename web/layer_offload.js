@@ -24,6 +24,8 @@
 //                                       (data-lo-device="<device>" when the report names it)
 //     [data-lo-model-device="<device>"]  several devices only: that device's resident blocks and bytes
 //     [data-lo-figure="overlap|gbps|stall"]  the figures as plain numbers (units outside the element)
+//     [data-lo-figure="step|predicted_step"]  ms per forward measured in the last runs, and the plan's prediction
+//                                       for it (offload.predict's ring simulation); "-" while not known
 //     [data-lo-count="resident|streamed|disk"]  block counts
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -436,10 +438,23 @@ function modelRow(m, devices) {
       el("span", {}, el("b", { "data-lo-figure": "gbps" }, num(m.effective_gbps).toFixed(2)), " GB/s"),
       el("span", { class: stall > 0 ? "lo-stall" : "" }, "stall ",
         el("b", { "data-lo-figure": "stall" }, ms(stall)), " ms"),
-      el("span", { class: "lo-muted" }, `copy ${ms(m.h2d_ms)} ms · compute ${ms(m.compute_ms)} ms`)),
+      el("span", { class: "lo-muted" }, `copy ${ms(m.h2d_ms)} ms · compute ${ms(m.compute_ms)} ms`),
+      stepFigures(m)),
     notices(m),
     blockTable(m, devices || []));
   return row;
+}
+
+function stepFigures(m) {
+  // measured and predicted step time side by side (nodes/status.py step_times)
+  const step = m.step || {};
+  const measured = step.measured_ms ?? m.step_ms;
+  const predicted = step.predicted_ms ?? m.predicted_step_ms;
+  const show = (v) => (v === null || v === undefined ? "-" : ms(v));
+  return el("span", { title: "Blocks' compute plus stalls per forward in the last runs, beside what the plan " +
+      "predicted for them (the slot ring simulated over the measured costs; known once every block has run)" },
+    "step ", el("b", { "data-lo-figure": "step" }, show(measured)), " ms · predicted ",
+    el("b", { "data-lo-figure": "predicted_step" }, show(predicted)), " ms");
 }
 
 function notices(m) {
