@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 
 CONTEXT_BYTES = 512 * MIB  # a named card's memory taken before any model: CUDA context, cuBLAS workspace, display
 DEFAULT_DISK_GBPS = 2.0  # sequential read of a consumer NVMe drive (GB/s), for blocks on the disk tier
-HOOK_UNITS = 32  # tiny units of the model the engine's per-unit CPU cost is measured on (simulated device)
-_hook_ms_cache: dict[str, float] | None = None
+MAX_HOOK_UNITS = 256  # above this many units the engine's CPU cost is measured on this many and scaled
+_hook_ms_cache: dict[int, dict[str, float]] = {}
 
 
 @dataclass
@@ -165,6 +165,8 @@ class Profile:
     activation_bytes: int
     card: dict[str, Any]
     flops: list[float] | None = None
+    # the engine's CPU time per forward with every unit resident / streamed (hooks, pass bookkeeping); the simulated
+    # device computes on the CPU, so it adds to the step there; 0 on a GPU, where the kernels queue ahead of it
     hook_ms: dict[str, float] = field(default_factory=lambda: {"resident": 0.0, "streamed": 0.0})
     supports_pinned: bool = True
     backend_name: str = "cuda"
@@ -227,6 +229,9 @@ def profile_model(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | Non
     kwargs = dict(kwargs or {})
     named = not (isinstance(card, str) and card == "measure")
     card_obj = get_card(card) if named else None  # an unknown name fails before any work
+    if getattr(model, "_layer_offload_handle", None) is not None:
+        raise ValueError(f"{type(model).__name__} is offloaded already: predict it before offload_module(), or after "
+                         f"handle.detach() (its report has the measured figures meanwhile)")
     found = find_units(model, units)
     sizes, rest_bytes = unit_sizes(model, found)
     if layout_bytes is not None and len(layout_bytes[0]) == len(sizes):
@@ -379,7 +384,7 @@ def predict_profile(profile: Profile, config: OffloadConfig, *, budget: "VramBud
     blocks = [BlockPrediction(names[i], "vram" if i in resident else tiers[i], sizes[i], copy[i],
                               profile.compute_ms[i], 0.0 if i in resident else stalls[i],
                               profile.flops[i] if profile.flops else None, plan.reasons[i]) for i in range(n)]
-    hooks = sum(profile.hook_ms["resident" if i in resident else "streamed"] for i in range(n))
+    hooks = (profile.hook_ms["resident"] * len(resident) + profile.hook_ms["streamed"] * (n - len(resident))) / n
     step = resident_step + sum(b.stall_ms for b in blocks) + hooks
     hp = plan.host_plan
     bounce = hp.bounce_bytes if hp is not None else None
@@ -440,14 +445,15 @@ def _measure(model: nn.Module, units: Sequence[Unit], args: tuple, kwargs: dict[
             "nominal_h2d_gbps": nominal, "tflops": None, "measured": True}
     return Profile(compute, rest, pinned, pageable, latency_ms,
                     int(total), int(free) + (sum(_device_bytes(model, device)) if not sim and on_device else 0),
-                    activation, card, hook_ms=engine_hook_ms() if sim else {"resident": 0.0, "streamed": 0.0},
+                    activation, card,
+                    hook_ms=engine_cpu_ms(len(units)) if sim else {"resident": 0.0, "streamed": 0.0},
                     supports_pinned=backend.supports_pinned_host, backend_name=backend.name)
 
 
 class _TinyUnits(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, n: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(HOOK_UNITS))
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -455,18 +461,20 @@ class _TinyUnits(nn.Module):
         return x
 
 
-def engine_hook_ms(batches: int = 5, forwards: int = 10) -> dict[str, float]:
-    """The engine's CPU time per unit and forward on this host, resident and streamed (hooks, slot hand-off, events,
-    a throttled copy's hand-off to the copy thread): on the simulated device compute runs on the CPU, so this adds to
-    every step. Measured once per process on a model of tiny units (about a tenth of a second), as
-    benchmarks/bench_hooks.py does: the fastest batch, over the plain model's."""
-    global _hook_ms_cache
-    if _hook_ms_cache is not None:
-        return dict(_hook_ms_cache)
+def engine_cpu_ms(n_units: int, batches: int = 5, forwards: int = 8) -> dict[str, float]:
+    """The engine's CPU time per forward of a model of `n_units` units, every unit resident and every unit streamed
+    (its hooks, the slot hand-off and a throttled copy's hand-off to the copy thread, the per-pass bookkeeping): on
+    the simulated device compute runs on the CPU, so this adds to every step. Measured once per process and unit
+    count on a model of as many tiny units (a tenth of a second or so), as benchmarks/bench_hooks.py does: the
+    fastest batch, over the plain model's."""
+    n = max(1, min(int(n_units), MAX_HOOK_UNITS))
+    scale = max(1, int(n_units)) / n
+    if n in _hook_ms_cache:
+        return {k: v * scale for k, v in _hook_ms_cache[n].items()}
     from .handle import offload_module
 
     torch.manual_seed(0)
-    model = _TinyUnits().eval()
+    model = _TinyUnits(max(2, n)).eval()
     x = torch.randn(1, 16)
 
     def per_forward() -> float:
@@ -485,13 +493,13 @@ def engine_hook_ms(batches: int = 5, forwards: int = 10) -> dict[str, float]:
     for label, preset in (("resident", "high_end"), ("streamed", "budget")):
         cfg = OffloadConfig.from_preset(preset, device="sim", sim_bandwidth_gbps=1000.0,
                                         sim_capacity_bytes=64 * MIB + 1)
-        handle = offload_module(model, cfg, name="predict-hooks", budget=VramBudget(None))
+        handle = offload_module(model, cfg, name="predict-cpu-cost", budget=VramBudget(None))
         try:
-            out[label] = max(0.0, per_forward() - plain) / HOOK_UNITS
+            out[label] = max(0.0, per_forward() - plain)
         finally:
             handle.detach()
-    _hook_ms_cache = out
-    return dict(out)
+    _hook_ms_cache[n] = out
+    return {k: v * scale for k, v in out.items()}
 
 
 def _device_bytes(model: nn.Module, device: torch.device) -> Iterator[int]:

@@ -123,6 +123,17 @@ def test_host_ram_limit_sends_blocks_to_disk_or_does_not_fit():
     assert not no_disk.fits and "ram_budget_bytes" in " ".join(no_disk.notes)
 
 
+def test_an_offloaded_model_is_refused_until_detached(sim_budget):
+    torch.manual_seed(0)
+    model = TransformerStack(dim=32, depth=3, heads=2)
+    x = torch.randn(1, 8, 32)
+    handle = offload_module(model, OffloadConfig.from_preset("budget", device="sim"), budget=sim_budget)
+    with pytest.raises(ValueError, match="offloaded already"):
+        predict(model, (x,), card="rtx4090")
+    handle.detach()
+    assert predict(model, (x,), card="rtx4090").fits
+
+
 def test_measure_refuses_a_meta_model_with_a_clear_message():
     model = _wan14b_like()
     with pytest.raises(ValueError, match="name a card"):
