@@ -175,6 +175,10 @@ class Profile:
     sizes: list[int] = field(default_factory=list)
     rest_bytes: int = 0
     reserve_estimate: int | None = None  # the engine's first activation reserve for this model ("measure")
+    # measured while copies ran beside the compute (the simulated device's copy thread shares the CPU with it): used
+    # in proportion to how busy a plan keeps the copy engine
+    busy_compute_ms: list[float] | None = None
+    busy_rest_ms: float | None = None
     model_name: str = ""
 
 
@@ -380,12 +384,21 @@ def predict_profile(profile: Profile, config: OffloadConfig, *, budget: "VramBud
     tiers = [plan.host_tiers.get(i, "pinned") for i in range(n)]
     copy = copies(tiers)
     resident = set(plan.resident)
-    stalls = _ring_stalls(UnitCosts(list(profile.compute_ms), copy), profile.rest_ms, resident, plan.n_slots)
+    compute, rest_ms = list(profile.compute_ms), profile.rest_ms
+    stalls = _ring_stalls(UnitCosts(compute, copy), rest_ms, resident, plan.n_slots)
+    streamed = [i for i in range(n) if i not in resident]
+    if profile.busy_compute_ms is not None and streamed:
+        # the copies a plan makes take a share of the host's CPU while they run (the simulated device): compute as
+        # timed beside copies, in proportion to how much of the step the copy engine is busy
+        busy = min(1.0, sum(copy[i] for i in streamed) / max(resident_step + sum(stalls), 1e-9))
+        compute = [c + busy * (b - c) for c, b in zip(compute, profile.busy_compute_ms)]
+        rest_ms = rest_ms + busy * ((profile.busy_rest_ms or rest_ms) - rest_ms)
+        stalls = _ring_stalls(UnitCosts(compute, copy), rest_ms, resident, plan.n_slots)
     blocks = [BlockPrediction(names[i], "vram" if i in resident else tiers[i], sizes[i], copy[i],
-                              profile.compute_ms[i], 0.0 if i in resident else stalls[i],
+                              compute[i], 0.0 if i in resident else stalls[i],
                               profile.flops[i] if profile.flops else None, plan.reasons[i]) for i in range(n)]
     hooks = (profile.hook_ms["resident"] * len(resident) + profile.hook_ms["streamed"] * (n - len(resident))) / n
-    step = resident_step + sum(b.stall_ms for b in blocks) + hooks
+    step = rest_ms + sum(compute) + sum(b.stall_ms for b in blocks) + hooks
     hp = plan.host_plan
     bounce = hp.bounce_bytes if hp is not None else None
     host_bytes = host_ram_bytes(sizes, rest_bytes, plan.host_tiers, bounce, config.prefetch, host.bounces_pageable)
@@ -433,8 +446,10 @@ def _measure(model: nn.Module, units: Sequence[Unit], args: tuple, kwargs: dict[
     if sim and getattr(backend, "bandwidth_gbps", None):
         sizes, _ = unit_sizes(model, units)
         probe = _CopyProbe(backend, min(max(sizes), 64 * MIB), pinned, latency_ms)
+    busy_compute = busy_rest = None
     if on_device:
-        compute, rest, activation = _time_blocks(model, units, args, kwargs, backend, warmup, runs, probe)
+        compute, rest, activation, busy_compute, busy_rest = _time_blocks(model, units, args, kwargs, backend, warmup,
+                                                                          runs, probe)
     else:
         compute, rest, activation = _time_streamed(model, args, kwargs, config, warmup, runs)
     nominal = pinned
@@ -443,11 +458,13 @@ def _measure(model: nn.Module, units: Sequence[Unit], args: tuple, kwargs: dict[
     free, total = backend.mem_get_info()
     card = {"name": backend.describe(), "vram_bytes": int(total), "h2d_gbps": pinned, "pageable_gbps": pageable,
             "nominal_h2d_gbps": nominal, "tflops": None, "measured": True}
-    return Profile(compute, rest, pinned, pageable, latency_ms,
+    profile = Profile(compute, rest, pinned, pageable, latency_ms,
                     int(total), int(free) + (sum(_device_bytes(model, device)) if not sim and on_device else 0),
                     activation, card,
                     hook_ms=engine_cpu_ms(len(units)) if sim else {"resident": 0.0, "streamed": 0.0},
                     supports_pinned=backend.supports_pinned_host, backend_name=backend.name)
+    profile.busy_compute_ms, profile.busy_rest_ms = busy_compute, busy_rest
+    return profile
 
 
 class _TinyUnits(nn.Module):
@@ -555,48 +572,56 @@ class _CopyProbe:
 
 
 def _time_blocks(model: nn.Module, units: Sequence[Unit], args: tuple, kwargs: dict[str, Any], backend: Any,
-                 warmup: int, runs: int, probe: _CopyProbe | None = None) -> tuple[list[float], float, int]:
-    """(median compute ms per unit, median ms outside the units, activation peak bytes) of a model resident on the
-    backend's device: each unit bracketed by the backend's events in whole forwards (with `probe`, copies run beside
-    the timed forwards as the engine's would)."""
+                 warmup: int, runs: int, probe: _CopyProbe | None = None
+                 ) -> tuple[list[float], float, int, list[float] | None, float | None]:
+    """(median compute ms per unit, median ms outside the units, activation peak bytes; and with `probe` the same
+    two medians again over as many forwards timed while copies run beside them, as the engine's would) of a model
+    resident on the backend's device: each unit bracketed by the backend's events in whole forwards."""
     n = len(units)
     marks: list[list[Any]] = [[] for _ in range(n)]
     handles = []
     for i, unit in enumerate(units):
         handles.append(unit.module.register_forward_pre_hook(lambda *_a, i=i: marks[i].append(backend.record())))
         handles.append(unit.module.register_forward_hook(lambda *_a, i=i: marks[i].append(backend.record())))
-    per_unit: list[list[float]] = [[] for _ in range(n)]
-    forwards: list[float] = []
+    per_unit: dict[bool, list[list[float]]] = {False: [[] for _ in range(n)], True: [[] for _ in range(n)]}
+    forwards: dict[bool, list[float]] = {False: [], True: []}
     activation = 0
+    timed = max(1, runs)
+    total = max(0, warmup) + timed * (2 if probe is not None else 1)
     try:
         with torch.inference_mode():
-            for r in range(max(0, warmup) + max(1, runs)):
+            for r in range(total):
                 for m in marks:
                     m.clear()
                 if r == warmup:
                     backend.reset_peak_allocated()
-                if probe is not None and r >= warmup:
-                    probe.start(forwards[-1] if forwards else 0.0)
+                busy = probe is not None and r >= warmup + timed  # clean runs first, then runs beside copies
+                if busy:
+                    probe.start(forwards[False][-1] if forwards[False] else 0.0)
                 start = backend.record()
                 model(*args, **kwargs)
                 end = backend.record()
-                if probe is not None and r >= warmup:
+                if busy:
                     probe.finish(start, backend.elapsed_ms(start, end))
                 backend.synchronize()
                 if r < warmup:
                     continue
-                forwards.append(backend.elapsed_ms(start, end))
+                forwards[busy].append(backend.elapsed_ms(start, end))
                 for i, m in enumerate(marks):
-                    per_unit[i].append(sum(max(0.0, backend.elapsed_ms(a, b)) for a, b in zip(m[::2], m[1::2])))
+                    per_unit[busy][i].append(sum(max(0.0, backend.elapsed_ms(a, b)) for a, b in zip(m[::2], m[1::2])))
         peak = backend.peak_allocated()
         if peak is not None:
             activation = max(0, int(peak) - sum(_device_bytes(model, backend.device)))
     finally:
         for h in handles:
             h.remove()
-    compute = [_median(p) for p in per_unit]
-    rest = max(0.0, _median(forwards) - sum(compute))
-    return compute, rest, activation
+    compute = [_median(p) for p in per_unit[False]]
+    rest = max(0.0, _median(forwards[False]) - sum(compute))
+    if probe is None:
+        return compute, rest, activation, None, None
+    busy_compute = [_median(p) for p in per_unit[True]]
+    busy_rest = max(0.0, _median(forwards[True]) - sum(busy_compute))
+    return compute, rest, activation, busy_compute, busy_rest
 
 
 def _time_streamed(model: nn.Module, args: tuple, kwargs: dict[str, Any], config: OffloadConfig, warmup: int,
