@@ -130,7 +130,8 @@ def _name_of(span: _Span, t: torch.Tensor) -> str:
     model = span.handle.model
     streamer = span.handle.streamer
     master = streamer.staged.rest if span.unit is None else streamer.staged.units[span.unit].master
-    unit_name = "the weights outside the blocks" if span.unit is None else f"unit {streamer.staged.units[span.unit].name!r}"
+    unit_name = ("the weights outside the blocks" if span.unit is None
+                 else f"unit {streamer.staged.units[span.unit].name!r}")
     paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)} if model is not None else {}
     layout = master.layout
     found = None

@@ -469,7 +469,8 @@ def _tiny_vae_inputs(v: int) -> Inputs:
 
 
 def _consistency_inputs(v: int) -> Inputs:
-    # tests/models/autoencoders/test_models_consistency_decoder_vae.py (batch 4, 32x32, a seeded generator; 1 x 16x16 here)
+    # tests/models/autoencoders/test_models_consistency_decoder_vae.py (batch 4, 32x32, a seeded generator;
+    # 1 x 16x16 here)
     batch, size = (1, 16) if v == 0 else (2, 8)
     return {"sample": _image_inputs(3, size, batch), "generator": _gen(0)}
 
@@ -687,7 +688,8 @@ def _cases() -> list[ZooCase]:
                        scaling_factor=1, latent_channels=4)), _consistency_inputs, "diffusers"),
         ZooCase("unet_2d_condition", dm + "unets/test_models_unet_2d_condition.py", seeded_build(_diffusers(
             "UNet2DConditionModel", block_out_channels=(4, 8), norm_num_groups=4,
-            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             cross_attention_dim=8, attention_head_dim=2, out_channels=4, in_channels=4, layers_per_block=1,
             sample_size=16)), _unet_cond_inputs, "diffusers", channels_last=True),
         ZooCase("unet_2d", dm + "unets/test_models_unet_2d.py", seeded_build(_diffusers(
