@@ -10,6 +10,7 @@ machine, and `Card(...)` takes your own.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -101,5 +102,18 @@ def get_card(card: "str | Card") -> Card:
     key = card.strip().lower()
     if key in CARDS:
         return CARDS[key]
+    # "RTX 4090", "GeForce RTX 3060 12GB", "H100_PCIe", "rtx4090-24gb": the words, and the memory when given
+    words = [w for w in re.split(r"[\s_\-]+", key) if w and w not in ("geforce", "nvidia")]
+    mem = None
+    if len(words) > 1 and re.fullmatch(r"\d+gb", words[-1]):
+        mem, words = int(words[-1][:-2]), words[:-1]
+    for name in ("".join(words), "-".join(words), "".join(words[:-1]) + "-" + words[-1] if len(words) > 1 else ""):
+        for candidate in (name, f"{name}-{mem}gb" if mem else ""):
+            found = CARDS.get(candidate)
+            if found is not None and (mem is None or found.vram_bytes == mem * GIB):
+                return found
+        sized = [c for n, c in CARDS.items() if name and re.fullmatch(re.escape(name) + r"-\d+gb", n)]
+        if mem is None and len(sized) == 1:  # "rtx 3060": the one size of it in the table
+            return sized[0]
     raise ValueError(f"unknown card {card!r}; known cards: {', '.join(CARDS)} (or 'measure', or "
                      f"offload.Card(name, vram_bytes, h2d_gbps, tflops) for another one)")

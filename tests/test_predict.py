@@ -35,6 +35,11 @@ def test_card_table_has_the_common_cards_with_sources():
         assert card.source, name
     assert CARDS["rtx4090"].vram_bytes == 24 * GIB and CARDS["rtx5090"].vram_bytes == 32 * GIB
     assert get_card("RTX4090") is CARDS["rtx4090"]
+    for alias, name in (("GeForce RTX 3060 12GB", "rtx3060-12gb"), ("rtx4080-16gb", "rtx4080"), ("H100 PCIe", "h100-pcie"),
+                        ("RTX 4070", "rtx4070-12gb"), ("rtx 4060 ti 16gb", "rtx4060ti-16gb")):
+        assert get_card(alias) is CARDS[name], alias
+    with pytest.raises(ValueError, match="known cards"):
+        get_card("rtx4090-16gb")  # a memory the card does not have
     with pytest.raises(ValueError, match="rtx3060-12gb"):
         get_card("rtx9999")
     with pytest.raises(ValueError, match="tflops"):
