@@ -171,9 +171,9 @@ def test_pinned_memory_off_in_comfyui_means_no_engine_pins(env, comfy_memory):
 def test_a_comfyui_without_a_pin_budget_leaves_the_engine_pinning_as_before(env, monkeypatch):
     mm, hm, gate = env["mm"], env["hm"], env["gate"]
     saved = gate.pin_gate()
-    hm.uninstall()
+    gate.set_pin_gate(None, None)
     monkeypatch.delattr(mm, "MAX_PINNED_MEMORY", raising=False)
-    monkeypatch.delattr(mm, "free_pins", raising=False)
+    monkeypatch.delattr(mm, "free_pins", raising=False)  # put back (wrapped, where it was) after the test
     try:
         hm.install()
         assert gate.pin_gate() == (None, None)
