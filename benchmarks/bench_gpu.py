@@ -268,6 +268,7 @@ class Bench:
 
         self.args = args
         self.clock = Clock(args.deadline_s, args.row_s)
+        self.section_end = self.clock.deadline  # each model's sections get a share of what is left (main)
         self.rows: list[Row] = []
         self.device = args.device
         self.cuda = self.device.startswith("cuda")
@@ -291,7 +292,8 @@ class Bench:
                 self.add(Row(section, config, inp, limit, status="skipped", reason=reason))
 
     def out_of_time(self, need_s: float = 5.0) -> bool:
-        return self.clock.left() < need_s
+        """Whether less than `need_s` is left of the run, or of the share of it the current section was given."""
+        return min(self.clock.left(), self.section_end - time.monotonic()) < need_s
 
     def sync(self) -> None:
         import torch
@@ -534,6 +536,19 @@ class Bench:
         return OffloadConfig.from_preset(preset, device="sim", sim_bandwidth_gbps=self.sim_gbps,
                                          sim_capacity_bytes=capacity)
 
+    def preset_limits(self, preset: str) -> list[float]:
+        """The limits a preset runs at: every one for auto and budget (and everywhere with --all-limits or on the
+        simulated device); the middle one for the other presets on CUDA, where the 8 minutes do not hold them all."""
+        limits = list(self.args.limits)
+        if preset in ("auto", "budget") or self.args.all_limits or not self.cuda:
+            return limits
+        return [limits[len(limits) // 2]]
+
+    def gguf_limits(self) -> list[float]:
+        """The GGUF rows' limits: the middle one on CUDA (quantizing 14B weights takes its own time), else all."""
+        limits = list(self.args.limits)
+        return limits if self.args.all_limits or not self.cuda else [limits[len(limits) // 2]]
+
     def weight_budget(self, limit: int, act: int) -> int:
         """The engine's budget for weights under a VRAM limit: the limit less the input's activation peak (measured
         in the resident run) and some room for the CUDA context and the allocator."""
@@ -568,6 +583,11 @@ class Bench:
         try:
             for gb, limit in limits.items():
                 for inp in inputs:
+                    if gb not in self.preset_limits(preset):
+                        self.add(Row(name, label, inp, gb, status="skipped", reason=(
+                            f"on CUDA {preset} runs at {', '.join(f'{g:g}' for g in self.preset_limits(preset))} GB "
+                            f"only, to fit the 8 minutes (--all-limits runs every limit)")))
+                        continue
                     if self.out_of_time(10):
                         self.add(Row(name, label, inp, gb, status="skipped", reason="time box"))
                         continue
@@ -712,7 +732,8 @@ class Bench:
                "--device", self.device, "--scale", self.args.scale, "--comfyui", str(path), "--worker-out", str(out),
                "--limits", ",".join(f"{g:g}" for g in limits), "--iters", str(self.args.iters),
                "--warmup", str(self.args.warmup), "--row-s", str(self.args.row_s),
-               "--deadline-s", str(max(30.0, self.clock.left() - 15))]
+               "--deadline-s", str(max(30.0, min(self.clock.left(), self.section_end - time.monotonic()) - 10)),
+               "--gguf-limits", ",".join(f"{g:g}" for g in self.gguf_limits())]
         if self.args.gguf_pack:
             cmd += ["--gguf-pack", self.args.gguf_pack]
         if self.args.comfy_on_cpu:
@@ -720,7 +741,7 @@ class Bench:
         env = dict(os.environ, BENCH_GPU_PINNED_GBPS=str(self.env.get("pinned_gbps") or ""))
         try:
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
-                                  timeout=max(30, self.clock.left()))
+                                  timeout=max(30, self.clock.left() + 5))
         except subprocess.TimeoutExpired:
             return skip_all("the ComfyUI worker ran past the deadline")
         if out.exists():
@@ -948,8 +969,15 @@ def comfy_worker(args: argparse.Namespace) -> int:
     def load(sd: dict, options: dict) -> Any:
         return comfy.sd.load_diffusion_model_state_dict(dict(sd), model_options=options)
 
-    def run_limits(label: str, patcher: Any, model_bytes: int, note: str, exact: bool) -> None:
+    def run_limits(label: str, patcher: Any, model_bytes: int, note: str, exact: bool,
+                   only: list[float] | None = None) -> None:
         for gb in args.limits:
+            if only is not None and gb not in only:
+                for inp in inputs_list:
+                    add(Row(name, label, inp, gb, status="skipped", reason=(
+                        f"runs at {', '.join(f'{g:g}' for g in only)} GB only on CUDA, to fit the 8 minutes "
+                        f"(--all-limits runs every limit)")))
+                continue
             limit = int(gb * GIB) if args.scale == "full" else None
             for inp in inputs_list:
                 if clock.left() < 10:
@@ -1057,7 +1085,7 @@ def comfy_worker(args: argparse.Namespace) -> int:
             ops.GGMLOps.Linear.dequant_dtype = None
             ops.GGMLOps.Linear.patch_dtype = None
             gpatcher = nodes.GGUFModelPatcher.clone(load(quant, {"custom_operations": ops.GGMLOps}))
-            run_limits(label, gpatcher, qbytes, f"Q8_0, {qbytes / GIB:.2f} GiB", exact=False)
+            run_limits(label, gpatcher, qbytes, f"Q8_0, {qbytes / GIB:.2f} GiB", exact=False, only=args.gguf_limits)
         except Exception as exc:  # noqa: BLE001
             for inp in inputs_list:
                 add(Row(name, label, inp, status="error", reason=f"{type(exc).__name__}: {exc}"[:300]))
@@ -1086,12 +1114,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gguf-pack", default=os.environ.get("GGUF_PACK"), help="a ComfyUI-GGUF checkout ($GGUF_PACK)")
     p.add_argument("--comfy-on-cpu", action="store_true", help="run the ComfyUI rows on the CPU (a check of the code "
                                                                 "path; nothing streams)")
+    p.add_argument("--all-limits", action="store_true", help="on CUDA, run consumer / mid_range and GGUF at every "
+                                                              "limit too (longer than 8 minutes)")
+    p.add_argument("--gguf-limits", default=None, help=argparse.SUPPRESS)
     p.add_argument("--comfy-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     args.limits = [float(x) for x in str(args.limits).split(",") if x.strip()]
+    args.gguf_limits = ([float(x) for x in args.gguf_limits.split(",") if x.strip()] if args.gguf_limits
+                        else list(args.limits))
     return args
 
 
@@ -1123,11 +1156,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.environment()
     bench.bandwidth()
     bench.cuda_tests()
-    for key in [m.strip() for m in args.models.split(",") if m.strip()]:
+    keys = [m.strip() for m in args.models.split(",") if m.strip()]
+    for key in keys:
         if key not in SHAPES:
             raise SystemExit(f"--models: unknown model {key!r}; valid: {', '.join(SHAPES)}")
+    for i, key in enumerate(keys):  # each model gets its share of what is left: 60% its own rows, then ComfyUI's
+        start, share = time.monotonic(), bench.clock.left() / (len(keys) - i)
+        bench.section_end = start + 0.6 * share
         bench.model_section(key)
+        last = i == len(keys) - 1
+        bench.section_end = bench.clock.deadline if last else max(start + share, time.monotonic() + 30.0)
         bench.comfy_section(key)
+        bench.section_end = bench.clock.deadline
     _, table = bench.write()
     print(table)
     bad = [r for r in bench.rows if r.config.startswith("layer-offload") and r.status == "ok" and r.equal is False]
