@@ -93,6 +93,9 @@ class VramBudget:
         self._prev_run: dict[int, int] = {}  # passes of its previous completed run (absent: it never ran)
         self._running: dict[int, int] = {}  # priority -> id of the member whose run goes on
         self._ran: set[int] = set()  # members that started a pass at least once
+        self._released: set[int] = set()  # never ran, but a lead ran alone long enough to park them (see _parked)
+        self._last_touch: int | None = None  # the member that started the latest pass (any priority)
+        self._alone: dict[int, int] = {}  # passes in a row a member started with no other member's pass between
         self._asked: set[int] = set()  # members whose lead was asked for (explicit), not earned by a phase
 
     # totals -------------------------------------------------------------------
@@ -234,7 +237,11 @@ class VramBudget:
         for d in (self._order, self._caps, self._last_best, self._touched, self._led, self._run, self._prev_run):
             d.pop(key, None)
         self._ran.discard(key)
+        self._released.discard(key)
         self._asked.discard(key)
+        self._alone.pop(key, None)
+        if self._last_touch == key:
+            self._last_touch = None
         for prio in [p for p, k in self._running.items() if k == key]:
             del self._running[prio]
 
@@ -283,9 +290,16 @@ class VramBudget:
             takes = phase and lead is not member and (lead is None or not lead.is_busy())
             self._touched[key] = tick
             self._ran.add(key)
+            self._alone[key] = self._alone.get(key, 0) + 1 if self._last_touch == key else 1
+            self._last_touch = key
             if takes:
                 self._led[key] = tick
                 (self._asked.add if explicit else self._asked.discard)(key)
+            if (takes or lead is member) and self._alone[key] >= PHASE_PASSES:
+                # it ran alone for a phase: no model is called inside its forward, so the ones of its priority that
+                # never ran may be parked (once released they stay so: a flag that flipped back would move bytes)
+                self._released.update(id(m) for m in self._members
+                                      if m.priority == prio and id(m) not in self._ran)
             for f in followers:  # ranked with it (after it: registered later), never parked while it works
                 if f is not None and getattr(f, "budget", self) is self and id(f) in self._order:
                     self._touched[id(f)] = tick
@@ -324,8 +338,9 @@ class VramBudget:
     def _parked(self, members: list[BudgetMember], lead: BudgetMember | None = None) -> set[int]:
         """Members another of their priority took the lead from since they last ran: their floor is not kept for
         them while they are idle (they take it back at their next pass). A member that never ran is parked only by a
-        lead that was asked for (ComfyUI loading a model for a node): one found by its phase may be running a model
-        it calls inside its own forward. With `lead`, every other member of its priority is parked."""
+        lead that was asked for (ComfyUI loading a model for a node), or once the lead ran `PHASE_PASSES` passes with
+        no other model's pass between them: a lead found by its first pass may be running a model it calls inside its
+        own forward. With `lead`, every other member of its priority is parked."""
         newest: dict[int, tuple[float, int]] = {}
         for m in members:
             led = math.inf if m is lead else self._led.get(id(m), 0)
@@ -336,7 +351,7 @@ class VramBudget:
             led, by = newest.get(m.priority, (0, 0))
             if m is lead or by in (0, id(m)) or led <= self._touched.get(id(m), 0):
                 continue
-            if id(m) in self._ran or lead is not None or by in self._asked:
+            if id(m) in self._ran or id(m) in self._released or lead is not None or by in self._asked:
                 parked.add(id(m))
         return parked
 

@@ -213,18 +213,40 @@ def test_explain_share_names_the_rule():
     assert "not in this VRAM budget" in budget.explain_share(ha)
 
 
-def test_exactly_one_model_of_room_without_asking_holds_most_blocks_from_the_second_phase(fleet_factory):
-    """Room for exactly one model, leads found by phases only: the first phase keeps the floor of the model that
-    never ran (it could be called inside the first one's forward); every later phase holds every block."""
+def test_exactly_one_model_of_room_without_asking_holds_every_block_from_the_second_pass(fleet_factory):
+    """Room for exactly one model, leads found by phases only: the first pass keeps the floor of the model that never
+    ran (it could be called inside the first one's forward); once the lead ran a phase alone, every pass holds every
+    block, in every phase."""
     f = fleet_factory(VramBudget(FULL))
     f.add("a", priority=0)
     f.add("b", priority=0)
     f.watch()
-    _, first = _phase(f, "a", 2)
-    assert 0 < first[0] < DEPTH
+    _, first = _phase(f, "a", 3)
+    assert 0 < first[0] < DEPTH and first[1:] == [DEPTH, DEPTH], first
     for name in ["b", "a", "b"]:
         streamed, at_start = _phase(f, name, 3)
         assert at_start == [DEPTH] * 3 and streamed == 0, (name, at_start, streamed)
+    assert not f.violations, f.violations
+
+
+def test_a_model_called_inside_another_keeps_its_floor(fleet_factory):
+    """An inner model run inside the outer one's forward, every pass: the outer never runs alone, so the inner's
+    floor stays reserved and the budget holds inside the nested call too (tests/test_engine_memory.py's nested case
+    with equal priorities and room for one model)."""
+    budget = VramBudget(FULL + FLOOR)
+    f = fleet_factory(budget)
+    f.add("outer", priority=0)
+    f.add("inner", priority=0)
+    f.watch()
+    inner = f.models["inner"]
+    calls = []
+    hook = f.models["outer"].layers[3].register_forward_pre_hook(lambda m, a: calls.append(run(inner, (_x(),))))
+    try:
+        for _ in range(4):
+            run(f.models["outer"], (_x(),))
+    finally:
+        hook.remove()
+    assert len(calls) == 4
     assert not f.violations, f.violations
 
 
