@@ -26,7 +26,6 @@ command): docs/benchmarks.md, "GPU run"; `benchmarks/gpu_carry.sh` gathers what 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import gc
 import json
@@ -38,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -216,11 +215,9 @@ class ModelFactory:
         # bf16 as released; float32 for the tiny dry run, where the CPU computes (bf16 matmuls are emulated there)
         self.dtype = torch.bfloat16 if scale == "full" else torch.float32
         self.spec = ModelSpec(shape.family, shape.cls, self.config, "bench_gpu")
-        try:
-            import diffusers  # noqa: F401
-            self.library = "diffusers"
-        except ImportError:
-            self.library = None
+        import importlib.util
+
+        self.library = "diffusers" if importlib.util.find_spec("diffusers") is not None else None
         if self.library is None:
             raise RuntimeError("diffusers is not importable here (benchmarks/gpu_carry.sh carries its wheel)")
         meta = self._meta_model()
@@ -470,7 +467,6 @@ class Bench:
     def resident(self, factory: ModelFactory, inputs: tuple[str, ...]) -> dict[str, Any]:
         """The baseline: every weight on the device. Keeps each input's output, time, activation peak and the
         measured profile `offload.predict` costs the engine rows from."""
-        from offload import OffloadConfig
         from offload.predict import profile_model
 
         name = factory.shape.name
@@ -507,7 +503,7 @@ class Bench:
                          host_ram_bytes=rss() - base, equal=True, max_abs_diff=0.0, limited_by="compute",
                          note=f"{tokens} tokens; {n} timed forward(s); all {factory.weight_bytes / GIB:.2f} GiB on "
                               f"the device"))
-        del model
+        model = None
         self.empty()
         return state
 
@@ -559,7 +555,6 @@ class Bench:
     def engine(self, factory: ModelFactory, preset: str, inputs: tuple[str, ...], state: dict[str, Any]) -> None:
         """One staging per preset; every VRAM limit and input is a re-plan of the same handle (budget.set_total)."""
         from offload import VramBudget, offload_module
-        from offload.budget import BudgetError
         from offload.predict import predict_profile
 
         name, label = factory.shape.name, f"layer-offload {preset}"
@@ -576,7 +571,7 @@ class Bench:
         try:
             handle = offload_module(model, cfg, name=f"{name} {preset}", budget=budget)
         except Exception as exc:  # noqa: BLE001
-            del model
+            model = None
             self.empty()
             return self.skip(name, label, f"offload_module failed: {type(exc).__name__}: {exc}", inputs,
                              tuple(limits))
@@ -595,7 +590,7 @@ class Bench:
                                     predict_profile)
         finally:
             handle.detach()
-            del handle, model
+            del handle, model  # before the next preset stages its own copy
             self.empty()
 
     def engine_row(self, factory: ModelFactory, handle: Any, budget: Any, preset: str, label: str, gb: float,
@@ -704,7 +699,7 @@ class Bench:
                 row.copy_ms = copy
                 row.limited_by = limited_by(ms, None, copy, row.ratio)
                 self.add(row)
-            del model
+            model = None
             self.empty()
 
     # 4. ComfyUI (a child process) --------------------------------------------------------------
@@ -1059,7 +1054,7 @@ def comfy_worker(args: argparse.Namespace) -> int:
             import gguf
 
             try:
-                import nodes  # noqa: F401 - ComfyUI's node module, which the pack's nodes.py imports
+                importlib.import_module("nodes")  # ComfyUI's node module, which the pack's nodes.py imports
             except ImportError as exc:  # its video types need PyAV, which the GPU machine lacks: the pack uses
                 import types  # `nodes` only for its CLIP loader's inputs, never on the path measured here
 
