@@ -5,16 +5,19 @@ Two ways to cost a model's blocks:
 - `card="measure"`: each block's compute is timed on the model's own device (forward hooks and the backend's
   events, after warm-up runs; a model on the host while the device is a GPU is timed through the engine with every
   block streamed), and the copy speed is the backend's (`Backend.h2d_gbps`: the simulated device's bandwidth, or
-  the pinned host-to-device speed measured on CUDA).
+  the pinned host-to-device speed measured on CUDA). On the simulated device, whose compute and copy thread share
+  the host's CPUs, the blocks are also timed while copies run beside them and the engine's own CPU cost per
+  forward is measured (`engine_cpu_ms`): both add to a step there.
 - a named card (`offload.cards.CARDS`) or an `offload.Card`: the forward runs on the meta device (a model with real
   weights is viewed on the meta device for the run and given back untouched), so nothing is allocated. FLOPs per
-  block come from `torch.utils.flop_counter.FlopCounterMode`; attention is costed as a fused kernel (its FLOPs, not
-  the score matrices the meta device's math fallback would build); elementwise work by the bytes it moves; the peak
-  of live activations is tracked for the fit.
+  block come from `torch.utils.flop_counter.FlopCounterMode`; each op is as slow as its FLOPs (matmuls, through the
+  flop counter's formulas) or the bytes it moves make it on the card; attention is costed as a fused kernel (its
+  FLOPs, not the score matrices the meta device's math fallback would build); the peak of live activations is
+  tracked for the fit.
 
 Block sizes come from the engine's own layout (`layout.plan_layout`: aligned bytes as they move), the plan from the
-engine's own planner (`_engine_plan`, the one seam to `planner` / `cost_model`) and the stalls from the cost model's
-simulation of the slot ring.
+engine's own planner (`_engine_plan`, the one seam to `planner.make_plan`) and the stalls from its ring simulation
+(`ring_sim.simulate_pass`, the compute outside the blocks as the gap between passes).
 """
 from __future__ import annotations
 
