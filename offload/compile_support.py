@@ -11,7 +11,8 @@ under `torch.compile` unless the process is prepared:
 
 `prepare_dynamo()` fixes both, once per process, as soon as dynamo is in use and a model is offloaded (at offload
 time, or at the start of the next pass when dynamo was imported later; torch._dynamo is never imported here): the
-engine's hook objects are made opaque (`torch._dynamo.disable`: a graph break at each, run eagerly), hooks become
+engine's hook objects are made opaque (a graph break at each, run eagerly with every frame they call, as
+`torch._dynamo.disable` does, without its wrapper frame on the eager path), hooks become
 part of what dynamo guards on (`skip_nnmodule_hook_guards = False`, process-wide), and code compiled before that
 without hook guards is dropped (`torch._dynamo.reset_code_caches()`), so every compiled model recompiles once.
 """
@@ -39,6 +40,10 @@ def prepare_dynamo() -> bool:
     """Prepare dynamo for offloaded models (see the module docstring) if it is loaded; returns whether it is ready."""
     global _prepared
     if _prepared:
+        for cls in _hook_classes:  # torch._dynamo.reset() clears per-code settings: set them again, cheaply
+            code = getattr(cls.__dict__["__call__"], "__code__", None)
+            if code is not None:
+                _skip_frames(code)
         return True
     if "torch._dynamo" not in sys.modules:
         return False  # nothing compiled yet: the next pass looks again
@@ -50,21 +55,49 @@ def prepare_dynamo() -> bool:
     weak_call = getattr(devices, "_WeakCall", None)
     if weak_call is not None and weak_call not in _hook_classes:
         _hook_classes.append(weak_call)
-    for cls in _hook_classes:
-        _make_opaque(cls)
     if torch._dynamo.config.skip_nnmodule_hook_guards:
         torch._dynamo.config.skip_nnmodule_hook_guards = False
         torch._dynamo.reset_code_caches()  # graphs traced without hook guards must not serve an offloaded model
         log.info("torch.compile: module hooks are guarded from now on (skip_nnmodule_hook_guards=False), so an "
                  "offloaded model never reuses a graph traced without its engine; code compiled earlier recompiles once")
+    for cls in _hook_classes:
+        _make_opaque(cls)
     return True
 
 
 def _make_opaque(cls: type) -> None:
-    import torch._dynamo
-
+    """Dynamo graph-breaks at a call of `cls` and runs it eagerly, its callees too; the eager path is unchanged (no
+    wrapper frame: `torch._dynamo.disable` would add one to every hook call)."""
     call: Any = cls.__dict__.get("__call__")
-    if call is not None and not getattr(call, "_lo_opaque", False):
-        wrapped = torch._dynamo.disable(call)
-        wrapped._lo_opaque = True
-        cls.__call__ = wrapped
+    if call is None or getattr(call, "_lo_opaque", False):
+        return
+    if _skip_frames(call.__code__):
+        call._torchdynamo_disable = True  # inlining stops here (a graph break), as for torch.compiler.disable
+        call._lo_opaque = True
+        return
+    import torch._dynamo  # a torch without per-code frame strategies: the wrapper, one more frame per hook call
+
+    wrapped = torch._dynamo.disable(call)
+    wrapped._lo_opaque = True
+    cls.__call__ = wrapped
+
+
+def _skip_frames(code: Any) -> bool:
+    """Frames of `code`, and every frame they call, are never compiled by dynamo (run as they are); False where this
+    torch has no per-code frame strategies."""
+    global _skip_strategy
+    if _skip_strategy is None:
+        try:
+            from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+            _skip_strategy = (set_code_exec_strategy, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+        except (ImportError, AttributeError, TypeError):
+            _skip_strategy = False
+    if not _skip_strategy:
+        return False
+    set_strategy, strategy = _skip_strategy
+    set_strategy(code, strategy)
+    return True
+
+
+_skip_strategy: Any = None

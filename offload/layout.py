@@ -120,6 +120,11 @@ class TensorLayout:
         """Every entry is one plain tensor whose bytes are row-major (how a safetensors file stores them)."""
         return all(isinstance(e.recipe, int) for e in self.entries) and all(l.row_major for l in self.leaves)
 
+    @functools.cached_property
+    def param_entries(self) -> list[Entry]:
+        """The entries of plain parameters, in layout order (the order of a binding's `data_swaps`)."""
+        return [e for e in self.entries if e.plain_param]
+
     def version(self) -> int:
         """Sum of the version counters of the tensors bound now: changes whenever one is written in place."""
         total = 0
@@ -292,6 +297,13 @@ class Binding:
     buf: torch.Tensor | None
     data_swaps: list[tuple[nn.Parameter, torch.Tensor]]
     dict_sets: list[tuple[dict, str, torch.Tensor]]
+    _ptrs: list[int] | None = field(default=None, repr=False, compare=False)
+
+    def param_ptrs(self) -> list[int]:
+        """Where each swapped parameter's data starts once applied (a parameter elsewhere had its `.data` replaced)."""
+        if self._ptrs is None:
+            self._ptrs = [value.data_ptr() if value.numel() else -1 for _, value in self.data_swaps]
+        return self._ptrs
 
     def apply(self) -> None:
         for param, value in self.data_swaps:

@@ -30,6 +30,7 @@ import torch.nn as nn
 from .backends.base import Backend
 from .buffer_writes import BufferShapeError, BufferWatch
 from .compile_support import prepare_dynamo, register_hook_class
+from .model_changes import ModelChanges
 from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
                        trainable_weight_error)
 from .host_tiers import HostTiers
@@ -167,6 +168,10 @@ class ModelStreamer:
         self._in_flags = [_InFlag() for _ in self.units]  # unit i is in: its children's hooks have nothing to do
         self._compile_overrides: list[nn.Module] = []
         self._install_hooks(model)
+        # conversions after offloading are refused at the call; deepcopy gives an ordinary model (model_changes.py)
+        self.changes = ModelChanges(model, [u.staged.layout for u in self.units] + [staged.rest.layout],
+                                    _WeakHook(self, ModelStreamer._in_pass),
+                                    _WeakHook(self, ModelStreamer._engine_hook_ids))
         prepare_dynamo()  # a no-op until torch._dynamo is in use
 
     # the placement's figures, read by the handle's report ------------------------------
@@ -234,6 +239,20 @@ class ModelStreamer:
             if isinstance(module.__dict__.get("compile"), _CompileForward):
                 del module.__dict__["compile"]
         self._compile_overrides.clear()
+        changes = getattr(self, "changes", None)
+        if changes is not None:
+            changes.remove()
+
+    def _in_pass(self) -> bool:
+        """A pass (or a unit outside one) is running: the model's tensors are the engine's to swap back."""
+        return self.is_busy() or bool(self._resident_start)
+
+    def _engine_hook_ids(self) -> set[int]:
+        """The ids of every forward hook the engine put on the model (a deepcopy leaves them out)."""
+        ids = {h.id for h in self._hooks}
+        hop = getattr(self._listener(), "_hop", None)
+        ids.update(h.id for h in getattr(hop, "_hooks", ()))
+        return ids
 
     def is_busy(self) -> bool:
         """A pass (or a unit outside one, or a backward holding a unit) is running."""
