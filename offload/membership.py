@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .planner import ring_slots
+from .planner import ring_slots, want_bytes
 
 
 class BudgetMembership:
@@ -25,18 +25,9 @@ class BudgetMembership:
 
     def want_bytes(self) -> int:
         """The most this model asks for: every unit, or its preset's share of the budget (a full ring at least)."""
-        cfg, rest, sizes = self.config, self.streamer.rest_bytes, self.keeper.base.sizes
-        everything = rest + sum(sizes)
-        ring = rest + ring_slots(cfg.prefetch, len(sizes)) * max(sizes)
-        if cfg.vram_fraction <= 0:
-            want = ring
-        elif cfg.vram_fraction < 1 and self.budget.total_bytes is not None:
-            want = max(ring, min(everything, int(cfg.vram_fraction * self.budget.total_bytes)))
-        else:
-            want = everything
-        if cfg.vram_budget_bytes is not None:
-            want = min(want, int(cfg.vram_budget_bytes))
-        return want
+        cfg = self.config
+        return want_bytes(cfg.prefetch, cfg.vram_fraction, cfg.vram_budget_bytes, self.streamer.rest_bytes,
+                          list(self.keeper.base.sizes), self.budget.total_bytes)
 
     def device_bytes(self) -> int:
         """Device bytes this model holds now (resident units, the slot ring, the non-block weights)."""

@@ -42,6 +42,23 @@ def ring_slots(prefetch: int, n_streamed: int) -> int:
     return max(0, min(prefetch + 1, n_streamed))
 
 
+def want_bytes(prefetch: int, vram_fraction: float, vram_budget_bytes: int | None, rest_bytes: int,
+               sizes: list[int], budget_total: int | None) -> int:
+    """The most a model asks of its budget: every unit, or its preset's share of the budget's total (a full ring at
+    least), capped by its own `vram_budget_bytes`."""
+    everything = rest_bytes + sum(sizes)
+    ring = rest_bytes + ring_slots(prefetch, len(sizes)) * max(sizes)
+    if vram_fraction <= 0:
+        want = ring
+    elif vram_fraction < 1 and budget_total is not None:
+        want = max(ring, min(everything, int(vram_fraction * budget_total)))
+    else:
+        want = everything
+    if vram_budget_bytes is not None:
+        want = min(want, int(vram_budget_bytes))
+    return want
+
+
 def spread(n: int, k: int) -> list[int]:
     """k indices spread evenly over range(n)."""
     if k <= 0:

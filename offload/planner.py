@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
 from .plan_device import (PlanError, UnitPlan, across_devices, plan_by_cost, plan_units, ring_slots,  # noqa: F401
-                          spread)
+                          spread, want_bytes)
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
                         bounce_buffers, host_ram_bytes, plan_host, plan_host_capped)
 from .ring_sim import UnitCosts, simulate_pass
@@ -211,6 +211,17 @@ def make_plan(facts: PlanFacts) -> Plan:
             step += sum(e for i, e in enumerate(facts.excess_ms) if i not in streamed_on_ring)
     return Plan(tuple(units), device, host, facts.allowance, facts.prefetch, bounce_buffers(facts.prefetch),
                 facts.costs is not None, step, messages, facts.device)
+
+
+def settled_plan(facts: PlanFacts, costs_of: Callable[[list[str]], UnitCosts]) -> Plan:
+    """The plan a model settles on once every unit was measured: the plan by count it starts with (host tiers
+    included), then the plan from costs with that one in place, as the PlanKeeper asks for them in turn (what
+    `offload.predict` predicts with). `costs_of(host tiers)` costs each unit from where its master lives."""
+    first = make_plan(facts)
+    tiers = [first.host_tiers.get(i, "pinned") for i in range(len(facts.sizes))]
+    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), costs=costs_of(tiers), current=first))
+    settled.host_plan = first.host_plan
+    return settled
 
 
 def _device_plan(facts: PlanFacts) -> UnitPlan:

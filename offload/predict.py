@@ -28,7 +28,7 @@ import statistics
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -48,7 +48,8 @@ from .config import OffloadConfig
 from .layout import plan_layout, unit_tensors
 from .plan_host import host_ram_bytes
 from .planner import (MIB, HostFacts, Plan, PlanError, PlanFacts, RamCeilingError, default_reserve, estimate_reserve,
-                      make_plan, read_host_memory, ring_slots)
+                      read_host_memory, settled_plan, want_bytes)
+from .reserve import reserve_from_peak
 from .ring_sim import UnitCosts, simulate_pass
 from .staging import shared_tensor_ids
 
@@ -280,12 +281,7 @@ def _engine_plan(facts: PlanFacts, copy_ms: Callable[[list[str]], list[float]], 
     included), then the plan from costs with that one in place, as `replan.PlanKeeper` asks `make_plan` for them.
     `copy_ms(host tiers)` costs each unit's copy from where its master lives. Raises PlanError when not even one
     slot fits and RamCeilingError when a hard RAM ceiling cannot be kept."""
-    first = make_plan(facts)
-    tiers = [first.host_tiers.get(i, "pinned") for i in range(len(facts.sizes))]
-    costs = UnitCosts(list(compute_ms), copy_ms(tiers))
-    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), costs=costs, current=first))
-    settled.host_plan = first.host_plan
-    return settled
+    return settled_plan(facts, lambda tiers: UnitCosts(list(compute_ms), copy_ms(tiers)))
 
 
 def _ring_stalls(costs: UnitCosts, rest_ms: float, resident: set[int], slots: int) -> list[float]:
@@ -308,17 +304,7 @@ def _budget_total(budget: "VramBudget | int | None", profile: Profile, reserve: 
 def _allowance(config: OffloadConfig, total: int, rest: int, sizes: list[int]) -> int:
     """What a lone model gets from a budget of `total` bytes: what its preset wants (OffloadHandle.want_bytes), capped
     by the total."""
-    everything = rest + sum(sizes)
-    ring = rest + ring_slots(config.prefetch, len(sizes)) * max(sizes)
-    if config.vram_fraction <= 0:
-        want = ring
-    elif config.vram_fraction < 1:
-        want = max(ring, min(everything, int(config.vram_fraction * total)))
-    else:
-        want = everything
-    if config.vram_budget_bytes is not None:
-        want = min(want, int(config.vram_budget_bytes))
-    return min(want, total)
+    return min(want_bytes(config.prefetch, config.vram_fraction, config.vram_budget_bytes, rest, sizes, total), total)
 
 
 def _reserve(config: OffloadConfig, profile: Profile) -> int:
@@ -327,7 +313,7 @@ def _reserve(config: OffloadConfig, profile: Profile) -> int:
     if profile.named:  # what the engine's reserve settles at after its first run (OffloadHandle.after_pass)
         if profile.activation_bytes <= 0:
             return default_reserve(profile.device_total, "cuda")
-        return int(profile.activation_bytes * 1.25) + 256 * MIB
+        return reserve_from_peak(profile.activation_bytes)
     if profile.reserve_estimate is not None:
         return profile.reserve_estimate
     return default_reserve(profile.device_total, profile.backend_name)

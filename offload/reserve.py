@@ -11,6 +11,11 @@ from .planner import GIB, MIB
 log = logging.getLogger(__name__)
 
 
+def reserve_from_peak(activation_bytes: int) -> int:
+    """The reserve a measured activation peak asks for: a quarter more, plus 256 MiB for the allocator's slack."""
+    return int(max(0, activation_bytes) * 1.25) + 256 * MIB
+
+
 class ReserveMeter:
     """Measures the peak after the first forward (and the first backward) and moves a self-sized budget's total."""
 
@@ -24,7 +29,7 @@ class ReserveMeter:
         peak = backend.peak_allocated()
         if peak is None or not budget.auto_sized or self._fixed:
             return None
-        return int(max(0, peak - budget.used_bytes) * 1.25) + 256 * MIB
+        return reserve_from_peak(peak - budget.used_bytes)
 
     def after_forward(self, backend: Backend, budget: VramBudget, device_total: int | None) -> None:
         """After the first forward: correct the reserve from the real peak (either way)."""
