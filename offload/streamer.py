@@ -250,7 +250,7 @@ class ModelStreamer:
     def _engine_hook_ids(self) -> set[int]:
         """The ids of every forward hook the engine put on the model (a deepcopy leaves them out)."""
         ids = {h.id for h in self._hooks}
-        hop = getattr(self._listener(), "_hop", None)
+        hop = getattr(getattr(self._listener(), "secondaries", None), "hop", None)  # a model on several devices
         ids.update(h.id for h in getattr(hop, "_hooks", ()))
         return ids
 

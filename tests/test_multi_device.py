@@ -159,3 +159,21 @@ def test_device_api_errors_and_per_device_default_budgets():
     assert default_budget("sim:1") is default_budget("sim:1")
     assert default_budget("sim:1") is not default_budget("sim:2")
     assert default_budget("sim:1") is not default_budget()
+
+
+def test_deepcopy_of_a_model_on_two_devices_leaves_the_activation_hops_out():
+    """A deepcopy of a model whose blocks live on sim:0 and sim:1 is an ordinary model: no engine hook, the
+    activation hops to the second device included (the handle keeps them with its secondary devices)."""
+    import copy
+
+    blk, rest = _sizes()
+    model, x = _model(), _x()
+    ref = run(model, (x,))
+    h = offload_module(model, _cfg(), budget={"sim:0": VramBudget(rest + 7 * blk), "sim:1": VramBudget(6 * blk)})
+    assert torch.equal(run(model, (x,)), ref)
+    assert h.report().to_dict()["devices"]["sim:1"]["activation_bytes"] > 0
+    twin = copy.deepcopy(model)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in twin.modules()), "an engine hook was copied"
+    assert torch.equal(run(twin, (x,)), ref)
+    assert torch.equal(run(model, (x,)), ref)
+    h.detach()
