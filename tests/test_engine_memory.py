@@ -10,8 +10,6 @@ import warnings
 import pytest
 import torch
 
-from offload.backends import get_backend
-
 from tests.models import (ALIGN, CASES, Boom, LayersModel, MLPBlock, RaisingStack, TransformerStack, aligned_bytes,
                           module_path, param_inner_tensors, raw_bytes, run, same_tensor, seeded, snapshot,
                           streamed_modules, streaming_budget)
@@ -140,10 +138,7 @@ def test_device_budget_never_exceeded(prefetch, sim_cfg, offload):
     ref = run(model, x)
     budget = streaming_budget(model, case.blocks(model), slots=prefetch + 1)
     assert budget < aligned_bytes(model)
-    cfg = sim_cfg(vram_budget_bytes=budget, prefetch=prefetch)
-    gc.collect()  # a model an earlier test left in a reference cycle (pytest.raises' traceback) must not hold the device
-    get_backend(cfg).reset_peak()  # the shared simulated device's peak is this test's own from here
-    handle = offload(model, cfg)
+    handle = offload(model, sim_cfg(vram_budget_bytes=budget, prefetch=prefetch))
     backend = handle.backend
     assert backend.peak_bytes <= budget, "setup already went over the budget"
     backend.reset_peak()
