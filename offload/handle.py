@@ -134,8 +134,8 @@ class OffloadHandle(BudgetMembership):
         if model is not None and any(p.requires_grad for p in model.parameters()):
             self._grad_said = True
             log.info("%s: running with gradients enabled: backward brings streamed blocks back in reverse order "
-                     "(adapters added after offloading train; streamed weights that require grad are refused); "
-                     "use torch.no_grad() for inference", self.name)
+                     "(adapters train whether added before offloading, where they stay on the device, or after; a "
+                     "streamed weight made trainable later is refused); use torch.no_grad() for inference", self.name)
 
     # public API -------------------------------------------------------------------------------
     def load(self) -> None:
