@@ -55,6 +55,7 @@ class PlanKeeper:
         self.remote: dict[str, int] = dict(base.remote_allowances)
         self.oom_free: int | None = None  # free device bytes after an out-of-memory shrink; None: not capped
         self.excess: tuple[float, ...] | None = None  # per unit: stall measured beyond the simulation when streamed
+        self._measured_excess: set[int] = set()  # units whose excess was measured (the others: their tier's rate)
         self.passes = 0
         self._passes_on_plan = 0
         self._memo: tuple[PlanFacts, Plan] | None = None
@@ -213,6 +214,18 @@ class PlanKeeper:
         excess = list(self.excess) if self.excess is not None else [0.0] * len(plan.units)
         for i in streamed:
             excess[i] = max(0.0, measured[i] - simulated[i])
+            self._measured_excess.add(i)
+        # a unit never measured streaming is charged what its likes (the same host tier, within 2x of its size)
+        # stalled per byte: else a plan would swap a stalling unit for an equal one that only looks free because it
+        # was kept resident
+        sizes, tiers = self.base.sizes, [src.tier for src in self.streamer.sources]
+        for i in range(len(excess)):
+            if i in self._measured_excess:
+                continue
+            likes = [j for j in self._measured_excess
+                     if tiers[j] == tiers[i] and max(sizes[i], sizes[j]) <= 2 * min(sizes[i], sizes[j])]
+            if likes:
+                excess[i] = sum(excess[j] for j in likes) / sum(sizes[j] for j in likes) * sizes[i]
         self.excess = tuple(excess)
         log.info("%s: a pass stalled %.2f ms more than planned; planning again with the measured stalls",
                  self.base.name, beyond)
