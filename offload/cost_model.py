@@ -26,6 +26,7 @@ class CostTracker:
         self.compute_ms: list[float | None] = [None] * n
         self.copy_ms: list[float | None] = [None] * n
         self.stall_ms: list[float | None] = [None] * n  # per call, since the plan in place was made (None: not yet)
+        self.newest_stall_ms: list[float | None] = [None] * n  # per call, over the passes since the last update only
         self._cold = True
         self._copy_bytes = 0
         self._copy_time = 0.0
@@ -48,6 +49,7 @@ class CostTracker:
             if stall_ms is not None and not self._cold:
                 ds = stall_ms[i] - (last[4][i] if last is not None and last[4] is not None else 0.0)
                 per_call = max(0.0, ds) / dc
+                self.newest_stall_ms[i] = per_call
                 old = self.stall_ms[i]
                 self.stall_ms[i] = per_call if old is None else (1 - STALL_SMOOTHING) * old + STALL_SMOOTHING * per_call
             per_call = max(0.0, dt) / dc
@@ -95,6 +97,7 @@ class CostTracker:
     def stalls_measured_anew(self) -> None:
         """Another plan is in place: the stalls measured under the last one say nothing of it."""
         self.stall_ms = [None] * len(self.sizes)
+        self.newest_stall_ms = [None] * len(self.sizes)
         self._cold = True  # the first pass on a new plan starts with nothing in flight: its stalls are not counted
 
 

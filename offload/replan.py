@@ -9,7 +9,8 @@ through the streamer. It decides WHEN to plan again, never WHERE a unit lives:
 - every unit has been measured once (the first plan from costs), or a unit's times moved a lot since
   (`CostTracker.shifted`);
 - the passes on a plan stalled more than it predicted, by more than STALL_MARGIN_MS per pass and
-  STALL_MARGIN_FRACTION of the predicted stall (planner.py): the stall measured beyond the prediction, per unit
+  STALL_MARGIN_FRACTION of the predicted stall (planner.py), both smoothed and in the newest passes, at
+  CONFIRM_CHECKS checks in a row (one busy moment on the machine moves no blocks): the stall measured beyond the prediction, per unit
   (smoothed over the passes since the plan was placed, its first pass left out), becomes a fact of the next
   plan (`excess_ms`), which counts it against every plan that still streams that unit, so a plan that keeps the
   stalling unit resident wins over the one in place when it saves a clear share (plan_device.py);
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 COST_EVERY = 4  # once every block was measured, per-block timings are folded in every this many passes (O(blocks))
 FRESH_PASSES = 3  # ... but every pass for the first passes of a new plan, to see soon whether it stalls
+CONFIRM_CHECKS = 2  # a stall beyond the prediction must show at this many checks in a row before it moves blocks
 
 
 class PlanKeeper:
@@ -58,6 +60,7 @@ class PlanKeeper:
         self._measured_excess: set[int] = set()  # units whose excess was measured (the others: their tier's rate)
         self.passes = 0
         self._passes_on_plan = 0
+        self._checks_beyond = 0  # consecutive checks on the plan in place whose newest passes stalled beyond it
         self._memo: tuple[PlanFacts, Plan] | None = None
         self._read_ms: list[float] = [0.0] * len(base.sizes)  # per unit: bounce-buffer read before each copy
 
@@ -148,6 +151,7 @@ class PlanKeeper:
                 self._notice("lookahead_shrunk", note)
         if self.plan is None or plan.resident != self.plan.resident or plan.n_slots != self.plan.n_slots:
             self._passes_on_plan = 0
+            self._checks_beyond = 0
             self.costs.stalls_measured_anew()  # stalls measured under the last plan say nothing of this one
         self.allowance = allowance
         self.plan = plan
@@ -205,9 +209,14 @@ class PlanKeeper:
         measured = self.costs.stall_ms
         if not streamed or any(measured[i] is None for i in streamed):
             return False  # not every streamed unit ran on this plan yet
-        beyond = sum(measured[i] - plan.units[i].predicted_stall_ms for i in streamed)
-        margin = max(STALL_MARGIN_MS, STALL_MARGIN_FRACTION * sum(plan.units[i].predicted_stall_ms for i in streamed))
-        if beyond <= margin:
+        predicted = sum(plan.units[i].predicted_stall_ms for i in streamed)
+        margin = max(STALL_MARGIN_MS, STALL_MARGIN_FRACTION * predicted)
+        beyond = sum(measured[i] for i in streamed) - predicted
+        newest = sum(self.costs.newest_stall_ms[i] or 0.0 for i in streamed) - predicted
+        # a stall that one busy moment caused (the smoothed value still carries it) is not a reason to move blocks:
+        # the newest passes must stall beyond the margin at CONFIRM_CHECKS checks in a row
+        self._checks_beyond = self._checks_beyond + 1 if beyond > margin and newest > margin else 0
+        if self._checks_beyond < CONFIRM_CHECKS:
             return False
         order = list(self.base.order) if self.base.order else list(range(len(plan.units)))
         simulated = simulate_pass(order, self.facts(plan.allowance).costs, on_device, plan.n_slots).stall_ms
