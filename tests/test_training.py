@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as checkpoint
 
-from tests.models import CASES, DiTStack, LayersModel, TransformerStack, seeded, streaming_budget
+from tests.models import CASES, LayersModel, TransformerStack, seeded, streaming_budget
 
 STEPS = 3
 

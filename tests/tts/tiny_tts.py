@@ -18,7 +18,6 @@ end-of-audio code comes rarely, and the codecs decode every code the models can 
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
