@@ -149,6 +149,7 @@ class ModelStreamer:
         self.rest_watch = BufferWatch(staged.rest.layout)
         self._rest_marks: Any = None
         self._resident_marks: dict[int, Any] = {}
+        self._recompute_marks: dict[int, Any] = {}  # buffers of units re-running in backward (checkpointing)
         self.metrics = MetricsCollector(backend, len(self.units), profile)
         self.backward = BackwardStreamer(self.units, self.placement, self.worker, backend, self.metrics,
                                          _WeakHook(self, ModelStreamer._fetch),
@@ -376,6 +377,8 @@ class ModelStreamer:
         if in_backward():
             if index not in self.writes.foreign:
                 self.backward.recompute_pre(index, whole_unit)
+                if whole_unit and self.buffer_watch[index]:  # a checkpointed forward re-runs: it writes them again
+                    self._recompute_marks[index] = self.buffer_watch[index].mark()
             return
         outside = self._root_calls == 0 or self._pass_owner != threading.get_ident()
         if outside:
@@ -448,7 +451,12 @@ class ModelStreamer:
 
     def _post(self, index: int, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():
-            return self.backward.recompute_post(index, output) if index not in self.writes.foreign else None
+            if index in self.writes.foreign:
+                return None
+            marks = self._recompute_marks.pop(index, None)
+            if marks is not None:
+                self._recompute_written(index, marks)
+            return self.backward.recompute_post(index, output)
         u = self.units[index]
         if u.resident_buf is not None:
             self._in_flags[index].on = False
@@ -476,7 +484,8 @@ class ModelStreamer:
         try:
             if active.hooks is not None:
                 active.hooks.pop()
-            refused = self._write_back(active) if active.buffers is not None else None
+            refused = (self._write_back(active.index, active.slot, active.buffers) if active.buffers is not None
+                       else None)
             free = self._unbind(active)
             nbytes = self.units[active.index].nbytes
             self.metrics.add(active.index, active.copy, active.ready, active.start, free, nbytes)
@@ -487,12 +496,26 @@ class ModelStreamer:
                 self._lock.release()
 
     # buffers a unit writes during its own forward (offload/buffer_writes.py) ------------------------
-    def _write_back(self, active: ActiveUnit) -> BufferShapeError | None:
+    def _recompute_written(self, index: int, marks: Any) -> None:
+        """A unit's forward re-ran inside backward (activation checkpointing) and may have written its buffers
+        again, as it does on a plain model (BatchNorm's running statistics): the same write-back as a forward."""
+        u = self.units[index]
+        if u.resident_buf is not None:
+            self._resident_written(u, marks)
+            return
+        held = self.backward.held
+        if held is None or held.index != index:
+            return  # entered through a child only: not the whole unit's forward
+        refused = self._write_back(index, held.slot, marks)
+        if refused is not None:
+            raise refused
+
+    def _write_back(self, index: int, slot_index: int, marks: Any) -> BufferShapeError | None:
         """A streamed unit's buffers written in its forward go into its host master before its slot goes back to the
         ring: device-to-host, only those bytes (a disk-tier unit gets a RAM master first: it is no longer the file's).
         Returns the refusal of a buffer reassigned with another shape or dtype (raised once the slot is back)."""
-        watch = self.buffer_watch[active.index]
-        in_place, reassigned = watch.written(active.buffers)
+        watch = self.buffer_watch[index]
+        in_place, reassigned = watch.written(marks)
         if not in_place and not reassigned:
             return None
         for k, value in reassigned:
@@ -500,8 +523,8 @@ class ModelStreamer:
                 watch.check_value(k, value)
             except BufferShapeError as exc:
                 return exc
-        u = self.units[active.index]
-        slot = self.placement.slots[active.slot]
+        u = self.units[index]
+        slot = self.placement.slots[slot_index]
         self.backend.synchronize()  # the unit's writes on the compute stream are done
         with torch.no_grad():
             if u.master.host is None:
@@ -512,7 +535,7 @@ class ModelStreamer:
             for k, value in reassigned:
                 watch.leaf_view(u.master.host, k).copy_(value)
         u.mark = u.staged.layout.version()  # the host master changed on purpose: nothing queued holds this unit
-        if any(queued[0] == active.index for queued in self.worker.inflight):
+        if any(queued[0] == index for queued in self.worker.inflight):
             self.worker.restart()  # a copy queued for the unit's next call in this pass holds the old bytes
         return None
 
