@@ -247,8 +247,9 @@ def _greedy(sizes: list[int], avail: int, want: int, costs: UnitCosts, score: _S
     resident: set[int] = set(start)
     fit = _fit(sizes, resident, avail, want)
     current = score.total(resident, fit[0]) if fit else math.inf
+    slots = fit[0] if fit else 0
     while len(resident) < len(sizes) - 1:
-        best: tuple[float, float, int, float] | None = None  # (gain per byte, ratio, unit, new total)
+        best: tuple[float, float, int, float, int] | None = None  # (gain per byte, ratio, unit, new total, slots)
         for u in range(len(sizes)):
             if u in resident:
                 continue
@@ -256,20 +257,23 @@ def _greedy(sizes: list[int], avail: int, want: int, costs: UnitCosts, score: _S
             fit = _fit(sizes, trial, avail, want)
             if fit is None:
                 continue
-            total = score.total(trial, fit[0])
+            if current <= 0.0 and fit[0] >= slots:
+                total = 0.0  # one unit more resident, no fewer slots: no stall can appear (ring_sim.simulate_pass)
+            else:
+                total = score.total(trial, fit[0])
             gain = current - total
             if gain < -1e-9:
                 continue  # keeping it would cost lookahead the others need
             if gain <= 1e-9 and fit[0] < min(want, len(sizes) - len(trial)):
                 continue  # filling spare room never shrinks the lookahead
             ratio = costs.copy_ms[u] / max(costs.compute_ms[u], 1e-6)
-            key = (gain / max(sizes[u], 1) if gain > 1e-9 else 0.0, ratio, u, total)
+            key = (gain / max(sizes[u], 1) if gain > 1e-9 else 0.0, ratio, u, total, fit[0])
             if best is None or key[:2] > best[:2]:
                 best = key
         if best is None:
             break
         resident.add(best[2])
-        current = best[3]
+        current, slots = best[3], best[4]
     return resident
 
 

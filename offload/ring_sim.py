@@ -46,10 +46,18 @@ def simulate_pass(order: list[int], costs: UnitCosts, resident: set[int], slots:
     pass repeats (see the module docstring)."""
     n = len(costs.compute_ms)
     compute, copy = costs.compute_ms, costs.copy_ms
-    steps = [(u, compute[u], copy[u], u not in resident) for u in order]
-    total_compute = sum(c for _, c, _, _ in steps)
-    if slots < 1 or not any(s for _, _, _, s in steps):
-        return PassTimes([0.0] * n, total_compute + gap_ms, 0.0)
+    # the streamed uses in order, each with the compute of the resident units run since the one before it
+    steps: list[tuple[int, float, float, float]] = []
+    before = 0.0
+    for u in order:
+        if u in resident:
+            before += compute[u]
+        else:
+            steps.append((u, before, compute[u], copy[u]))
+            before = 0.0
+    after = before  # resident compute after the last streamed use
+    if slots < 1 or not steps:
+        return PassTimes([0.0] * n, sum(compute[u] for u in order) + gap_ms, 0.0)
     ring = [0.0] * slots  # compute end of the last `slots` streamed uses: ring[k % slots] frees for use k + slots
     k = 0  # streamed uses so far
     t = xfer = 0.0
@@ -59,18 +67,19 @@ def simulate_pass(order: list[int], costs: UnitCosts, resident: set[int], slots:
     for p in range(MAX_PASSES):
         stalls = [0.0] * n
         start_of_pass = t
-        for u, c, cp, streamed in steps:
-            if not streamed:
-                t += c
-                continue
-            done = max(xfer, ring[k % slots]) + cp  # its slot frees when the use `slots` earlier ends
+        for u, pre, c, cp in steps:
+            t += pre
+            j = k % slots
+            free = ring[j]  # its slot frees when the use `slots` earlier ends
+            done = (xfer if xfer > free else free) + cp
             xfer = done
             if done > t:
                 stalls[u] += done - t
                 t = done
             t += c
-            ring[k % slots] = t
+            ring[j] = t
             k += 1
+        t += after
         step = t - start_of_pass
         t += gap_ms
         if p == 0:

@@ -121,3 +121,31 @@ def test_setup_budget_changes_oom_shrinks_and_cost_replans_all_ask_make_plan(mon
     assert torch.equal(run(model, (x,)), ref)
     assert failed and len(spy.calls) > n + 1, "the out-of-memory shrink planned again through make_plan"
     h.detach()
+
+
+def test_no_stall_stays_none_with_one_more_resident_unit():
+    """The cost search skips simulating a candidate when the plan it grows stalls nothing and the candidate keeps
+    as many slots (plan_device._greedy): that holds only if keeping one more unit resident, with no fewer slots, never
+    brings a stall back. Random rings (repeated calls, gaps between passes, free copies and free computes) check it."""
+    import random
+
+    from offload.ring_sim import simulate_pass
+
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(3000):
+        n = rng.randint(2, 12)
+        costs = UnitCosts([rng.choice([0.0, rng.uniform(0, 5)]) for _ in range(n)],
+                          [rng.choice([0.0, rng.uniform(0, 8)]) for _ in range(n)])
+        order = list(range(n)) + (rng.sample(range(n), rng.randint(1, n)) if rng.random() < 0.3 else [])
+        slots = rng.randint(1, 4)
+        resident = set(rng.sample(range(n), rng.randint(0, n - 2)))
+        gap = rng.choice([0.0, rng.uniform(0, 3)])
+        if sum(simulate_pass(order, costs, resident, slots, gap).stall_ms) > 0:
+            continue
+        for u in set(range(n)) - resident:
+            more = slots + rng.randint(0, 2)
+            stall = sum(simulate_pass(order, costs, resident | {u}, more, gap).stall_ms)
+            assert stall == 0.0, (order, costs, sorted(resident), u, slots, more, gap)
+            checked += 1
+    assert checked > 1000
