@@ -26,7 +26,7 @@ import logging
 import math
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -396,9 +396,10 @@ def decoder_layer_count(model: Any) -> int | None:
 
 
 @contextlib.contextmanager
-def paged_generation(model: Any, pager: KVPager) -> Iterator[None]:
-    """While inside, every cache `model.generate` creates for itself is a PagedKVCache in `pager` (for VibeVoice
-    both the positive and the CFG-negative cache; the negative one is evicted first)."""
+def generation_cache(model: Any, make: Callable[[int, tuple, dict], Any]) -> Iterator[None]:
+    """While inside, the cache `model.generate` would create for itself is `make(num_layers, args, kwargs)` (the
+    arguments transformers passes to `_prepare_cache_for_generation` after the config and model kwargs); a cache
+    the caller passed, or a `cache_implementation` asked for, is left to transformers."""
     original = model._prepare_cache_for_generation
     num_layers = decoder_layer_count(model)
 
@@ -406,9 +407,7 @@ def paged_generation(model: Any, pager: KVPager) -> Iterator[None]:
         if (any(model_kwargs.get(k) is not None for k in _CACHE_KWARGS)
                 or generation_config.cache_implementation is not None):
             return original(generation_config, model_kwargs, *args, **kwargs)
-        negative = "negative" in str(kwargs.get("max_length_attr_name", "")) or any(
-            "negative" in str(a) for a in args if isinstance(a, str))
-        model_kwargs[CACHE_KWARG] = pager.new_cache(num_layers, priority=0 if negative else 1)
+        model_kwargs[CACHE_KWARG] = make(num_layers, args, kwargs)
         return None
 
     model._prepare_cache_for_generation = prepare
@@ -416,3 +415,15 @@ def paged_generation(model: Any, pager: KVPager) -> Iterator[None]:
         yield
     finally:
         model.__dict__.pop("_prepare_cache_for_generation", None)
+
+
+def paged_generation(model: Any, pager: KVPager) -> contextlib.AbstractContextManager[None]:
+    """While inside, every cache `model.generate` creates for itself is a PagedKVCache in `pager` (for VibeVoice
+    both the positive and the CFG-negative cache; the negative one is evicted first)."""
+
+    def make(num_layers: int, args: tuple, kwargs: dict) -> PagedKVCache:
+        negative = "negative" in str(kwargs.get("max_length_attr_name", "")) or any(
+            "negative" in str(a) for a in args if isinstance(a, str))
+        return pager.new_cache(num_layers, priority=0 if negative else 1)
+
+    return generation_cache(model, make)

@@ -149,6 +149,20 @@ def check_weights(path: Path, files: list[Path]) -> int:
     return fp8
 
 
+def check_codec_folder(path: Path, model_type: str, model: str, repo: str) -> None:
+    """The codec a model needs, in `<folder>/audio_tokenizer/` (whatever id the processor config names)."""
+    codec = path / AUDIO_TOKENIZER_DIR
+    where = (f"{model} needs its audio codec ({repo}, a separate repository) in {codec}/: put that repository's "
+             f"config.json and model.safetensors there")
+    if not codec.is_dir():
+        raise TTSModelError(f"{path}: no {AUDIO_TOKENIZER_DIR}/ folder. {where}")
+    config = read_config(codec)
+    if config.get("model_type") != model_type:
+        raise TTSModelError(f"{codec}: config.json says model_type {config.get('model_type')!r}, not "
+                            f"{model_type!r}. {where}")
+    check_weights(codec, weight_files(codec))
+
+
 def has_tokenizer_files(path: Path) -> bool:
     return any((path / n).is_file() for n in ("tokenizer.json", "vocab.json", "tokenizer.model"))
 

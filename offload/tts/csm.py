@@ -24,9 +24,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult, check_weights,
-                     codec_dtype, codec_units, finite_audio, kv_bytes_per_token, layer_units, module_bytes, mono,
-                     prompt_length, read_config, require_text, sampling_overrides, speaker_lines, to_device,
+from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult,
+                     check_codec_folder, codec_dtype, codec_units, finite_audio, kv_bytes_per_token, layer_units,
+                     module_bytes, mono, prompt_length, require_text, sampling_overrides, speaker_lines, to_device,
                      token_streamer, weight_files)
 
 log = logging.getLogger(__name__)
@@ -47,15 +47,9 @@ class CsmFamily(TTSFamily):
     default_sample_rate = 24000
 
     def check_extra(self, path: Path, config: dict) -> None:
-        if not self._checkpoint_has_codec(path):
-            codec = path / AUDIO_TOKENIZER_DIR
-            where = (f"CSM's checkpoint holds its Mimi codec (codec_model.*) as sesame/csm-1b does; this one does "
-                     f"not, so the codec ({CODEC_REPO}) must be in {codec}/ (its config.json and model.safetensors)")
-            if not codec.is_dir():
-                raise TTSModelError(f"{path}: {where}")
-            if read_config(codec).get("model_type") != "mimi":
-                raise TTSModelError(f"{codec}: not a Mimi codec. {where}")
-            check_weights(codec, weight_files(codec))
+        if not self._checkpoint_has_codec(path):  # sesame/csm-1b holds its Mimi codec as codec_model.*
+            check_codec_folder(path, "mimi", f"{self.name} (this checkpoint holds no codec_model.* weights)",
+                               CODEC_REPO)
 
     @staticmethod
     def _checkpoint_has_codec(path: Path) -> bool:

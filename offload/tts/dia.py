@@ -14,14 +14,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult, check_weights,
-                     finite_audio, kv_bytes_per_token, layer_units, codec_units, module_bytes, mono, read_config,
-                     require_text, sampling_overrides, speaker_lines, to_device, token_streamer, weight_files)
+from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult,
+                     check_codec_folder, codec_units, finite_audio, kv_bytes_per_token, layer_units, module_bytes, mono,
+                     require_text, sampling_overrides, speaker_lines, to_device, token_streamer)
 
 log = logging.getLogger(__name__)
 
@@ -143,43 +143,15 @@ def dia_text(text: str) -> str:
     return "[S1] " + " ".join(text.split())
 
 
-def check_codec_folder(path: Path, model_type: str, model: str, repo: str) -> None:
-    """The codec a model needs, in `<folder>/audio_tokenizer/` (whatever id the processor config names)."""
-    codec = path / AUDIO_TOKENIZER_DIR
-    where = (f"{model} needs its audio codec ({repo}, a separate repository) in {codec}/: put that repository's "
-             f"config.json and model.safetensors there")
-    if not codec.is_dir():
-        raise TTSModelError(f"{path}: no {AUDIO_TOKENIZER_DIR}/ folder. {where}")
-    config = read_config(codec)
-    if config.get("model_type") != model_type:
-        raise TTSModelError(f"{codec}: config.json says model_type {config.get('model_type')!r}, not "
-                            f"{model_type!r}. {where}")
-    check_weights(codec, weight_files(codec))
-
-
-@contextlib.contextmanager
-def paged_encoder_decoder_cache(model: nn.Module, pager: Any) -> Iterator[None]:
+def paged_encoder_decoder_cache(model: nn.Module, pager: Any) -> contextlib.AbstractContextManager[None]:
     """While inside, the cache `generate` makes is an EncoderDecoderCache of two caches in `pager` (self-attention
     keys and values grow a frame at a time; the cross-attention ones are written once from the encoder)."""
     from transformers.cache_utils import EncoderDecoderCache
 
-    from ..kv_cache import CACHE_KWARG, _CACHE_KWARGS, decoder_layer_count
+    from ..kv_cache import generation_cache
 
-    original = model._prepare_cache_for_generation
-    num_layers = decoder_layer_count(model)
-
-    def prepare(generation_config: Any, model_kwargs: dict, *args: Any, **kwargs: Any) -> Any:
-        if (any(model_kwargs.get(k) is not None for k in _CACHE_KWARGS)
-                or generation_config.cache_implementation is not None):
-            return original(generation_config, model_kwargs, *args, **kwargs)
-        model_kwargs[CACHE_KWARG] = EncoderDecoderCache(pager.new_cache(num_layers), pager.new_cache(num_layers))
-        return None
-
-    model._prepare_cache_for_generation = prepare
-    try:
-        yield
-    finally:
-        model.__dict__.pop("_prepare_cache_for_generation", None)
+    return generation_cache(model, lambda num_layers, args, kwargs: EncoderDecoderCache(
+        pager.new_cache(num_layers), pager.new_cache(num_layers)))
 
 
 FAMILY = DiaFamily()

@@ -33,10 +33,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult, codec_units,
-                     finite_audio, kv_bytes_per_token, layer_units, module_bytes, mono, prompt_length,
-                     require_text, resample, sampling_overrides, speaker_lines, to_device, token_streamer)
-from .dia import check_codec_folder
+from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult,
+                     check_codec_folder, codec_units, finite_audio, kv_bytes_per_token, layer_units, module_bytes, mono,
+                     prompt_length, require_text, resample, sampling_overrides, speaker_lines, to_device,
+                     token_streamer)
 
 log = logging.getLogger(__name__)
 
