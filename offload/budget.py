@@ -20,7 +20,6 @@ another needs its bytes. `explain_share(member)` says in words why a member hold
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -29,10 +28,9 @@ import weakref
 from typing import Protocol
 
 from .config import check_bytes
+from .recency import PHASE_PASSES, Recency
 
 log = logging.getLogger(__name__)
-
-PHASE_PASSES = 2  # passes in a row that make a phase: a model working in one leads its priority (see the rule above)
 
 
 class BudgetMember(Protocol):
@@ -83,20 +81,9 @@ class VramBudget:
         # Weak references: a model its owner dropped without detach() must not be kept alive (with its device
         # memory) by the budget; the model and its handle refer to each other, so either keeps both alive.
         self._refs: list[weakref.ReferenceType] = []
-        self._tick = itertools.count(1)  # one clock for registrations, pass starts and changes of lead
-        self._order: dict[int, int] = {}  # id(member) -> registration tick (the tie-break, as before recency)
+        self._recency = Recency()  # registrations, pass starts and leads: the ranking among equal priorities
         self._caps: dict[int, int] = {}  # watermarks: id(member) -> max bytes until prioritize()
         self._last_best: dict[int, int] = {}  # the most each member could hold as its priority's lead (watermark)
-        self._touched: dict[int, int] = {}  # tick of the member's last pass start (its registration before that)
-        self._led: dict[int, int] = {}  # tick at which the member last took the lead of its priority (0: never)
-        self._run: dict[int, int] = {}  # passes of the member's current (or last) run
-        self._prev_run: dict[int, int] = {}  # passes of its previous completed run (absent: it never ran)
-        self._running: dict[int, int] = {}  # priority -> id of the member whose run goes on
-        self._ran: set[int] = set()  # members that started a pass at least once
-        self._released: set[int] = set()  # never ran, but a lead ran alone long enough to park them (see _parked)
-        self._last_touch: int | None = None  # the member that started the latest pass (any priority)
-        self._alone: dict[int, int] = {}  # passes in a row a member started with no other member's pass between
-        self._asked: set[int] = set()  # members whose lead was asked for (explicit), not earned by a phase
 
     # totals -------------------------------------------------------------------
     @property
@@ -212,9 +199,7 @@ class VramBudget:
             if self._total is not None:
                 self._check_device(self._total, member.device_total())
             self._refs.append(weakref.ref(member, self._forget))
-            tick = next(self._tick)
-            self._order[id(member)] = tick
-            self._touched[id(member)] = tick
+            self._recency.joined(id(member))
             self.rebalance()
 
     def unregister(self, member: BudgetMember) -> None:
@@ -230,20 +215,13 @@ class VramBudget:
         with self._lock:
             self._refs = [r for r in self._refs if r is not ref and r() is not None]
             live = {id(m) for m in self._members}
-            for key in [k for k in self._order if k not in live]:
+            for key in [k for k in self._recency.order if k not in live]:
                 self._drop(key)
 
     def _drop(self, key: int) -> None:
-        for d in (self._order, self._caps, self._last_best, self._touched, self._led, self._run, self._prev_run):
-            d.pop(key, None)
-        self._ran.discard(key)
-        self._released.discard(key)
-        self._asked.discard(key)
-        self._alone.pop(key, None)
-        if self._last_touch == key:
-            self._last_touch = None
-        for prio in [p for p, k in self._running.items() if k == key]:
-            del self._running[prio]
+        self._recency.drop(key)
+        self._caps.pop(key, None)
+        self._last_best.pop(key, None)
 
     def prioritize(self, member: BudgetMember) -> None:
         """Give `member` the highest priority and clear its watermark."""
@@ -270,42 +248,14 @@ class VramBudget:
         """
         with self._lock:
             key = id(member)
-            if key not in self._order:
+            if key not in self._recency.order:
                 return False
-            tick = next(self._tick)
-            prio = member.priority
-            current = self._running.get(prio)
-            if current == key:
-                self._run[key] = self._run.get(key, 0) + 1
-            else:
-                if current is not None:
-                    self._prev_run[current] = self._run.get(current, 0)
-                self._running[prio] = key
-                self._run[key] = 1
-            previous = self._prev_run.get(key)
-            phase = explicit or previous is None or previous >= PHASE_PASSES or self._run[key] >= PHASE_PASSES
-            lead = self._leader(prio)
-            # never from a lead in a pass (a model called inside its forward, or running on another thread): it works
-            # now too and could not give its bytes back before its next safe point
-            takes = phase and lead is not member and (lead is None or not lead.is_busy())
-            self._touched[key] = tick
-            self._ran.add(key)
-            self._alone[key] = self._alone.get(key, 0) + 1 if self._last_touch == key else 1
-            self._last_touch = key
-            if takes:
-                self._led[key] = tick
-                (self._asked.add if explicit else self._asked.discard)(key)
-            if (takes or lead is member) and self._alone[key] >= PHASE_PASSES:
-                # it ran alone for a phase: no model is called inside its forward, so the ones of its priority that
-                # never ran may be parked (once released they stay so: a flag that flipped back would move bytes)
-                self._released.update(id(m) for m in self._members
-                                      if m.priority == prio and id(m) not in self._ran)
+            takes, lead = self._recency.start_pass(member, self._members, explicit)
             for f in followers:  # ranked with it (after it: registered later), never parked while it works
-                if f is not None and getattr(f, "budget", self) is self and id(f) in self._order:
-                    self._touched[id(f)] = tick
-                    self._led[id(f)] = self._led.get(key, 0)
+                if f is not None and getattr(f, "budget", self) is self and id(f) in self._recency.order:
+                    self._recency.follow(key, id(f))
             if takes:
-                log.debug("%s leads priority %d in the VRAM budget now (%s)", member.name, prio,
+                log.debug("%s leads priority %d in the VRAM budget now (%s)", member.name, member.priority,
                           "asked" if explicit else "its phase")
         for f in followers:
             other = getattr(f, "budget", self) if f is not None else self
@@ -316,44 +266,11 @@ class VramBudget:
     def recency(self, member: BudgetMember) -> int:
         """When `member` last started a pass, on the budget's clock (higher is more recent; 0 for a stranger)."""
         with self._lock:
-            return self._touched.get(id(member), 0) if id(member) in self._ran else 0
-
-    def _leader(self, priority: int) -> BudgetMember | None:
-        """The member of `priority` that took the lead last (None while none of them ever ran)."""
-        best, best_tick = None, 0
-        for m in self._members:
-            tick = self._led.get(id(m), 0)
-            if m.priority == priority and tick > best_tick:
-                best, best_tick = m, tick
-        return best
+            return self._recency.last_pass(id(member))
 
     # policy ---------------------------------------------------------------------
     def _ranked(self, lead: BudgetMember | None = None) -> list[BudgetMember]:
-        """Priority first, then the latest to take the lead (`lead`: as if it took it now), then registration."""
-        def key(m: BudgetMember) -> tuple[int, float, int]:
-            led = math.inf if m is lead else self._led.get(id(m), 0)
-            return (-m.priority, -led, self._order.get(id(m), 0))
-        return sorted(self._members, key=key)
-
-    def _parked(self, members: list[BudgetMember], lead: BudgetMember | None = None) -> set[int]:
-        """Members another of their priority took the lead from since they last ran: their floor is not kept for
-        them while they are idle (they take it back at their next pass). A member that never ran is parked only by a
-        lead that was asked for (ComfyUI loading a model for a node), or once the lead ran `PHASE_PASSES` passes with
-        no other model's pass between them: a lead found by its first pass may be running a model it calls inside its
-        own forward. With `lead`, every other member of its priority is parked."""
-        newest: dict[int, tuple[float, int]] = {}
-        for m in members:
-            led = math.inf if m is lead else self._led.get(id(m), 0)
-            if led > newest.get(m.priority, (0, 0))[0]:  # the latest lead (its followers tie with it, after it)
-                newest[m.priority] = (led, id(m))
-        parked = set()
-        for m in members:
-            led, by = newest.get(m.priority, (0, 0))
-            if m is lead or by in (0, id(m)) or led <= self._touched.get(id(m), 0):
-                continue
-            if id(m) in self._ran or id(m) in self._released or lead is not None or by in self._asked:
-                parked.add(id(m))
-        return parked
+        return self._recency.ranked(self._members, lead)
 
     def _shares(self, lead: BudgetMember | None = None, uncapped: BudgetMember | None = None) -> dict[int, int]:
         """Bytes each member may hold (by id): floors first (not for parked idle members), then the rest in ranked
@@ -363,7 +280,7 @@ class VramBudget:
         remaining = total
         t: dict[int, int] = {}
         ranked = self._ranked(lead)
-        parked = self._parked(ranked, lead)
+        parked = self._recency.parked(ranked, lead)
         for m in ranked:
             if id(m) in parked and (lead is not None or not m.is_busy()):
                 t[id(m)] = 0
@@ -425,12 +342,12 @@ class VramBudget:
                     ", ".join(str(p) for p in sorted({m.priority for m in higher}, reverse=True)),
                     ", ".join(m.name for m in higher), sum(t[id(m)] for m in higher) / mib))
             peers = [m for m in self._members if m is not member and m.priority == member.priority]
-            lead = self._leader(member.priority)
+            lead = self._recency.leader(self._members, member.priority)
             if peers:
                 if lead is member:
                     parts.append(f"it leads priority {member.priority} (the latest of {len(peers) + 1} models there to "
                                  f"work in a phase): idle ones of that priority give it their bytes")
-                elif id(member) in self._parked(self._members):
+                elif id(member) in self._recency.parked(self._members):
                     parts.append(f"idle since {lead.name if lead is not None else 'another model'} (same priority "
                                  f"{member.priority}) took the lead: no floor is kept for it; it takes its share back "
                                  f"when it runs again")
