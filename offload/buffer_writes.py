@@ -20,13 +20,20 @@ How a write is seen, per buffer:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from .layout import TensorLayout
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+    from .host_tiers import HostTiers
+    from .placement import DevicePlacement, UnitState
+    from .prefetch import PrefetchWorker
+    from .staging import StagedModel
 
 
 class BufferShapeError(ValueError):
@@ -114,6 +121,108 @@ class BufferWatch:
                 ours.copy_(value)
                 spot = self.spots[k]
                 spot.module._buffers[spot.attr] = ours
+
+
+class ModelBufferWrites:
+    """A streamed model's buffer watches and the marks taken before each forward: after a streamed unit's forward the
+    written bytes go into its host master; a resident unit or the rest marks its device copy newer (module docstring).
+    A forward that activation checkpointing re-runs inside backward writes its buffers again, as on a plain model
+    (BatchNorm statistics updated twice a step): the same write-back follows each re-run."""
+
+    def __init__(self, staged: "StagedModel", units: list["UnitState"], placement: "DevicePlacement",
+                 host: "HostTiers", worker: "PrefetchWorker", backend: "Backend") -> None:
+        self.units, self.placement, self.host, self.worker, self.backend = units, placement, host, worker, backend
+        self.watch = [BufferWatch(u.staged.layout) for u in units]
+        self.rest_watch = BufferWatch(staged.rest.layout)
+        self._rest_marks: Any = None
+        self._resident_marks: dict[int, Any] = {}
+        self._recompute_marks: dict[int, Any] = {}  # units re-running their forward in backward (checkpointing)
+
+    def mark(self, index: int) -> Any:
+        """Unit `index`'s buffers right before a streamed forward (None: it has none)."""
+        return self.watch[index].mark() if self.watch[index] else None
+
+    # the weights outside the blocks: a pass ------------------------------------------------
+    def pass_started(self) -> None:
+        self._rest_marks = self.rest_watch.mark() if self.rest_watch else None
+
+    def pass_ended(self) -> None:
+        """The weights outside the blocks (always resident while a pass runs) wrote their device copy: newer."""
+        marks, self._rest_marks = self._rest_marks, None
+        if marks is None:
+            return
+        in_place, reassigned = self.rest_watch.written(marks)
+        if reassigned:
+            self.rest_watch.put_back(marks, reassigned)
+        if (in_place or reassigned) and self.placement.rest_buf is not None:
+            self.placement.rest_device_newer = True
+
+    # a resident unit ---------------------------------------------------------------------------
+    def resident_started(self, index: int) -> None:
+        if self.watch[index]:
+            self._resident_marks[index] = self.watch[index].mark()
+
+    def resident_ended(self, index: int) -> None:
+        marks = self._resident_marks.pop(index, None)
+        if marks is not None:
+            self._resident_written(self.units[index], marks)
+
+    def _resident_written(self, u: "UnitState", marks: Any) -> None:
+        """A resident unit wrote buffers on its own device copy: the host master catches up when it is evicted."""
+        watch = self.watch[u.index]
+        in_place, reassigned = watch.written(marks)
+        if reassigned:
+            watch.put_back(marks, reassigned)
+        if in_place or reassigned:
+            u.device_newer = True
+
+    # a forward re-run in backward (activation checkpointing) ------------------------------------
+    def recompute_started(self, index: int) -> None:
+        if self.watch[index]:
+            self._recompute_marks[index] = self.watch[index].mark()
+
+    def recompute_ended(self, index: int, slot_index: int | None) -> None:
+        """The re-run ended; `slot_index`: the slot the unit is held in (None: resident, or entered through a child
+        only, which is not the whole unit's forward)."""
+        marks = self._recompute_marks.pop(index, None)
+        if marks is None:
+            return
+        if self.units[index].resident_buf is not None:
+            self._resident_written(self.units[index], marks)
+        elif slot_index is not None:
+            refused = self.streamed_ended(index, slot_index, marks)
+            if refused is not None:
+                raise refused
+
+    # a streamed unit ---------------------------------------------------------------------------
+    def streamed_ended(self, index: int, slot_index: int, marks: Any) -> BufferShapeError | None:
+        """A streamed unit's buffers written in its forward go into its host master before its slot goes back to the
+        ring: device-to-host, only those bytes (a disk-tier unit gets a RAM master first: it is no longer the file's).
+        Returns the refusal of a buffer reassigned with another shape or dtype (raised once the slot is back)."""
+        watch = self.watch[index]
+        in_place, reassigned = watch.written(marks)
+        if not in_place and not reassigned:
+            return None
+        for k, value in reassigned:
+            try:
+                watch.check_value(k, value)
+            except BufferShapeError as exc:
+                return exc
+        u = self.units[index]
+        slot = self.placement.slots[slot_index]
+        self.backend.synchronize()  # the unit's writes on the compute stream are done
+        with torch.no_grad():
+            if u.master.host is None:
+                self.host.promote_to_ram(u, slot[:u.nbytes])
+            else:
+                for k in in_place:
+                    watch.leaf_bytes(u.master.host, k).copy_(watch.leaf_bytes(slot, k))
+            for k, value in reassigned:
+                watch.leaf_view(u.master.host, k).copy_(value)
+        u.mark = u.staged.layout.version()  # the host master changed on purpose: nothing queued holds this unit
+        if any(queued[0] == index for queued in self.worker.inflight):
+            self.worker.restart()  # a copy queued for the unit's next call in this pass holds the old bytes
+        return None
 
 
 def _version(t: Any) -> int:

@@ -20,12 +20,67 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _hook_classes: list[type] = []  # the engine's hook callables (made opaque to dynamo once it is in use)
 _prepared = False
+
+
+class InFlag:
+    """Whether a unit is in (its container's pre-hook ran): a plain flag, so dynamo can guard on it."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+class ChildHook:
+    """A unit child's pre-hook: brings the unit in when its container is never called (ComfyUI's UNet calls the
+    layers of a TimestepEmbedSequential). While the unit is in it only reads a flag, which dynamo traces and guards
+    on instead of breaking the graph at every layer of a compiled block (`slow`: the engine's opaque hook)."""
+
+    def __init__(self, flag: InFlag, slow: Any) -> None:
+        self.flag = flag
+        self.slow = slow  # refers to the streamer weakly: no model -> hook -> engine -> model cycle
+
+    def __call__(self, module: Any, args: Any) -> Any:
+        if self.flag.on:
+            return None
+        return self.slow(module, args)
+
+
+class _CompileForward:
+    """`unit.compile(...)` on an offloaded block (diffusers' `compile_repeated_blocks` calls it per block): compiles
+    the block's forward instead of its whole call, so the engine's hooks run eagerly around the compiled graph and
+    `fullgraph=True` works (torch's `Module.compile` would compile `_call_impl`, hooks included)."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        import torch
+
+        module = self._module()
+        if module is not None:
+            module.__dict__["forward"] = torch.compile(module.forward, *args, **kwargs)
+
+
+def compile_block_forward(module: Any) -> bool:
+    """Make `module.compile(...)` compile the block's forward only (`_CompileForward`); False where the module has
+    a `compile` of its own on the instance already (left alone)."""
+    if "compile" in module.__dict__:
+        return False
+    module.__dict__["compile"] = _CompileForward(module)
+    return True
+
+
+def restore_compile(modules: list[Any]) -> None:
+    """Undo `compile_block_forward` (detach)."""
+    for module in modules:
+        if isinstance(module.__dict__.get("compile"), _CompileForward):
+            del module.__dict__["compile"]
 
 
 def register_hook_class(cls: type) -> type:

@@ -28,8 +28,9 @@ import torch
 import torch.nn as nn
 
 from .backends.base import Backend
-from .buffer_writes import BufferShapeError, BufferWatch
-from .compile_support import prepare_dynamo, register_hook_class
+from .buffer_writes import ModelBufferWrites
+from .compile_support import (ChildHook, InFlag, compile_block_forward, prepare_dynamo, register_hook_class,
+                              restore_compile)
 from .model_changes import ModelChanges
 from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
                        trainable_weight_error)
@@ -76,42 +77,6 @@ class _WeakHook:
         return self._fn(s, *args) if self._index is None else self._fn(s, self._index, *args)
 
 
-class _InFlag:
-    """Whether a unit is in (its container's pre-hook ran): a plain flag, so dynamo can guard on it."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-
-class _ChildHook:
-    """A unit child's pre-hook: brings the unit in when its container is never called (ComfyUI's UNet calls the
-    layers of a TimestepEmbedSequential). While the unit is in it only reads a flag, which dynamo traces and guards
-    on instead of breaking the graph at every layer of a compiled block (the slow path is an opaque `_WeakHook`)."""
-
-    def __init__(self, flag: _InFlag, slow: _WeakHook) -> None:
-        self.flag = flag
-        self.slow = slow  # refers to the streamer weakly: no model -> hook -> engine -> model cycle
-
-    def __call__(self, module: nn.Module, args: Any) -> Any:
-        if self.flag.on:
-            return None
-        return self.slow(module, args)
-
-
-class _CompileForward:
-    """`unit.compile(...)` on an offloaded block (diffusers' `compile_repeated_blocks` calls it per block): compiles
-    the block's forward instead of its whole call, so the engine's hooks run eagerly around the compiled graph and
-    `fullgraph=True` works (torch's `Module.compile` would compile `_call_impl`, hooks included)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._module = weakref.ref(module)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        module = self._module()
-        if module is not None:
-            module.__dict__["forward"] = torch.compile(module.forward, *args, **kwargs)
-
-
 @dataclass
 class ActiveUnit:
     """The streamed unit computing now, in its slot."""
@@ -145,11 +110,7 @@ class ModelStreamer:
                                          self.host.promote_to_ram)
         self.writes = WriteWatch(staged, self.units, self.placement, self.host, self.worker)
         # buffers a unit writes during its own forward (running stats, step counters) reach the host master
-        self.buffer_watch = [BufferWatch(u.staged.layout) for u in self.units]
-        self.rest_watch = BufferWatch(staged.rest.layout)
-        self._rest_marks: Any = None
-        self._resident_marks: dict[int, Any] = {}
-        self._recompute_marks: dict[int, Any] = {}  # buffers of units re-running in backward (checkpointing)
+        self.buffers = ModelBufferWrites(staged, self.units, self.placement, self.host, self.worker, backend)
         self.metrics = MetricsCollector(backend, len(self.units), profile)
         self.backward = BackwardStreamer(self.units, self.placement, self.worker, backend, self.metrics,
                                          _WeakHook(self, ModelStreamer._fetch),
@@ -166,7 +127,7 @@ class ModelStreamer:
         self._last_unit_outside_root: int | None = None
         self._refusal: TrainableWeightError | None = None  # this pass computes with a streamed weight requiring grad
         self._hooks: list[Any] = []
-        self._in_flags = [_InFlag() for _ in self.units]  # unit i is in: its children's hooks have nothing to do
+        self._in_flags = [InFlag() for _ in self.units]  # unit i is in: its children's hooks have nothing to do
         self._compile_overrides: list[nn.Module] = []
         self._install_hooks(model)
         # conversions after offloading are refused at the call; deepcopy gives an ordinary model (model_changes.py)
@@ -218,9 +179,8 @@ class ModelStreamer:
             # TimestepEmbedSequential and calls its layers): the first child to run brings the unit in.
             for child in module.children():
                 self._hooks.append(child.register_forward_pre_hook(
-                    _ChildHook(self._in_flags[u.index], _WeakHook(self, cls._child_pre, u.index)), prepend=True))
-            if "compile" not in module.__dict__:
-                module.__dict__["compile"] = _CompileForward(module)
+                    ChildHook(self._in_flags[u.index], _WeakHook(self, cls._child_pre, u.index)), prepend=True))
+            if compile_block_forward(module):
                 self._compile_overrides.append(module)
         # A module outside the blocks called on its own before any block (generate() entering T5's or Whisper's
         # encoder, whose embedding runs first) must not compute on the host copy: it brings the placement in.
@@ -236,9 +196,7 @@ class ModelStreamer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for module in self._compile_overrides:
-            if isinstance(module.__dict__.get("compile"), _CompileForward):
-                del module.__dict__["compile"]
+        restore_compile(self._compile_overrides)
         self._compile_overrides.clear()
         changes = getattr(self, "changes", None)
         if changes is not None:
@@ -288,7 +246,7 @@ class ModelStreamer:
                 if self.active is not None:  # a unit raised: give its slot back
                     self._finish_active()
                 self.backward.after_forward(self._seen)
-                self._rest_written()
+                self.buffers.pass_ended()
                 if self._refusal is not None:
                     refuse_backward(output, self._refusal)
                 listener = self._listener()
@@ -342,7 +300,7 @@ class ModelStreamer:
             self.worker.set_order(self._seen)
         self._seen = []
         self.worker.begin_pass()  # the last pass goes into the order history; predict this one
-        self._rest_marks = self.rest_watch.mark() if self.rest_watch else None
+        self.buffers.pass_started()
         self.metrics.forward_started()
         self.worker.fill()
 
@@ -377,8 +335,8 @@ class ModelStreamer:
         if in_backward():
             if index not in self.writes.foreign:
                 self.backward.recompute_pre(index, whole_unit)
-                if whole_unit and self.buffer_watch[index]:  # a checkpointed forward re-runs: it writes them again
-                    self._recompute_marks[index] = self.buffer_watch[index].mark()
+                if whole_unit:  # a checkpointed forward re-runs: it writes its buffers again
+                    self.buffers.recompute_started(index)
             return
         outside = self._root_calls == 0 or self._pass_owner != threading.get_ident()
         if outside:
@@ -398,8 +356,7 @@ class ModelStreamer:
             if u.resident_buf is not None:
                 self._resident_start[index] = (self.backend.record(), outside)
                 self._in_flags[index].on = True
-                if self.buffer_watch[index]:
-                    self._resident_marks[index] = self.buffer_watch[index].mark()
+                self.buffers.resident_started(index)
                 return
             if torch.is_grad_enabled():
                 self._check_trainable([index])
@@ -410,8 +367,7 @@ class ModelStreamer:
             self.active = ActiveUnit(index, slot, copy_event, ready, start, outside)
             self._in_flags[index].on = True
             self.active.hooks = self.backward.hooks_for(index, slot)
-            if self.buffer_watch[index]:
-                self.active.buffers = self.buffer_watch[index].mark()
+            self.active.buffers = self.buffers.mark(index)
         except BaseException:
             if outside:
                 self._lock.release()
@@ -453,9 +409,8 @@ class ModelStreamer:
         if in_backward():
             if index in self.writes.foreign:
                 return None
-            marks = self._recompute_marks.pop(index, None)
-            if marks is not None:
-                self._recompute_written(index, marks)
+            held = self.backward.held
+            self.buffers.recompute_ended(index, held.slot if held is not None and held.index == index else None)
             return self.backward.recompute_post(index, output)
         u = self.units[index]
         if u.resident_buf is not None:
@@ -465,9 +420,7 @@ class ModelStreamer:
                 self.metrics.add(index, None, None, started[0], self.backend.record(), 0)
                 if started[1]:
                     self._lock.release()
-            marks = self._resident_marks.pop(index, None)
-            if marks is not None:
-                self._resident_written(u, marks)
+            self.buffers.resident_ended(index)
             return None
         active = self.active
         if active is not None and active.index == index:
@@ -484,8 +437,8 @@ class ModelStreamer:
         try:
             if active.hooks is not None:
                 active.hooks.pop()
-            refused = (self._write_back(active.index, active.slot, active.buffers) if active.buffers is not None
-                       else None)
+            refused = (self.buffers.streamed_ended(active.index, active.slot, active.buffers)
+                       if active.buffers is not None else None)
             free = self._unbind(active)
             nbytes = self.units[active.index].nbytes
             self.metrics.add(active.index, active.copy, active.ready, active.start, free, nbytes)
@@ -494,70 +447,6 @@ class ModelStreamer:
         finally:
             if active.holds_lock:
                 self._lock.release()
-
-    # buffers a unit writes during its own forward (offload/buffer_writes.py) ------------------------
-    def _recompute_written(self, index: int, marks: Any) -> None:
-        """A unit's forward re-ran inside backward (activation checkpointing) and may have written its buffers
-        again, as it does on a plain model (BatchNorm's running statistics): the same write-back as a forward."""
-        u = self.units[index]
-        if u.resident_buf is not None:
-            self._resident_written(u, marks)
-            return
-        held = self.backward.held
-        if held is None or held.index != index:
-            return  # entered through a child only: not the whole unit's forward
-        refused = self._write_back(index, held.slot, marks)
-        if refused is not None:
-            raise refused
-
-    def _write_back(self, index: int, slot_index: int, marks: Any) -> BufferShapeError | None:
-        """A streamed unit's buffers written in its forward go into its host master before its slot goes back to the
-        ring: device-to-host, only those bytes (a disk-tier unit gets a RAM master first: it is no longer the file's).
-        Returns the refusal of a buffer reassigned with another shape or dtype (raised once the slot is back)."""
-        watch = self.buffer_watch[index]
-        in_place, reassigned = watch.written(marks)
-        if not in_place and not reassigned:
-            return None
-        for k, value in reassigned:
-            try:
-                watch.check_value(k, value)
-            except BufferShapeError as exc:
-                return exc
-        u = self.units[index]
-        slot = self.placement.slots[slot_index]
-        self.backend.synchronize()  # the unit's writes on the compute stream are done
-        with torch.no_grad():
-            if u.master.host is None:
-                self.host.promote_to_ram(u, slot[:u.nbytes])
-            else:
-                for k in in_place:
-                    watch.leaf_bytes(u.master.host, k).copy_(watch.leaf_bytes(slot, k))
-            for k, value in reassigned:
-                watch.leaf_view(u.master.host, k).copy_(value)
-        u.mark = u.staged.layout.version()  # the host master changed on purpose: nothing queued holds this unit
-        if any(queued[0] == index for queued in self.worker.inflight):
-            self.worker.restart()  # a copy queued for the unit's next call in this pass holds the old bytes
-        return None
-
-    def _resident_written(self, u: UnitState, marks: Any) -> None:
-        """A resident unit wrote buffers on its own device copy: the host master catches up when it is evicted."""
-        watch = self.buffer_watch[u.index]
-        in_place, reassigned = watch.written(marks)
-        if reassigned:
-            watch.put_back(marks, reassigned)
-        if in_place or reassigned:
-            u.device_newer = True
-
-    def _rest_written(self) -> None:
-        """The same for the weights outside the blocks (always resident while a pass runs)."""
-        marks, self._rest_marks = self._rest_marks, None
-        if marks is None:
-            return
-        in_place, reassigned = self.rest_watch.written(marks)
-        if reassigned:
-            self.rest_watch.put_back(marks, reassigned)
-        if (in_place or reassigned) and self.placement.rest_buf is not None:
-            self.placement.rest_device_newer = True
 
     def _unbind(self, active: ActiveUnit) -> Any:
         """The unit's parameters back on the host master, its slot back to the ring; returns the slot-free event."""
