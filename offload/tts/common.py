@@ -1,5 +1,5 @@
 """What every text-to-speech family shares: the interface a family implements, requests and results, folder checks,
-offline loading, fp8, which blocks stream, voices (resampling), speaker scripts, progress and the KV estimate.
+offline loading, fp8, which blocks stream, speaker scripts, progress and the KV estimate (audio in and out: audio.py).
 
 A family (one module per model: vibevoice.py, higgs_audio_v2.py, dia.py, csm.py) is a `TTSFamily` subclass that says
 what to load (`model_class`, `load_processor`), which blocks stream (`stream_units`) and how to generate (`speak`).
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -261,44 +260,6 @@ def codec_units(model: nn.Module, path: str, target: int) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def resample(wave: torch.Tensor, orig: int, new: int, width: int = 6, rolloff: float = 0.99) -> torch.Tensor:
-    """Band-limited resampling (Hann-windowed sinc, as torchaudio's default) of [..., T] float audio."""
-    if orig == new:
-        return wave
-    g = math.gcd(int(orig), int(new))
-    orig, new = int(orig) // g, int(new) // g
-    base = min(orig, new) * rolloff
-    radius = math.ceil(width * orig / base)
-    idx = torch.arange(-radius, radius + orig, dtype=torch.float64)[None, None] / orig
-    t = torch.arange(0, -new, -1, dtype=torch.float64)[:, None, None] / new + idx
-    t = (t * base).clamp(-width, width)
-    window = torch.cos(t * math.pi / width / 2) ** 2
-    t = t * math.pi
-    kernel = torch.where(t == 0, torch.tensor(1.0, dtype=torch.float64), t.sin() / t) * window * base / orig
-    kernel = kernel.to(device=wave.device, dtype=torch.float32)
-    shape = wave.shape
-    x = wave.reshape(-1, shape[-1]).to(torch.float32)
-    length = x.shape[-1]
-    x = torch.nn.functional.pad(x, (radius, radius + orig))
-    y = torch.nn.functional.conv1d(x[:, None], kernel, stride=orig)
-    y = y.transpose(1, 2).reshape(x.shape[0], -1)
-    out_len = math.ceil(new * length / orig)
-    return y[..., :out_len].reshape(*shape[:-1], out_len)
-
-
-def mono(voice: Voice, rate: int) -> Any:
-    """A voice as processors want it: 1-D float32 numpy, mono (channels averaged), at `rate` (resampled here:
-    processors take any rate silently as theirs)."""
-    w = voice.waveform.detach().to(torch.float32).cpu()
-    while w.dim() > 2:
-        w = w[0]
-    if w.dim() == 2:
-        w = w.mean(dim=0)
-    if w.numel() == 0:
-        raise ValueError("a voice reference holds no samples")
-    return resample(w, int(voice.sample_rate), int(rate)).numpy()
-
-
 def speaker_lines(text: str, max_speakers: int, model: str) -> list[tuple[str, str]] | None:
     """`Speaker N: ...` lines as (speaker, text), or None when the text has no such line (the model's own format).
 
@@ -383,19 +344,6 @@ def kv_bytes_per_token(config: Any, dtype_bytes: int) -> int:
 
 def to_device(inputs: dict, device: torch.device | str) -> dict:
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-
-
-def finite_audio(wave: torch.Tensor | None, model: str) -> torch.Tensor:
-    """The waveform as float32 [channels, T]; a clear error when the model produced none."""
-    if wave is None or wave.numel() == 0:
-        raise ValueError(f"{model} produced no speech for this text (it ended before its first audio frame); try "
-                         f"another seed, a longer text or a larger max_new_tokens")
-    wave = wave.detach().to(torch.float32).cpu()
-    while wave.dim() > 2:
-        wave = wave[0]
-    if wave.dim() == 1:
-        wave = wave[None]
-    return wave
 
 
 # ----------------------------------------------------------------------------------------------------------------

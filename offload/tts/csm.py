@@ -24,10 +24,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .audio import finite_audio, mono
 from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult,
-                     check_codec_folder, codec_dtype, codec_units, finite_audio, kv_bytes_per_token, layer_units,
-                     module_bytes, mono, prompt_length, require_text, sampling_overrides, speaker_lines, to_device,
-                     token_streamer, weight_files)
+                     check_codec_folder, codec_dtype, codec_units, kv_bytes_per_token, layer_units, module_bytes,
+                     prompt_length, require_text, sampling_overrides, speaker_lines, to_device, token_streamer,
+                     weight_files)
 
 log = logging.getLogger(__name__)
 

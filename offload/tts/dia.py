@@ -19,9 +19,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .audio import finite_audio, mono
 from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult,
-                     check_codec_folder, codec_units, finite_audio, kv_bytes_per_token, layer_units, module_bytes, mono,
-                     require_text, sampling_overrides, speaker_lines, to_device, token_streamer)
+                     check_codec_folder, codec_units, kv_bytes_per_token, layer_units, module_bytes, require_text,
+                     sampling_overrides, speaker_lines, to_device, token_streamer)
 
 log = logging.getLogger(__name__)
 

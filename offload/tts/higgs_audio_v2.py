@@ -33,10 +33,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .audio import finite_audio, mono, resample
 from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult,
-                     check_codec_folder, codec_units, finite_audio, kv_bytes_per_token, layer_units, module_bytes, mono,
-                     prompt_length, require_text, resample, sampling_overrides, speaker_lines, to_device,
-                     token_streamer)
+                     check_codec_folder, codec_units, kv_bytes_per_token, layer_units, module_bytes, prompt_length,
+                     require_text, sampling_overrides, speaker_lines, to_device, token_streamer)
 
 log = logging.getLogger(__name__)
 

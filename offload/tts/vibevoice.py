@@ -25,8 +25,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from .common import (FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult, Voice, kv_bytes_per_token, mono,
-                     prompt_length, resample, speaker_lines, split_blocks, module_bytes)
+from .audio import mono, resample
+from .common import (FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult, Voice, kv_bytes_per_token,
+                     prompt_length, speaker_lines, split_blocks, module_bytes)
 from .scheduler import make_vibevoice_scheduler
 
 __all__ = ["FAMILY", "TTSModelError", "FolderInfo", "check_folder", "load", "stream_units", "generate", "parse_script",

@@ -314,7 +314,7 @@ def test_csm_takes_its_codec_from_audio_tokenizer_when_the_checkpoint_lacks_it(m
 def test_higgs_audio_tokenizer_without_torchaudio_uses_a_scoped_stand_in():
     _skip_unless_available("higgs_audio_v2")
     from offload.tts import higgs_audio_v2 as higgs
-    from offload.tts.common import resample
+    from offload.tts.audio import resample
 
     had = "torchaudio" in sys.modules
     cls = higgs.audio_tokenizer_class()
