@@ -267,11 +267,3 @@ class PlanKeeper:
         if freed:
             self.allowance = None  # plan again at the next forward: those blocks stream now
         return freed
-
-    def report_fields(self) -> dict[str, Any]:
-        """Per unit: the predicted stall and the reason of the plan in place (for the report)."""
-        plan = self.plan
-        if plan is None:
-            return {}
-        return {"predicted_stall_ms": plan.predicted_stall_ms, "reasons": plan.reasons,
-                "predicted_step_ms": plan.predicted_step_ms}
