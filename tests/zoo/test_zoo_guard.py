@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from tests.host_master_guard import HostMasterRead, host_master_guard
+from tests.zoo.zoo_models import ModelWithUnusedSubModulesForTest  # accelerate tests/test_big_modeling.py
 
 
 class _Block(nn.Module):
@@ -57,29 +58,6 @@ def test_compute_on_a_host_master_is_caught(sim_cfg, offload):
             handle.unload()
             with host_master_guard(handle):
                 model.inp.bias + 1
-
-
-# accelerate tests/test_big_modeling.py: ModuleWithUnusedSubModules / ModelWithUnusedSubModulesForTest
-class ModuleWithUnusedSubModules(nn.Module):
-    def __init__(self, input_dim: int, output_dim: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(input_dim, output_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.linear.weight.t() + self.linear.bias
-
-
-class ModelWithUnusedSubModulesForTest(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear1 = ModuleWithUnusedSubModules(3, 4)
-        self.linear2 = ModuleWithUnusedSubModules(4, 5)
-        self.batchnorm = nn.BatchNorm1d(5)
-        self.linear3 = ModuleWithUnusedSubModules(5, 6)
-        self.linear4 = ModuleWithUnusedSubModules(6, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear4(self.linear3(self.batchnorm(self.linear2(self.linear1(x)))))
 
 
 LEAVES = ["linear1.linear", "linear2.linear", "linear3.linear", "linear4.linear", "batchnorm"]
