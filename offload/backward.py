@@ -274,7 +274,8 @@ class BackwardStreamer:
 
     def __init__(self, units: list[Any], placement: Any, worker: Any, backend: Any, metrics: Any,
                  fetch: Callable[[int], tuple[int, Any, Any]], ensure_loaded: Callable[[], None],
-                 ended: Callable[[], None] | None = None) -> None:
+                 ended: Callable[[], None] | None = None,
+                 releasing: Callable[[int, int], None] | None = None) -> None:
         self.units = units
         self.placement = placement
         self.worker = worker
@@ -283,6 +284,7 @@ class BackwardStreamer:
         self._fetch = fetch
         self._ensure_loaded = ensure_loaded
         self._ended = ended  # told when a backward that streamed units is over (the budget measures training)
+        self._releasing = releasing  # told (unit, slot) before a held unit's slot goes back, while it is bound there
         self.held: _Held | None = None
         self.session: int | None = None  # the graph task whose end closes the session
         self.sessions = 0  # backward passes that brought streamed units in
@@ -426,10 +428,14 @@ class BackwardStreamer:
     def _release(self) -> None:
         held, self.held = self.held, None
         u = self.units[held.index]
-        u.master.host_binding.apply()
-        end = self.backend.record()
-        self.worker.release(held.slot, end)
-        self.metrics.add(held.index, held.copy, held.ready, held.start, end, u.nbytes, backward=True)
+        try:
+            if self._releasing is not None:
+                self._releasing(held.index, held.slot)
+        finally:
+            u.master.host_binding.apply()
+            end = self.backend.record()
+            self.worker.release(held.slot, end)
+            self.metrics.add(held.index, held.copy, held.ready, held.start, end, u.nbytes, backward=True)
 
     def close(self, finished: bool = False) -> None:
         """Backward ended (`finished`: autograd's end-of-backward callback), or a forward or a plan change comes

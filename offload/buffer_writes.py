@@ -144,6 +144,7 @@ class ModelBufferWrites:
 
     # the weights outside the blocks: a pass ------------------------------------------------
     def pass_started(self) -> None:
+        self.backward_ended()  # a backward that raised may have left re-runs open
         self._rest_marks = self.rest_watch.mark() if self.rest_watch else None
 
     def pass_ended(self) -> None:
@@ -177,22 +178,39 @@ class ModelBufferWrites:
             u.device_newer = True
 
     # a forward re-run in backward (activation checkpointing) ------------------------------------
+    # transformers 5 checkpoints a layer's `forward` (its hooks stay outside: only its children's run again), torch's
+    # checkpoint around a module call re-runs the whole call: a re-run starts at whichever hook comes first and ends
+    # at the unit's forward hook when it runs, else when backward lets the unit go (its slot back to the ring).
     def recompute_started(self, index: int) -> None:
-        if self.watch[index]:
+        """A forward of unit `index` re-runs now (its buffers are bound where it computes): marks, once per re-run."""
+        if self.watch[index] and index not in self._recompute_marks:
             self._recompute_marks[index] = self.watch[index].mark()
+            if self.units[index].resident_buf is not None:
+                # its device copy is written now (the re-run's end may come only with the next pass): the host
+                # master catches up whenever the unit is evicted
+                self.units[index].device_newer = True
 
     def recompute_ended(self, index: int, slot_index: int | None) -> None:
-        """The re-run ended; `slot_index`: the slot the unit is held in (None: resident, or entered through a child
-        only, which is not the whole unit's forward)."""
-        marks = self._recompute_marks.pop(index, None)
-        if marks is None:
+        """The re-run of `index` ended; `slot_index`: the slot a streamed unit is held in (None: not held, so its
+        buffers are not where it computed: left for the release of its slot)."""
+        resident = self.units[index].resident_buf is not None
+        if index not in self._recompute_marks or not (resident or slot_index is not None):
             return
-        if self.units[index].resident_buf is not None:
+        marks = self._recompute_marks.pop(index)
+        if resident:
             self._resident_written(self.units[index], marks)
-        elif slot_index is not None:
-            refused = self.streamed_ended(index, slot_index, marks)
-            if refused is not None:
-                raise refused
+            return
+        refused = self.streamed_ended(index, slot_index, marks)
+        if refused is not None:
+            raise refused
+
+    def backward_ended(self) -> None:
+        """Backward is over: resident units that re-ran mark their device copy newer (no hook ends their re-run);
+        a streamed unit's re-run ended when its slot went back (what is left is from a backward that raised)."""
+        for index, marks in self._recompute_marks.items():
+            if self.units[index].resident_buf is not None:
+                self._resident_written(self.units[index], marks)
+        self._recompute_marks.clear()
 
     # a streamed unit ---------------------------------------------------------------------------
     def streamed_ended(self, index: int, slot_index: int, marks: Any) -> BufferShapeError | None:

@@ -115,7 +115,8 @@ class ModelStreamer:
         self.backward = BackwardStreamer(self.units, self.placement, self.worker, backend, self.metrics,
                                          _WeakHook(self, ModelStreamer._fetch),
                                          _WeakHook(self, ModelStreamer.ensure_loaded),
-                                         _WeakHook(self, ModelStreamer._after_backward))
+                                         _WeakHook(self, ModelStreamer._after_backward),
+                                         _WeakHook(self, ModelStreamer._backward_releasing))
         self.order_learned = False
         self.active: ActiveUnit | None = None
         self._resident_start: dict[int, tuple[Any, bool]] = {}
@@ -317,8 +318,13 @@ class ModelStreamer:
                 raise error
             self._refusal = error
 
+    def _backward_releasing(self, index: int, slot: int) -> None:
+        """Backward lets a streamed unit go: buffers a re-run of its forward wrote reach its host master first."""
+        self.buffers.recompute_ended(index, slot)
+
     def _after_backward(self) -> None:
         """A backward through the streamed units ended: the listener may measure what training holds."""
+        self.buffers.backward_ended()
         listener = self._listener()
         after = getattr(listener, "after_backward", None)
         if after is not None:
@@ -335,8 +341,7 @@ class ModelStreamer:
         if in_backward():
             if index not in self.writes.foreign:
                 self.backward.recompute_pre(index, whole_unit)
-                if whole_unit:  # a checkpointed forward re-runs: it writes its buffers again
-                    self.buffers.recompute_started(index)
+                self.buffers.recompute_started(index)  # a checkpointed forward re-runs: it writes its buffers again
             return
         outside = self._root_calls == 0 or self._pass_owner != threading.get_ident()
         if outside:
@@ -399,6 +404,8 @@ class ModelStreamer:
             held = self.backward.held
             if (held is None or held.index != index) and self.units[index].resident_buf is None:
                 self._pre(index, module, args, whole_unit=False)
+            elif index not in self.writes.foreign:
+                self.buffers.recompute_started(index)
             return
         active = self.active
         if (active is not None and active.index == index) or self.units[index].resident_buf is not None:
@@ -498,6 +505,7 @@ class ModelStreamer:
             if self.active is not None:
                 self._finish_active()
             self.backward.close()
+            self.buffers.backward_ended()
             # written since the pass began (an optimizer step on the trainable parameters kept on the device): the
             # host copy catches up before the device copy goes
             self.writes.check_writes()

@@ -220,3 +220,57 @@ def test_buffers_written_again_when_checkpointing_recomputes(plan, tmp_path):
     _same_buffers(model, plain, f"{plan}, after unload()")
     handle.detach()
     _same_buffers(model, plain, f"{plan}, after detach()")
+
+
+@pytest.mark.parametrize("plan", ["streamed", "mixed", "resident"])
+def test_transformers_conformer_checkpointed_training_statistics(plan):
+    """transformers' Wav2Vec2-Conformer (a BatchNorm1d in every layer's convolution module), a config like
+    tests/models/wav2vec2_conformer/test_modeling_wav2vec2_conformer.py's Wav2Vec2ConformerModelTester with 4 layers
+    (streamed, some resident, all resident), trained with its own gradient checkpointing: backward re-runs each
+    layer's forward (transformers 5 checkpoints `forward`, so only the layer's children's hooks run again), which
+    updates the BatchNorm statistics a second time on the plain model; outputs, input gradients and every buffer
+    as the plain model's, attached and after detach()."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2ConformerConfig(
+        hidden_size=16, feat_extract_norm="group", conv_dim=(32, 32, 32), conv_stride=(4, 4, 4),
+        conv_kernel=(8, 8, 8), conv_bias=False, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+        num_hidden_layers=4, num_attention_heads=2, intermediate_size=20, layer_norm_eps=1e-5, hidden_act="gelu",
+        vocab_size=32, position_embeddings_type="relative",
+        # deterministic training: no dropout, no layer drop, no SpecAugment masking (they draw random numbers)
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        final_dropout=0.0, conformer_conv_dropout=0.0, layerdrop=0.0, apply_spec_augment=False)
+    torch.manual_seed(0)
+    plain = transformers.Wav2Vec2ConformerModel(config).train()
+    plain.freeze_feature_encoder()  # frozen base weights, gradients to the input (as when training adapters)
+    plain.requires_grad_(False)
+    enable = getattr(plain, "activation_checkpointing_enable", None)  # the name since transformers 5.x
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = copy.deepcopy(plain)
+    layer = plan_layout(unit_tensors(model.encoder.layers[0])).nbytes
+    rest = plan_layout([t for t in unit_tensors(model) if not any(t[0] is m for m in model.encoder.layers.modules())])
+    cfg = {"streamed": OffloadConfig(device="sim", vram_fraction=0.0),
+           "mixed": OffloadConfig(device="sim", vram_budget_bytes=rest.nbytes + 3 * layer + 4096, prefetch=1),
+           "resident": OffloadConfig(device="sim")}[plan]
+    handle = offload_module(model, cfg, budget=VramBudget(None))
+    blocks = handle.report().blocks
+    assert [b.name for b in blocks] == [f"encoder.layers.{i}" for i in range(4)], [b.name for b in blocks]
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        x = torch.randn(2, 1024, generator=g)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ref = plain(xa).last_hidden_state
+        ref.square().sum().backward()
+        out = model(xb).last_hidden_state
+        out.square().sum().backward()
+        assert torch.equal(out, ref), f"forward {step}"
+        assert torch.equal(xb.grad, xa.grad), f"input gradient {step}"
+    tiers = {b.tier for b in handle.report().blocks}
+    assert tiers == {"streamed": {"pageable"}, "mixed": {"pageable", "vram"}, "resident": {"vram"}}[plan], tiers
+    tracked = plain.encoder.layers[0].conv_module.batch_norm.num_batches_tracked
+    assert int(tracked) == 4, "the plain model updates the statistics in the forward and again in its re-run"
+    _same_buffers(model, plain, f"Conformer {plan}, attached")
+    handle.detach()
+    _same_buffers(model, plain, f"Conformer {plan}, after detach()")
