@@ -1,4 +1,4 @@
-"""Disk-tier read speed: the packed format (offload/packed.py) against the original safetensors file, and both
+"""Disk-tier read speed: the packed format (offload/store/packed.py) against the original safetensors file, and both
 against the same device read sequentially with O_DIRECT, in one run.
 
 The model is a stack of transformer-like blocks (bf16 Linear weights, a float32 LayerNorm per block, as mixed-
@@ -47,7 +47,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
-from offload.packed import pack_file  # noqa: E402
+from offload.store.packed import pack_file  # noqa: E402
 
 CHUNK = 8 << 20
 

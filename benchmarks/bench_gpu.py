@@ -207,7 +207,7 @@ class ModelFactory:
     def __init__(self, shape: Shape, scale: str) -> None:
         import torch
 
-        from offload.plan_cli import ModelSpec
+        from offload.predict.plan_cli import ModelSpec
 
         self.shape = shape
         self.scale = scale
@@ -243,13 +243,13 @@ class ModelFactory:
         return model.eval()
 
     def block_bytes(self, model: Any) -> int:
-        from offload.blocks import find_units
+        from offload.model.blocks import find_units
         from offload.predict import unit_sizes
 
         return sum(unit_sizes(model, find_units(model))[0])
 
     def inputs(self, model: Any, which: str, scale: str, device: Any) -> tuple[tuple, dict, int]:
-        from offload.plan_cli import InputSize, make_inputs
+        from offload.predict.plan_cli import InputSize, make_inputs
 
         frames, h, w = (self.shape.inputs if scale == "full" else self.shape.tiny_inputs)[which]
         size = InputSize(frames=frames, height=h, width=w, text_tokens=512 if scale == "full" else 16)
@@ -426,7 +426,7 @@ class Bench:
     def limits(self, factory: ModelFactory, model: Any) -> dict[float, int]:
         """The VRAM limits in bytes: as given at full scale; at the tiny scale, the weights outside the blocks plus
         the share of the blocks the limit holds of the full model's (8 GB holds about 30% of Wan 14B's blocks)."""
-        from offload.blocks import find_units
+        from offload.model.blocks import find_units
         from offload.predict import unit_sizes
 
         gbs = self.args.limits
@@ -510,7 +510,7 @@ class Bench:
     def calibrate_sim(self, factory: ModelFactory, model: Any) -> float:
         """Simulated bandwidth at which copying the blocks takes half their compute at the compute-bound input (so the
         copy-bound input is copy-bound and the compute-bound one compute-bound)."""
-        from offload.blocks import find_units
+        from offload.model.blocks import find_units
         from offload.demo.measure import calibrate_sim_gbps_model
 
         args, kwargs, _ = factory.inputs(model, "compute-bound", self.args.scale, self.tdev)

@@ -41,7 +41,7 @@ import torch.utils.checkpoint as checkpoint  # noqa: E402
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
 from offload.demo.reference_models import TransformerStack  # noqa: E402
-from offload.layout import align  # noqa: E402
+from offload.model.layout import align  # noqa: E402
 
 
 class LoRAHook:

@@ -1,7 +1,7 @@
 """The engine as a citizen of ComfyUI's host-memory manager, where this ComfyUI has one (feature-detected).
 
 - **Pinned memory.** ComfyUI budgets pinned host memory (`comfy.model_management.MAX_PINNED_MEMORY`, counted in
-  `TOTAL_PINNED_MEMORY`; 0.12+). The engine asks before every pin (its pin gate, `offload/pin_gate.py`): ComfyUI
+  `TOTAL_PINNED_MEMORY`; 0.12+). The engine asks before every pin (its pin gate, `offload/backends/pin_gate.py`): ComfyUI
   makes room where it can (`ensure_pin_registerable`: it evicts pins of models outside the current prompt first), a
   pin that does not fit is refused and the engine stages that buffer pageable with a bounce buffer, and granted pins
   are added to `TOTAL_PINNED_MEMORY` and taken off again when the engine frees them. With ComfyUI's pinned memory off
@@ -21,7 +21,7 @@ from typing import Any, Callable, List
 
 import comfy.model_management
 
-from ..offload.pin_gate import pin_gate, set_pin_gate
+from ..offload.backends.pin_gate import pin_gate, set_pin_gate
 from .common import log_once
 from .registry import Managed, managed_models
 

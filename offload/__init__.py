@@ -17,20 +17,66 @@ except ImportError as _exc:
         "run ComfyUI's Python, not another environment's.") from _exc
 del _torch
 from .backends import device_memory, resolve_device
-from .backward import TrainableWeightError
-from .budget import BudgetError, VramBudget, default_budget
-from .cards import Card
+from .stream.backward import TrainableWeightError
+from .budget.vram_budget import BudgetError, VramBudget, default_budget
+from .predict.cards import Card
 from .config import (DEFAULT_PRESET, PRESETS, OffloadConfig, PresetPolicy, budget_preset_tooltip, preset_tooltip,
                      presets_markdown_table)
 from .handle import DetachedError, OffloadHandle, offload_module
-from .metrics import BlockReport, OffloadReport, summarize
-from .planner import PlanError, RamCeilingError
-from .predict import Prediction, predict
-from .storage import CorruptFileError, SourceChangedError
-from .streamer import DeviceMemoryError
+from .report.metrics import BlockReport, OffloadReport, summarize
+from .plan.planner import PlanError, RamCeilingError
+from .predict.prediction import Prediction, predict
+from .store.storage import CorruptFileError, SourceChangedError
+from .stream.streamer import DeviceMemoryError
 
 __all__ = ["OffloadConfig", "PRESETS", "PresetPolicy", "DEFAULT_PRESET", "preset_tooltip", "budget_preset_tooltip",
            "presets_markdown_table", "offload_module", "OffloadHandle", "VramBudget", "default_budget",
            "OffloadReport", "BlockReport", "summarize", "device_memory", "resolve_device", "DeviceMemoryError",
            "PlanError", "RamCeilingError", "BudgetError", "CorruptFileError", "SourceChangedError",
            "DetachedError", "TrainableWeightError", "predict", "Prediction", "Card"]
+
+
+def _install_moved_modules() -> None:
+    """Modules that lived flat in offload/ before the sub-packages (offload.streamer, offload.kv_cache, ...) still
+    import under their old names, as the very module at the new place: code and pickles written for the old layout
+    keep working. One finder on sys.meta_path answers only for these names."""
+    import importlib
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    moved = {"backends": ["pin_gate"],
+             "model": ["blocks", "layout", "meta_buffers", "fp8", "model_changes"],
+             "store": ["staging", "storage", "packed"],
+             "plan": ["planner", "plan_device", "plan_host", "ring_sim", "cost_model"],
+             "budget": ["recency", "membership", "reserve"],
+             "stream": ["streamer", "prefetch", "placement", "host_tiers", "write_watch", "buffer_writes", "outputs",
+                        "pass_lock", "backward", "compile_support", "devices", "replan"],
+             "report": ["metrics"],
+             "predict": ["cost_profile", "meta_costs", "device_timing", "cards", "plan_cli"],
+             "generate": ["kv_cache"]}
+    old_to_new = {f"{__name__}.{m}": f"{__name__}.{pkg}.{m}" for pkg, mods in moved.items() for m in mods}
+    own_specs: dict = {}
+
+    class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path=None, target=None):  # type: ignore[no-untyped-def]
+            if fullname not in old_to_new:
+                return None
+            return importlib.machinery.ModuleSpec(fullname, self)
+
+        def create_module(self, spec):  # type: ignore[no-untyped-def]
+            module = importlib.import_module(old_to_new[spec.name])
+            own_specs[module.__name__] = module.__spec__
+            return module
+
+        def exec_module(self, module):  # type: ignore[no-untyped-def]
+            module.__spec__ = own_specs[module.__name__]  # the import system stamped the old name's spec on it
+
+    if not any(type(f).__name__ == "MovedModules" and getattr(f, "names", None) == old_to_new
+               for f in sys.meta_path):
+        finder = MovedModules()
+        finder.names = old_to_new  # type: ignore[attr-defined]
+        sys.meta_path.append(finder)
+
+
+_install_moved_modules()

@@ -1,6 +1,6 @@
 """Command line: `python -m offload demo [...]` (see `python -m offload demo --help`),
-`python -m offload pack SRC.safetensors OUT_DIR` (the packed disk format, offload/packed.py) and
-`python -m offload plan MODEL [--card ...]` (will it fit, and how slow: offload/plan_cli.py)."""
+`python -m offload pack SRC.safetensors OUT_DIR` (the packed disk format, offload/store/packed.py) and
+`python -m offload plan MODEL [--card ...]` (will it fit, and how slow: offload/predict/plan_cli.py)."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     pack.add_argument("--force", action="store_true", help="replace a packed model already in OUT_DIR")
     plan = sub.add_parser("plan", help="will a model fit a card, and how slow: the plan and predicted step time per "
                                        "preset, from a config.json or a model file's header (nothing downloaded)")
-    from . import plan_cli
+    from .predict import plan_cli
 
     plan_cli.add_arguments(plan)
     args = parser.parse_args(argv)
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 def _pack(args: argparse.Namespace) -> int:
     import json
 
-    from .packed import pack_file
-    from .storage import CorruptFileError
+    from .store.packed import pack_file
+    from .store.storage import CorruptFileError
 
     try:
         index = pack_file(args.src, args.out_dir, shard_bytes=max(4096, int(args.shard_gb * 2 ** 30)),

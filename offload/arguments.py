@@ -8,7 +8,7 @@ from typing import Any
 import torch.nn as nn
 
 from .backends import resolve_device
-from .budget import VramBudget
+from .budget.vram_budget import VramBudget
 from .config import OffloadConfig
 
 

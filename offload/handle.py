@@ -18,14 +18,14 @@ import torch
 import torch.nn as nn
 
 from .arguments import check_arguments, check_priority
-from .budget import VramBudget
+from .budget.vram_budget import VramBudget
 from .config import OffloadConfig
-from .membership import BudgetMembership
-from .metrics import OffloadReport
-from .replan import PlanKeeper
+from .budget.membership import BudgetMembership
+from .report.metrics import OffloadReport
+from .stream.replan import PlanKeeper
 from .reporting import ReportBase, build_report
 from .setup import set_up
-from .streamer import DeviceMemoryError  # noqa: F401  (raised through the handle: importable from here as before)
+from .stream.streamer import DeviceMemoryError  # noqa: F401  (raised through the handle: importable from here as before)
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +198,12 @@ class OffloadHandle(BudgetMembership):
         self.secondaries.priority_changed()
 
     def kv_pager(self, page_tokens: int = 64, offload: bool = True) -> Any:
-        """This model's paged KV cache store (offload/kv_cache.py): caches made from it live under the same budget
+        """This model's paged KV cache store (offload/generate/kv_cache.py): caches made from it live under the same budget
         as the weights, at the same priority, and show in the report. Needs transformers."""
         self._check_attached("kv_pager")
         kv = self._kv
         if kv is None or kv.page_tokens != page_tokens or kv.offload_enabled != offload:
-            from .kv_cache import KVPager
+            from .generate.kv_cache import KVPager
 
             if kv is not None:
                 self.budget.unregister(kv)
@@ -254,11 +254,11 @@ class OffloadHandle(BudgetMembership):
         self._final_report = final
 
     def pack(self, out_dir: str, shard_bytes: int | None = None, overwrite: bool = False) -> str:
-        """Write this model's weights as a packed folder (offload/packed.py): units in the call order the engine
+        """Write this model's weights as a packed folder (offload/store/packed.py): units in the call order the engine
         learned, each laid out as the engine's flat buffer, so `disk_path=out_dir` streams each unit with one read.
         Returns the index path."""
         self._check_attached("pack")
-        from .packed import DEFAULT_SHARD_BYTES, pack_handle
+        from .store.packed import DEFAULT_SHARD_BYTES, pack_handle
 
         return str(pack_handle(self, out_dir, shard_bytes or DEFAULT_SHARD_BYTES, overwrite))
 

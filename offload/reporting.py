@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import OffloadReport, effective_gbps, overlap_ratio
-from .planner import Plan
-from .streamer import ModelStreamer
+from .report.metrics import OffloadReport, effective_gbps, overlap_ratio
+from .plan.planner import Plan
+from .stream.streamer import ModelStreamer
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Setting one model up for streaming, top to bottom: config -> facts -> plan -> stage -> stream.
 
 1. config: the device's backend; a vram_budget_bytes larger than the device is refused.
-2. facts: the model's units (offload/blocks.py) and their layouts with what the model's file can stream
+2. facts: the model's units (offload/model/blocks.py) and their layouts with what the model's file can stream
    (`staging.lay_out_model`), the devices' budgets (sized from free memory minus an activation reserve when they
    have no total yet, and checked against their devices), and the host memory the model may use.
 3. plan: `planner.make_plan` from those facts; the units it puts on the disk tier are checked against the file
@@ -10,7 +10,7 @@
 5. stream: `ModelStreamer` installs the hooks; a model on several devices gets its activation hops.
 
 Nothing here changes the model before step 4, so a refused model is left exactly as it was. The handle then makes
-the `PlanKeeper` that keeps the plan current (offload/replan.py) and joins the budget, whose share replaces the
+the `PlanKeeper` that keeps the plan current (offload/stream/replan.py) and joins the budget, whose share replaces the
 setup plan's device side (which assumes the whole budget) before the first forward.
 """
 from __future__ import annotations
@@ -24,17 +24,17 @@ import torch.nn as nn
 
 from .backends import get_backend, resolve_device
 from .backends.base import Backend
-from .blocks import find_units
-from .budget import VramBudget, default_budget
+from .model.blocks import find_units
+from .budget.vram_budget import VramBudget, default_budget
 from .config import OffloadConfig
-from .devices import SecondaryDevices
-from .layout import unit_tensors
-from .packed import open_weights
-from . import planner
-from .planner import GIB, HostFacts, Plan, PlanFacts, estimate_reserve, read_host_memory
-from .reserve import ReserveMeter
-from .staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
-from .streamer import ModelStreamer, PassListener
+from .stream.devices import SecondaryDevices
+from .model.layout import unit_tensors
+from .store.packed import open_weights
+from .plan import planner
+from .plan.planner import GIB, HostFacts, Plan, PlanFacts, estimate_reserve, read_host_memory
+from .budget.reserve import ReserveMeter
+from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
+from .stream.streamer import ModelStreamer, PassListener
 
 log = logging.getLogger(__name__)
 

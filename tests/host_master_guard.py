@@ -11,8 +11,8 @@ the blocks (`StagedModel.rest`).
 The engine's own work on those buffers is not a compute read: copies into a slot (`SimBackend.copy_h2d`, which
 copies with `ctypes.memmove`, or `dst.copy_(src)` for a strided leaf), the byte comparisons of `WriteWatch`,
 staging and detach. An op is the engine's when the innermost Python frame outside torch itself is an engine
-source file (`offload/*.py` and `offload/backends/`; not `offload/fp8.py`, `offload/demo/`, `offload/tts/` and
-`offload/kv_cache.py`, which hold model code). View ops (`t()`, `view`, `detach`) read no bytes and are let
+source file (`offload/*.py` and `offload/backends/`; not `offload/model/fp8.py`, `offload/demo/`, `offload/tts/` and
+`offload/generate/kv_cache.py`, which hold model code). View ops (`t()`, `view`, `detach`) read no bytes and are let
 through: the compute op using the view is the one caught. Dispatch modes are thread-local, so copies the sim
 backend's copy-engine thread makes are never seen.
 

@@ -254,7 +254,7 @@ def test_kv_pager_and_a_model_that_leads_keep_the_pager_floor():
     """A model's KV pager starts each pass with it (a follower): it is never parked while its model works, so its
     floor stays reserved beside the lead's share."""
 
-    class Pager:  # the budget member protocol, as offload/kv_cache.py's KVPager implements it
+    class Pager:  # the budget member protocol, as offload/generate/kv_cache.py's KVPager implements it
         name, priority = "kv", 0
 
         def __init__(self, budget):

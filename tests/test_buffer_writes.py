@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.buffer_writes import BufferShapeError
-from offload.layout import plan_layout, unit_tensors
+from offload.stream.buffer_writes import BufferShapeError
+from offload.model.layout import plan_layout, unit_tensors
 from tests.host_master_guard import host_master_guard
 
 

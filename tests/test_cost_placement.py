@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.cost_model import CostTracker, UnitCosts, plan_by_cost, predict_stalls
+from offload.plan.cost_model import CostTracker, UnitCosts, plan_by_cost, predict_stalls
 from offload.demo.reference_models import MixedCostStack
-from offload.planner import plan_units
+from offload.plan.planner import plan_units
 from tests.models import aligned_bytes, run
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, offload_module
-from offload.blocks import expert_units
-from offload.prefetch import PrefetchWorker
+from offload.model.blocks import expert_units
+from offload.stream.prefetch import PrefetchWorker
 from tests.models import aligned_bytes, run
 
 DIM = 32

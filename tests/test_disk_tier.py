@@ -197,7 +197,7 @@ def test_no_disk_when_the_preset_forbids_it(tmp_path, offload):
     x = _x()
     ref = run(model, (x,))
     path = _save(model, tmp_path / "m.safetensors")
-    from offload.planner import RamCeilingError
+    from offload.plan.planner import RamCeilingError
 
     with pytest.raises(RamCeilingError, match=f"at least {REST + DEPTH * BLK}"):  # a ceiling it cannot keep
         offload(model, _cfg(path, ram_units=1, preset="high_end"))
@@ -386,7 +386,7 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, offload, monkey
     assert disk == list(range(DEPTH)), "a zero RAM budget puts every block on disk"
     assert resident_modules(h) == []
     # which thread reads the file, and how many unit reads have finished when: wrap the file's reader
-    from offload.storage import SafetensorsFile
+    from offload.store.storage import SafetensorsFile
 
     main = threading.get_ident()
     read_threads = []

@@ -1,4 +1,4 @@
-"""offload/fp8.py: float8 linear layers with their scales, quantized once, streamed as stored, exact across presets."""
+"""offload/model/fp8.py: float8 linear layers with their scales, quantized once, streamed as stored, exact across presets."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.fp8 import Fp8Linear, adopt_fp8_checkpoint, quantize_linears, scale_key_for
+from offload.model.fp8 import Fp8Linear, adopt_fp8_checkpoint, quantize_linears, scale_key_for
 from tests.models import LayersModel, run, seeded
 
 _caps = itertools.count(1)

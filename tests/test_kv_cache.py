@@ -1,4 +1,4 @@
-"""The paged KV cache (offload/kv_cache.py) on tiny transformers decoders: identical tokens and scores with and
+"""The paged KV cache (offload/generate/kv_cache.py) on tiny transformers decoders: identical tokens and scores with and
 without paging and offloading, pages moving to host memory and back ahead of use, the budget holding, and no
 transformers deprecation warning on the way (pyproject.toml turns transformers' FutureWarnings into errors)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
-from offload.kv_cache import KVPager, PagedKVCache, generate_kwargs, paged_generation  # noqa: E402
+from offload.generate.kv_cache import KVPager, PagedKVCache, generate_kwargs, paged_generation  # noqa: E402
 
 _caps = itertools.count(1)
 

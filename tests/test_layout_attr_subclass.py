@@ -1,4 +1,4 @@
-"""offload/layout.py: tensor subclasses that do not flatten (ComfyUI-GGUF's GGMLTensor: quantized bytes with
+"""offload/model/layout.py: tensor subclasses that do not flatten (ComfyUI-GGUF's GGMLTensor: quantized bytes with
 `tensor_type` / `tensor_shape` attributes) stream as stored and keep their class and attributes, also when they
 were made under torch.inference_mode (as ComfyUI runs its loaders), where staging gives them new objects."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.layout import align
+from offload.model.layout import align
 
 ROWS, LOGICAL, STORED = 16, 32, 34  # one Q8_0-like block per row: 32 values stored as 34 bytes
 

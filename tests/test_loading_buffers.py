@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.layout import plan_layout, unit_tensors
+from offload.model.layout import plan_layout, unit_tensors
 from tests.host_master_guard import host_master_guard
 
 accelerate = pytest.importorskip("accelerate")

@@ -14,7 +14,7 @@ import torch.nn as nn
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
-from offload.meta_buffers import materialize_non_persistent_buffers, meta_non_persistent_buffers  # noqa: E402
+from offload.model.meta_buffers import materialize_non_persistent_buffers, meta_non_persistent_buffers  # noqa: E402
 
 
 def _save(model: nn.Module, path) -> str:

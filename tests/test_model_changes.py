@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.layout import plan_layout, unit_tensors
-from offload.model_changes import ModelChangedError
+from offload.model.layout import plan_layout, unit_tensors
+from offload.model.model_changes import ModelChangedError
 from tests.host_master_guard import host_master_guard
 
 

@@ -1,4 +1,4 @@
-"""The packed disk format (offload/packed.py, issue 20): units in execution order, each one contiguous range at a
+"""The packed disk format (offload/store/packed.py, issue 20): units in execution order, each one contiguous range at a
 4 KiB-aligned offset of a shard, plus index.json; `disk_path` accepts the folder.
 
 Checked: the index (schema, execution order blocks.2 before blocks.10, aligned offsets, scales of float8 weights),
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offload import OffloadConfig
-from offload.packed import PackedWeights, group_units, open_weights, pack_file, scale_for
-from offload.storage import CorruptFileError, SafetensorsFile, SourceChangedError
+from offload.store.packed import PackedWeights, group_units, open_weights, pack_file, scale_for
+from offload.store.storage import CorruptFileError, SafetensorsFile, SourceChangedError
 from tests.models import Fp8Stack, LayersModel, ReorderStack, aligned_bytes, run, seeded
 
 DEPTH = 12  # >= 11: name order would put layers.10 before layers.2
@@ -443,7 +443,7 @@ def test_index_shard_linking_outside_the_folder_is_refused(tmp_path, monkeypatch
         {"path": "shard-00009.bin", "nbytes": 4096, "sha256": None}))
     os.symlink(tmp_path / "outside.bin", out / "shard-00009.bin")
     opened = []
-    monkeypatch.setattr("offload.packed._Shard.__init__", lambda self, path, *a: opened.append(path))
+    monkeypatch.setattr("offload.store.packed._Shard.__init__", lambda self, path, *a: opened.append(path))
     with pytest.raises(CorruptFileError, match="links outside the packed folder") as exc:
         PackedWeights(out)
     assert "12345" not in str(exc.value) and not opened

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.nn as nn
 
-from offload.pass_lock import PassLock, module_call_frame
+from offload.stream.pass_lock import PassLock, module_call_frame
 
 
 class _Probe(nn.Module):

@@ -1,4 +1,4 @@
-"""The pinned-memory gate (offload/pin_gate.py): every pin of the engine is asked first and told when it goes, so a host
+"""The pinned-memory gate (offload/backends/pin_gate.py): every pin of the engine is asked first and told when it goes, so a host
 that budgets pinned memory (ComfyUI's MAX_PINNED_MEMORY) counts the engine's pins; a refused pin stages pageable and
 streams through a bounce buffer, outputs unchanged."""
 from __future__ import annotations

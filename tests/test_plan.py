@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-import offload.planner as planner
+import offload.plan.planner as planner
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.planner import HostFacts, PlanFacts, RamCeilingError, make_plan
-from offload.ring_sim import UnitCosts
+from offload.plan.planner import HostFacts, PlanFacts, RamCeilingError, make_plan
+from offload.plan.ring_sim import UnitCosts
 from tests.models import run
 
 MB = 1 << 20
@@ -129,7 +129,7 @@ def test_no_stall_stays_none_with_one_more_resident_unit():
     brings a stall back. Random rings (repeated calls, gaps between passes, free copies and free computes) check it."""
     import random
 
-    from offload.ring_sim import simulate_pass
+    from offload.plan.ring_sim import simulate_pass
 
     rng = random.Random(1)
     checked = 0

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.cost_model import CostTracker
+from offload.plan.cost_model import CostTracker
 from offload.demo.reference_models import FatCheapBlock, MixedCostStack
-from offload.ring_sim import UnitCosts, predict_stalls, simulate_pass
+from offload.plan.ring_sim import UnitCosts, predict_stalls, simulate_pass
 from tests.models import aligned_bytes, run
 
 
@@ -76,7 +76,7 @@ class _Underestimating(CostTracker):
 
 
 def test_a_stall_the_plan_did_not_predict_feeds_the_next_plan(monkeypatch):
-    import offload.replan as replan
+    import offload.stream.replan as replan
 
     monkeypatch.setattr(replan, "CostTracker", _Underestimating)
     model, x, allowance = _fat_lean(repeats=2)  # little compute: nothing can hide a fat block's copy
@@ -158,7 +158,7 @@ def test_a_slow_disk_read_counts_before_its_copy(tmp_path, monkeypatch):
     resident and streams the ones in RAM, once it measured the reads."""
     from safetensors.torch import save_file
 
-    from offload.storage import SafetensorsFile
+    from offload.store.storage import SafetensorsFile
 
     torch.manual_seed(0)
     model = _Stack().eval()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from offload.__main__ import main
-from offload.plan_cli import load_spec, parse_bytes
+from offload.predict.plan_cli import load_spec, parse_bytes
 
 sys.path.insert(0, str(Path(__file__).parent / "comfyui"))
 import tiny_wan  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from offload import PRESETS, OffloadConfig, PlanError, VramBudget, offload_module
-from offload.planner import HostMemory, plan_host, plan_units, read_cgroup_memory, read_host_memory
+from offload.plan.planner import HostMemory, plan_host, plan_units, read_cgroup_memory, read_host_memory
 from tests.models import LayersModel, aligned_bytes, resident_modules, run, seeded, streamed_modules
 
 GIB = 1 << 30
@@ -291,7 +291,7 @@ def test_ram_budget_from_mem_available(tmp_path, monkeypatch):
     means none do."""
     from safetensors.torch import save_file
 
-    import offload.planner as planner
+    import offload.plan.planner as planner
 
     model = _model(depth=6)
     x = torch.randn(2, 5, 64)
@@ -325,7 +325,7 @@ def test_ram_budget_from_cgroup_limit(tmp_path, monkeypatch):
     """MemAvailable is plentiful, but the container's cgroup has no headroom: blocks go to disk."""
     from safetensors.torch import save_file
 
-    import offload.planner as planner
+    import offload.plan.planner as planner
 
     model = _model(depth=6)
     x = torch.randn(2, 5, 64)

@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 
 from offload import Card, OffloadConfig, Prediction, VramBudget, offload_module, predict
-from offload.cards import CARDS, get_card
+from offload.predict.cards import CARDS, get_card
 from offload.demo.reference_models import FatCheapBlock, MixedCostStack, TransformerStack
 from offload.predict import analyse_on_meta, unit_sizes
-from offload.blocks import find_units
+from offload.model.blocks import find_units
 
 GIB = 1 << 30
 

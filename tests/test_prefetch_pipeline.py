@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from offload.prefetch import PrefetchWorker
-from offload.storage import DeferredCopy
+from offload.stream.prefetch import PrefetchWorker
+from offload.store.storage import DeferredCopy
 
 
 class _Source:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch.nn as nn
 
-from offload.planner import GIB, MIB, config_activation_bytes, default_reserve, estimate_reserve
+from offload.plan.planner import GIB, MIB, config_activation_bytes, default_reserve, estimate_reserve
 
 
 class WithConfig(nn.Module):

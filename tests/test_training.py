@@ -221,7 +221,7 @@ def test_lora_training_bf16_autocast(ckpt, offload, budget_cfg):
 
 
 def test_streamed_weight_requiring_grad_is_refused_before_the_forward(offload, budget_cfg):
-    from offload.backward import TrainableWeightError
+    from offload.stream.backward import TrainableWeightError
 
     build, make_inputs = MODELS["transformer"]
     model = build()
@@ -314,7 +314,7 @@ def test_backward_after_detach_is_refused_clearly(offload, budget_cfg):
 def test_full_fine_tuning_of_streamed_blocks_is_refused_at_backward_start(offload, budget_cfg):
     """Every parameter requiring grad is any nn.Module's default (inference code that forgot no_grad): the forward
     runs exactly; a backward is refused, naming a streamed weight, before any parameter of the model gets a grad."""
-    from offload.backward import TrainableWeightError
+    from offload.stream.backward import TrainableWeightError
 
     build, make_inputs = MODELS["transformer"]
     model = build()

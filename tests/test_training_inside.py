@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as checkpoint
 
 from offload.demo.reference_models import TransformerStack
-from offload.layout import ALIGN, align
+from offload.model.layout import ALIGN, align
 from tests.models import LayersModel, seeded
 
 STEPS = 5
@@ -216,7 +216,7 @@ def test_inference_setups_keep_streaming_every_weight(offload, budget_cfg):
     """Only a training setup keeps parameters on the device: every parameter requiring grad (any nn.Module's
     default), a model offloaded under no_grad / inference_mode, and trainable parameters that outweigh the frozen
     ones all stream as before (and a backward is refused naming the weight)."""
-    from offload.backward import TrainableWeightError
+    from offload.stream.backward import TrainableWeightError
 
     def units_hold_everything(model, blocks, handle):
         ids = _unit_tensor_ids(handle)

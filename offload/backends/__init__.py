@@ -1,4 +1,11 @@
-"""Device adapters. `get_backend` picks one from a config; simulated devices with equal settings are shared."""
+"""Device adapters: the only CUDA calls (`cuda.py`), the simulated device (`sim.py`), the interface both keep
+(`base.Backend`) and the gate every pin asks first (`pin_gate`: a host's pin budget, e.g. ComfyUI's). `get_backend`
+picks one from a config; simulated devices with equal settings are shared.
+
+Layer: the lowest; imports only the config vocabulary (`offload/config.py`, which imports nothing).
+Used from outside: `get_backend`, `resolve_device`, `device_memory`, `Backend`, `SimBackend`, `pin_gate.pin_host`,
+`pin_gate.set_pin_gate`.
+"""
 from __future__ import annotations
 
 import threading

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..pin_gate import pin_host
+from .pin_gate import pin_host
 from .base import Backend
 
 log = logging.getLogger(__name__)

@@ -268,7 +268,8 @@ def run_offloaded(model: nn.Module, inputs: Sequence[torch.Tensor], cfg: Any, re
 
     With `baseline` (a resident copy's forward), the two are timed in alternation (`time_paired`): the row's ratio
     is against that baseline, whose ms per forward the report dict holds as `baseline_ms_per_forward`."""
-    from .. import VramBudget, offload_module
+    from ..budget.vram_budget import VramBudget
+    from ..handle import offload_module
 
     budget = VramBudget(int(budget_bytes)) if budget_bytes is not None else None
     handle = offload_module(model, cfg, name=name, budget=budget)

@@ -3,6 +3,10 @@
 
 `family_for(folder)` reads a model folder's config.json and returns the family that loads it; `FAMILIES` maps each
 supported transformers `model_type` to its module. Adding a model is a new module and one line here.
+
+Layer: an application of the engine, above the entry points; imports model/ (fp8), store/ (the file reader) and
+generate/ (the paged KV cache); only the ComfyUI nodes import it.
+Used from outside: `family_for`, `FAMILIES`, `common.TTSFamily`, `common.check_codec_folder`.
 """
 from __future__ import annotations
 

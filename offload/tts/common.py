@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from ..fp8 import FP8_DTYPES, adopt_fp8_checkpoint, quantize_linears
-from ..storage import CorruptFileError, SafetensorsFile
+from ..model.fp8 import FP8_DTYPES, adopt_fp8_checkpoint, quantize_linears
+from ..store.storage import CorruptFileError, SafetensorsFile
 
 log = logging.getLogger(__name__)
 

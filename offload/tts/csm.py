@@ -130,7 +130,7 @@ class CsmFamily(TTSFamily):
 
     def speak(self, model: nn.Module, processor: Any, request: TTSRequest, device: torch.device | str = "cpu",
               pager: Any = None, on_token: Callable[[int], None] | None = None) -> TTSResult:
-        from ..kv_cache import paged_generation
+        from ..generate.kv_cache import paged_generation
 
         turns = csm_turns(request.text)
         conversation = self.context(model, request)

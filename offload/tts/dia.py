@@ -149,7 +149,7 @@ def paged_encoder_decoder_cache(model: nn.Module, pager: Any) -> contextlib.Abst
     keys and values grow a frame at a time; the cross-attention ones are written once from the encoder)."""
     from transformers.cache_utils import EncoderDecoderCache
 
-    from ..kv_cache import generation_cache
+    from ..generate.kv_cache import generation_cache
 
     return generation_cache(model, lambda num_layers, args, kwargs: EncoderDecoderCache(
         pager.new_cache(num_layers), pager.new_cache(num_layers)))

@@ -152,7 +152,7 @@ class HiggsAudioV2Family(TTSFamily):
 
     def speak(self, model: nn.Module, processor: Any, request: TTSRequest, device: torch.device | str = "cpu",
               pager: Any = None, on_token: Callable[[int], None] | None = None) -> TTSResult:
-        from ..kv_cache import paged_generation
+        from ..generate.kv_cache import paged_generation
 
         inputs = to_device(self.inputs(model, processor, request), device)
         with contextlib.ExitStack() as stack:

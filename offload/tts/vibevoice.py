@@ -218,7 +218,7 @@ def generate(model: nn.Module, processor: Any, text: str, voices: dict[str, Any]
     `voices`: speaker ("1".."4") -> 1-D 24 kHz numpy voice reference. `pager`: an offload KVPager holding both KV
     caches under the model's budget (None: transformers' own caches). `on_token(n)` runs after every token.
     """
-    from ..kv_cache import paged_generation
+    from ..generate.kv_cache import paged_generation
 
     lines = parse_script(text)
     unknown = sorted(set(voices or {}) - {s for s, _ in lines})

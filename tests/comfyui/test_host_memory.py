@@ -44,7 +44,7 @@ def env(pack, tmp_path_factory):
     folder_paths.add_model_folder_path("diffusion_models", d)
     mod = lambda name: importlib.import_module(pack.__name__ + "." + name)  # noqa: E731
     return {"pack": pack, "mm": mm, "nodes": nodes, "M": node_classes(pack), "hm": mod("nodes.host_memory"),
-            "gate": mod("offload.pin_gate"), "dynamic": mod("nodes.dynamic"), "VramBudget": mod("offload").VramBudget}
+            "gate": mod("offload.backends.pin_gate"), "dynamic": mod("nodes.dynamic"), "VramBudget": mod("offload").VramBudget}
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ class BackwardSpy:
     ComfyUI 0.2x the node trains its own deep copy, which the pack offloads like the original)."""
 
     def __init__(self, monkeypatch) -> None:
-        mods = [m for name, m in sys.modules.items() if name.endswith("offload.backward") and
+        mods = [m for name, m in sys.modules.items() if name.endswith("offload.stream.backward") and
                 hasattr(m, "BackwardStreamer")]
         assert mods, "the engine's backward module is not loaded"
         self.released: list = []

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
-from offload.fp8 import Fp8Linear  # noqa: E402
+from offload.model.fp8 import Fp8Linear  # noqa: E402
 from offload.tts import vibevoice as vv  # noqa: E402
 from tests.tts import tiny_vibevoice as tv  # noqa: E402
 

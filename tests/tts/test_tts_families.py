@@ -171,7 +171,7 @@ def test_fp8_weights_are_identical_across_presets(folder):
     outs = []
     for preset in ("budget", "high_end"):
         fam, model, processor, handle = _offloaded(folder, preset, dtype="fp8_e4m3fn")
-        from offload.fp8 import Fp8Linear
+        from offload.model.fp8 import Fp8Linear
 
         assert any(isinstance(m, Fp8Linear) for m in model.modules())
         outs.append(fam.speak(model, processor, _request(folder)).audio)

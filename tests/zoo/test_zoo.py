@@ -109,7 +109,7 @@ def _unit_bytes(handle) -> list[int]:
 
 def _finer_units(model: nn.Module, case: ZooCase) -> list[str]:
     """Three or more units for a mixed plan: the case's units, or the children holding weights of each."""
-    from offload.blocks import find_units
+    from offload.model.blocks import find_units
 
     units = [u.name for u in find_units(model, units_for(case, model))]
     if len(units) >= 3:

@@ -66,8 +66,8 @@ LEAVES = ["linear1.linear", "linear2.linear", "linear3.linear", "linear4.linear"
 def test_leaf_units_read_by_their_parent_fail_the_guard_without_the_merge(sim_cfg, offload, monkeypatch):
     """Leaf-level units (every module holding weights its own unit, diffusers' offload_type="leaf_level"): the parent
     reads `linear.weight` without calling `linear`, so the unit is never entered. Without the unit merge in
-    offload/blocks.py the forward computes on the host master: the guard catches it."""
-    monkeypatch.setattr("offload.blocks._reader_of", lambda model, unit: None)
+    offload/model/blocks.py the forward computes on the host master: the guard catches it."""
+    monkeypatch.setattr("offload.model.blocks._reader_of", lambda model, unit: None)
     model = ModelWithUnusedSubModulesForTest().eval()
     handle = offload(model, sim_cfg(vram_fraction=0), units=LEAVES)
     assert [b.name for b in handle.report().blocks] == LEAVES

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload.meta_buffers import (materialize_non_persistent_buffers, materialize_tensor_attributes,
+from offload.model.meta_buffers import (materialize_non_persistent_buffers, materialize_tensor_attributes,
                                   meta_tensor_attributes)
 from tests.host_master_guard import host_master_guard
 

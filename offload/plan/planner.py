@@ -1,0 +1,412 @@
+"""THE plan: where every unit of a model lives, decided by one pure function from facts.
+
+`make_plan(facts)` takes what is known about a model and the machine (`PlanFacts`: unit sizes and dtypes, the
+non-block bytes, each device's allowance from its budget, the host RAM the model may use and the pin limit, which
+units the file can stream, the measured costs and stalls, the plan in place) and returns a `Plan`: for every unit
+its device, its tier (vram on which device, pinned, pageable, disk), whether it streams through the slot ring, the
+stall predicted for it and the reason; the ring per device, the lookahead, the bounce buffers. First placement,
+budget changes, out-of-memory shrinks, re-plans from measured costs and secondary devices all call it with new
+facts; nothing else decides where a unit lives. Applying a plan is `DevicePlacement`'s (device side) and
+`staging.stage_model`'s (host side); gathering the facts is the handle's (offload/handle.py, offload/stream/replan.py).
+
+How each side is decided lives beside it: `plan_device.py` (resident set and ring, by count before anything is
+measured, by predicted stall after; secondary devices), `plan_host.py` (host tiers under the RAM the model may
+use), `ring_sim.py` (the simulated slot ring the stall predictions come from). This module also reads the facts
+the machine offers (available host memory, the cgroup limit, the activation reserve).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from .plan_device import (PlanError, UnitPlan, across_devices, plan_by_cost, plan_units, ring_slots,  # noqa: F401
+                          spread, want_bytes)
+from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
+                        bounce_buffers, host_ram_bytes, plan_host, plan_host_capped)
+from .ring_sim import UnitCosts, simulate_pass
+
+log = logging.getLogger(__name__)
+
+STALL_MARGIN_MS = 1.0  # passes that stall more than their plan predicted by more than this per pass (and by more
+STALL_MARGIN_FRACTION = 0.25  # than this fraction of the predicted stall) feed the measured stalls to the next plan
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the host offers one model: the RAM it may hold (a hard ceiling or what is available), pinning, the file."""
+
+    ram_budget: int  # bytes of host RAM for the blocks (hard: everything the engine holds for the model)
+    hard: bool  # ram_budget_bytes was given: a ceiling that must hold (else: what the machine has available)
+    pin_limit: int  # bytes that may be pinned (0: none)
+    pin: bool  # pin the masters (asked for, and the device has pinned memory)
+    allow_disk: bool  # the preset allows the disk tier and a file was given
+    bounces_pageable: bool  # the device has pinned memory: pageable masters are copied through a bounce buffer
+    disk_optional: bool  # blocks the file cannot stream stay in RAM instead of failing
+    file_path: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """Everything a plan is made from (see `make_plan`); a re-plan is the same call with some facts changed."""
+
+    name: str  # the model's name, for messages
+    sizes: tuple[int, ...]  # bytes of each unit as it moves (aligned layout)
+    names: tuple[str, ...]
+    rest_bytes: int  # the weights outside the units (always resident on the compute device)
+    prefetch: int  # the lookahead asked for, in streamed units
+    stream_all: bool  # the preset keeps no unit resident (vram_fraction 0)
+    device: str  # the compute device
+    allowance: int  # device bytes the compute device's budget lets this model hold now
+    remote_allowances: tuple[tuple[str, int], ...] = ()  # the same on each secondary device, in order
+    dtypes: tuple[tuple[str, ...], ...] = ()  # each unit's tensor dtypes (what its bytes are)
+    disk_ok: tuple[bool, ...] = ()  # per unit: the model's file can stream it (empty: none can)
+    host: HostFacts | None = None  # None: the host side is staged already (its tiers are kept)
+    host_tiers: tuple[str, ...] = ()  # the host tiers in place when `host` is None
+    costs: UnitCosts | None = None  # measured per-unit compute and copy times (None: nothing measured yet)
+    excess_ms: tuple[float, ...] | None = None  # per unit: stall measured beyond the prediction under `current`
+    order: tuple[int, ...] | None = None  # the call order (None: index order)
+    current: "Plan | None" = None  # the plan in place: kept unless a new one clearly saves stall
+
+
+@dataclass(frozen=True)
+class UnitPlacement:
+    """Where one unit lives and why."""
+
+    name: str
+    device: str | None  # the device holding a copy of its own (the compute device or a secondary); None: streamed
+    tier: str  # vram (resident on `device`), else its host tier: pinned | pageable | disk
+    host_tier: str  # where its master lives: pinned | pageable | disk
+    predicted_stall_ms: float  # per pass (0 until costs are known, or when it cannot stall)
+    reason: str
+
+
+@dataclass
+class Plan:
+    """Where every unit lives: one value, made by `make_plan` (see the module docstring)."""
+
+    units: tuple[UnitPlacement, ...]
+    device_plan: UnitPlan  # the compute device: resident set, slot ring, the bytes they take; remote placements
+    host_plan: HostPlan | None  # None for a device-only re-plan (the host tiers stay as staged)
+    allowance: int  # the compute device's allowance the plan was made for
+    prefetch: int  # the lookahead asked for
+    bounce_count: int  # the read-ahead thread's bounce buffers
+    from_costs: bool  # made from measured costs (else by count)
+    predicted_step_ms: float | None  # compute plus predicted stall of one pass (None: nothing measured yet)
+    messages: list[tuple[int, str]] = field(default_factory=list)  # (log level, text) for the caller to log
+    compute_device: str = ""
+
+    # the device side, as the placement applies it
+    @property
+    def resident(self) -> set[int]:
+        return self.device_plan.resident
+
+    @property
+    def remote(self) -> dict[int, str]:
+        return dict(self.device_plan.remote or {})
+
+    @property
+    def n_slots(self) -> int:
+        return self.device_plan.n_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.device_plan.slot_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_plan.device_bytes
+
+    @property
+    def lookahead(self) -> int:
+        """Streamed units on their way while one computes (the ring's slots less the one computing)."""
+        return max(0, self.device_plan.n_slots - 1)
+
+    @property
+    def shrunk_lookahead(self) -> bool:
+        return self.device_plan.shrunk_lookahead
+
+    @property
+    def notes(self) -> list[str]:
+        return self.device_plan.notes
+
+    @property
+    def rings(self) -> dict[str, tuple[int, int]]:
+        """Per device, (slots, bytes per slot): the compute device's ring (secondary devices hold no ring)."""
+        return {self.compute_device: (self.device_plan.n_slots, self.device_plan.slot_bytes)}
+
+    @property
+    def predicted_stall_ms(self) -> list[float]:
+        return [u.predicted_stall_ms for u in self.units]
+
+    @property
+    def reasons(self) -> list[str]:
+        return [u.reason for u in self.units]
+
+    @property
+    def host_tiers(self) -> dict[int, str]:
+        return {i: u.host_tier for i, u in enumerate(self.units)}
+
+    @property
+    def disk_units(self) -> list[int]:
+        return [i for i, u in enumerate(self.units) if u.host_tier == "disk"]
+
+    @property
+    def bounce_bytes(self) -> int | None:
+        return self.host_plan.bounce_bytes if self.host_plan is not None else None
+
+    def ram_release_order(self) -> list[int]:
+        """The order units give host RAM back in (`release_host_memory`: to the disk tier, where the file holds them):
+        the last first, the reverse of the order the host plan fills RAM in."""
+        return list(reversed(range(len(self.units))))
+
+    def eviction_order(self) -> list[int]:
+        """The order `unload(nbytes)` gives resident units up in: the last first (the first units of the next pass
+        stay, and the ring has the whole pass to bring the late ones in)."""
+        return sorted(self.device_plan.resident, reverse=True)
+
+    def summary(self) -> str:
+        n = len(self.units)
+        p = self.device_plan
+        return (f"{len(p.resident)} resident, {n - len(p.resident)} streamed, "
+                f"{p.n_slots} slot(s) of {p.slot_bytes / 1e6:.1f} MB, plan {p.device_bytes / 1e6:.1f} MB")
+
+
+def make_plan(facts: PlanFacts) -> Plan:
+    """THE plan for `facts` (see the module docstring); raises PlanError when not even one slot fits the allowance
+    and RamCeilingError when a hard RAM ceiling cannot be kept."""
+    messages: list[tuple[int, str]] = []
+    host = _host_plan(facts, messages) if facts.host is not None else None
+    if host is not None:
+        tiers = [host.tiers.get(i, "pinned") for i in range(len(facts.sizes))]
+    else:
+        tiers = list(facts.host_tiers) or ["pinned"] * len(facts.sizes)
+    device = _device_plan(facts)
+    remote = device.remote or {}
+    n = len(facts.sizes)
+    stalls = device.predicted_stall_ms or [0.0] * n
+    reasons = device.reasons or _count_reasons(facts, device)
+    units = []
+    for i in range(n):
+        if i in remote:
+            placed, tier = remote[i], "vram"
+            reason = (reasons[i] if reasons[i].startswith("resident on") else
+                      f"resident on {remote[i]}: the compute device streams it and {remote[i]} has room")
+            stall = 0.0
+        elif i in device.resident:
+            placed, tier, reason, stall = facts.device, "vram", reasons[i], 0.0
+        else:
+            placed, tier, reason, stall = None, tiers[i], reasons[i], stalls[i]
+        units.append(UnitPlacement(facts.names[i], placed, tier, tiers[i], stall, reason))
+    step = None
+    if facts.costs is not None:
+        streamed_on_ring = device.resident | set(remote)
+        step = simulate_pass(list(facts.order) if facts.order else list(range(n)), facts.costs,
+                             streamed_on_ring, device.n_slots).step_ms
+        if facts.excess_ms is not None:
+            step += sum(e for i, e in enumerate(facts.excess_ms) if i not in streamed_on_ring)
+    return Plan(tuple(units), device, host, facts.allowance, facts.prefetch, bounce_buffers(facts.prefetch),
+                facts.costs is not None, step, messages, facts.device)
+
+
+def settled_plan(facts: PlanFacts, costs_of: Callable[[list[str]], UnitCosts]) -> Plan:
+    """The plan a model settles on once every unit was measured: the plan by count it starts with (host tiers
+    included), then the plan from costs with that one in place, as the PlanKeeper asks for them in turn (what
+    `offload.predict` predicts with). `costs_of(host tiers)` costs each unit from where its master lives."""
+    first = make_plan(facts)
+    tiers = [first.host_tiers.get(i, "pinned") for i in range(len(facts.sizes))]
+    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), costs=costs_of(tiers), current=first))
+    settled.host_plan = first.host_plan
+    return settled
+
+
+def _device_plan(facts: PlanFacts) -> UnitPlan:
+    """The compute device's resident set and ring, and what the secondary devices hold."""
+    sizes, names = list(facts.sizes), list(facts.names)
+    if facts.costs is None:
+        plan = plan_units(sizes, names, facts.rest_bytes, facts.allowance, facts.prefetch, facts.stream_all)
+    else:
+        cur = facts.current
+        current = set(cur.resident) if cur is not None and cur.allowance == facts.allowance else None
+        plan = plan_by_cost(sizes, names, facts.rest_bytes, facts.allowance, facts.prefetch, facts.costs,
+                            list(facts.order) if facts.order else None, facts.stream_all, current,
+                            list(facts.excess_ms) if facts.excess_ms is not None else None)
+    return across_devices(plan, sizes, facts.rest_bytes, facts.allowance, dict(facts.remote_allowances),
+                          facts.stream_all)
+
+
+def _count_reasons(facts: PlanFacts, plan: UnitPlan) -> list[str]:
+    """Why each unit is where a count-based plan (nothing measured yet) put it."""
+    n = len(facts.sizes)
+    if len(plan.resident) == n:
+        return ["resident: every block fits the budget"] * n
+    if facts.stream_all:
+        return ["streamed: the preset keeps no block resident"] * n
+    return [("resident: room left in the budget beside the slot ring (placed by size; costs not measured yet)"
+             if i in plan.resident else
+             "streamed: spread between resident blocks so its copy hides behind their compute (placed by size; "
+             "costs not measured yet)") for i in range(n)]
+
+
+def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
+    """Host tiers for the units' masters: pinned RAM, pageable RAM, or the disk file.
+
+    A hard ceiling (`ram_budget_bytes`) bounds everything the engine holds in host RAM for this model (the weights
+    outside the blocks, the blocks kept in RAM and the read-ahead bounce buffers); without it the plan fits the
+    blocks into what the machine has available and only warns when they need more. A unit the file cannot stream
+    stays in pageable RAM.
+    """
+    h = facts.host
+    sizes = list(facts.sizes)
+    pin_limit = h.pin_limit if h.pin else 0
+    if h.hard:
+        plan = plan_host_capped(sizes, facts.rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
+                                facts.prefetch, h.bounces_pageable)
+    else:
+        plan = plan_host(sizes, h.ram_budget, pin_limit, h.allow_disk, h.pin)
+        if plan.ram_bytes > h.ram_budget:
+            messages.append((logging.WARNING, f"{facts.name} needs {plan.ram_bytes / GIB:.2f} GiB of host RAM for its "
+                                              f"blocks but about {h.ram_budget / GIB:.2f} GiB is available; give "
+                                              f"disk_path (its safetensors file) to stream the rest from disk"))
+    disk_ok = facts.disk_ok or (False,) * len(sizes)
+    tiers = {i: t if t != "disk" or disk_ok[i] else "pageable" for i, t in plan.tiers.items()}
+    plan = HostPlan(tiers, plan.ram_bytes, plan.pinned_bytes, plan.bounce_bytes)
+    disk = sum(1 for t in tiers.values() if t == "disk")
+    if disk:
+        messages.append((logging.INFO, f"{facts.name}: {disk} unit(s) stream from {h.file_path} (RAM budget "
+                                       f"{h.ram_budget / MIB:.1f} MB)"))
+    if h.hard:
+        ram = host_ram_bytes(sizes, facts.rest_bytes, tiers, plan.bounce_bytes, facts.prefetch,
+                             h.bounces_pageable)
+        if ram > h.ram_budget:
+            kept = sum(1 for t in tiers.values() if t != "disk")
+            if not h.disk_optional:
+                raise RamCeilingError(
+                    f"{facts.name}: ram_budget_bytes={h.ram_budget} cannot be kept: {kept} block(s) cannot stream "
+                    f"from disk (tensor subclasses, misaligned tensors, or bytes {h.file_path} does not hold) and "
+                    f"need {ram} bytes of host RAM; raise ram_budget_bytes to at least {ram}")
+            # asked for: blocks the file does not hold stay in RAM rather than fail
+            messages.append((logging.WARNING, f"{facts.name}: host RAM is {ram} bytes, over ram_budget_bytes="
+                                              f"{h.ram_budget}: {kept} block(s) could not go to the disk tier "
+                                              f"(disk_optional=True keeps them in RAM)"))
+    return plan
+
+
+# Facts the machine offers ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class HostMemory:
+    """Host memory as the planner sees it."""
+
+    mem_available: int
+    cgroup_limit: int | None
+    cgroup_usage: int | None
+    pin_limit: int
+
+    @property
+    def available(self) -> int:
+        """What we may still use: MemAvailable, lowered to the cgroup's headroom inside a container."""
+        if self.cgroup_limit is not None and self.cgroup_usage is not None:
+            return max(0, min(self.mem_available, self.cgroup_limit - self.cgroup_usage))
+        return self.mem_available
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value < (1 << 60) else None  # v1 reports "no limit" as a huge number
+
+
+def read_cgroup_memory(root: Path = Path("/sys/fs/cgroup")) -> tuple[int | None, int | None]:
+    """(limit, usage) of this process's memory cgroup, v2 or v1; (None, None) when unlimited or unknown."""
+    rel = ""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            parts = line.split(":", 2)
+            if len(parts) == 3 and (parts[0] == "0" or "memory" in parts[1].split(",")):
+                rel = parts[2].lstrip("/")
+                if parts[0] == "0":
+                    break
+    except OSError:
+        pass
+    for base in ([root / rel, root] if rel else [root]):
+        limit = _read_int(base / "memory.max")
+        if limit is not None:
+            return limit, _read_int(base / "memory.current")
+    for base in ([root / "memory" / rel, root / "memory"] if rel else [root / "memory"]):
+        limit = _read_int(base / "memory.limit_in_bytes")
+        if limit is not None:
+            return limit, _read_int(base / "memory.usage_in_bytes")
+    return None, None
+
+
+def read_host_memory(pin_fraction: float | None = None, cgroup_root: Path = Path("/sys/fs/cgroup")) -> HostMemory:
+    """MemAvailable, the cgroup limit and a pin limit (a fraction of RAM, lower on Windows)."""
+    vm = psutil.virtual_memory()
+    limit, usage = read_cgroup_memory(cgroup_root)
+    if pin_fraction is None:
+        pin_fraction = 0.35 if sys.platform == "win32" else 0.8
+    mem = HostMemory(int(vm.available), limit, usage, 0)
+    mem.pin_limit = int(min(vm.total, limit or vm.total) * pin_fraction)
+    return mem
+
+
+def default_reserve(total_device_bytes: int, backend_name: str) -> int:
+    """Device bytes kept free for activations before anything is measured."""
+    if backend_name == "sim":
+        return total_device_bytes // 10
+    return max(512 * MIB, min(2 * GIB, total_device_bytes // 10))
+
+
+def _config_value(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def config_activation_bytes(model: Any, dtype_bytes: int = 2, tokens: int = 4096) -> int | None:
+    """Peak activation bytes of one block, estimated from a transformers/diffusers `config` when there is one.
+
+    Width from `hidden_size` / `d_model` / `heads x head_dim`; sequence from `max_position_embeddings` capped at
+    `tokens` (diffusion transformers: `tokens` image tokens); about 12 width-sized tensors live at the peak of
+    a block (attention in/out, the 4x MLP hidden, residuals). A first guess only: the measured peak of the
+    first run replaces it.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    width = _config_value(config, "hidden_size", "d_model", "dim", "inner_dim")
+    if width is None:
+        heads = _config_value(config, "num_attention_heads")
+        head_dim = _config_value(config, "attention_head_dim", "head_dim")
+        width = heads * head_dim if heads and head_dim else None
+    if width is None:
+        return None
+    seq = min(tokens, _config_value(config, "max_position_embeddings") or tokens)
+    return 12 * seq * width * dtype_bytes
+
+
+def estimate_reserve(model: Any, total_device_bytes: int, backend_name: str) -> int:
+    """The activation reserve before the first run: the config-based estimate where known, else a default."""
+    base = default_reserve(total_device_bytes, backend_name)
+    estimate = config_activation_bytes(model)
+    if estimate is None:
+        return base
+    return int(min(max(estimate, base // 2), total_device_bytes // 2))
+
+

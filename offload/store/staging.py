@@ -1,0 +1,419 @@
+"""Host staging: every unit's tensors become views of one flat host buffer (or of the model's file), once.
+
+Setup of a model's host side, in the order the handle calls it: `lay_out_model` lays out each unit and reads what
+the file can hold (names, dtypes, alignment; nothing changes yet), the planner puts each unit in a host tier from
+those facts, `verify_for_disk` checks that the file holds the very bytes of the units planned for the disk tier,
+and `stage_model` applies the plan: it stages the units ONE AT A TIME, releasing each unit's original storage as
+soon as its flat buffer holds the bytes. Peak host memory while offloading is therefore the model plus about one
+unit, not two copies of the model. A failure half way gives the staged units back as ordinary tensors, so the
+model is left as it was. Staging decides no tier: a unit goes where the plan puts it (pinning the OS refuses falls
+back to pageable memory, said once).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..model.trainable import trainable_in_blocks
+from ..model.blocks import Unit
+from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
+from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
+from .storage import (BouncedSource, BounceReader, CorruptFileError, DiskSource, HostSource, SafetensorsFile,
+                      UnitSource)
+
+log = logging.getLogger(__name__)
+
+
+class PinFallbackNotice:
+    """Says once per process that pinning was refused and pageable memory is used instead."""
+
+    said = False
+
+    @classmethod
+    def say(cls, reason: str, level: int = logging.WARNING) -> None:
+        if not cls.said:
+            cls.said = True
+            log.log(level, "pinned host memory unavailable (%s); staging in pageable memory instead "
+                    "(copies are slower and cannot fully overlap compute)", reason)
+
+
+@dataclass
+class StagingBuffer:
+    """A unit's host master: one flat RAM buffer (pinned where allowed), or per-tensor views of the file."""
+
+    layout: TensorLayout
+    host: torch.Tensor | None  # None: the disk tier (the master is the file)
+    pinned: bool
+    host_binding: Binding
+    file: SafetensorsFile | None = None  # disk tier: the file and each leaf's key in it
+    keys: list[str] | None = None
+
+    @classmethod
+    def in_ram(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
+               file: SafetensorsFile | None = None, keys: list[str] | None = None,
+               notice_level: int = logging.WARNING) -> "StagingBuffer":
+        """Copy the unit's tensors into one host buffer and point the modules at views of it.
+
+        Leaves still on the meta device are read from `file` (`keys` names them). Once the binding is applied the
+        module no longer refers to the original tensors, so their storage is released here.
+        """
+        host, pinned = alloc_host(layout.nbytes, pin)
+        if pin and not pinned:
+            PinFallbackNotice.say("the allocator refused or this torch has no accelerator", notice_level)
+        views = layout.leaf_views(host)
+        with torch.no_grad():
+            for i, (view, src) in enumerate(zip(views, layout.sources())):
+                if src.is_meta or layout.leaves[i].meta:  # a meta leaf, or a persistent buffer of a model being loaded
+                    src = file.read_tensor(keys[i])  # validated before staging began
+                view.copy_(src)
+                del src
+        layout.rebind_fresh(views)
+        binding = layout.build(host, master=True)
+        binding.apply()
+        layout.adopt_params()
+        return cls(layout, host, pinned, binding)
+
+    @classmethod
+    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str],
+                apply: bool = True) -> "StagingBuffer":
+        """A disk-tier master: the module views the file's private map between forwards; no RAM copy.
+
+        `apply=False` for a unit resident on the device now: its views are swapped in when it is evicted.
+        """
+        views = [leaf.restride(file.view(k)) for k, leaf in zip(keys, layout.leaves)]
+        if apply:
+            layout.rebind_fresh(views)
+        binding = layout.bind(views, None, master=True)
+        if apply:
+            binding.apply()
+            layout.adopt_params()
+        return cls(layout, None, False, binding, file, keys)
+
+    def leaf_copy(self, i: int, device: torch.device) -> torch.Tensor:
+        """Leaf i as an ordinary, independent tensor (from the file by positioned read for the disk tier)."""
+        if self.host is None:
+            return self.layout.leaves[i].restride(self.file.read_tensor(self.keys[i])).to(device)
+        return self.layout.leaf_views(self.host)[i].to(device=device, copy=True)
+
+    def restore_ordinary(self) -> None:
+        """Give every tensor back as an ordinary, independent tensor on its original device."""
+        views = self.layout.leaf_views(self.host) if self.host is not None else None
+        if views is not None:
+            self.layout.restore(lambda i, d: views[i].to(device=d, copy=True))
+        else:
+            self.layout.restore(self.leaf_copy)
+
+
+@dataclass
+class StagedUnit:
+    """One unit after staging: its module, layout, host master and where its bytes stream from."""
+
+    index: int
+    name: str
+    module: nn.Module
+    master: StagingBuffer
+    source: UnitSource
+
+    @property
+    def layout(self) -> TensorLayout:
+        return self.master.layout
+
+    @property
+    def nbytes(self) -> int:
+        return self.master.layout.nbytes
+
+
+@dataclass
+class StagedModel:
+    """A model's host side: its staged units, the non-block tensors (always resident), the read-ahead thread."""
+
+    units: list[StagedUnit]
+    rest: StagingBuffer
+    rest_bytes: int
+    reader: BounceReader | None
+    file: SafetensorsFile | None
+    key_of: Callable[[nn.Module, str], str] | None = None  # a tensor's state-dict name (matching units to the file)
+
+    def check_sources(self) -> None:
+        """Raise SourceChangedError if the file behind the disk tier changed since setup."""
+        if self.file is not None and any(u.master.host is None for u in self.units):
+            self.file.check_unchanged()
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def shared_tensor_ids(model: nn.Module, units: list[Unit]) -> set[int]:
+    """Tensors used by more than one unit, or by a unit and the rest: kept resident with the rest."""
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for i, unit in enumerate(units):
+        for _, _, _, t in unit_tensors(unit.module):
+            if owner.setdefault(id(t), i) != i:
+                shared.add(id(t))
+    unit_mods = {id(m) for u in units for m in u.module.modules()}
+    for sub in model.modules():
+        if id(sub) in unit_mods:
+            continue
+        for t in list(sub._parameters.values()) + list(sub._buffers.values()):
+            if t is not None and id(t) in owner:
+                shared.add(id(t))
+    if shared:
+        log.info("%d tensor(s) are shared between units or with the rest of the model; kept resident", len(shared))
+    return shared
+
+
+def _key_namer(model: nn.Module) -> Callable[[nn.Module, str], str]:
+    paths: dict[int, str] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(mod), path)
+
+    def key_of(sub: nn.Module, name: str) -> str:
+        return f"{paths[id(sub)]}.{name}" if paths.get(id(sub)) else name
+
+    return key_of
+
+
+def _entry_name(file: SafetensorsFile, entry: Any, key_of: Callable[[nn.Module, str], str]) -> str:
+    """The state-dict name a tensor is saved under: of a tensor several modules share (tied embeddings), the name
+    the file holds (`safetensors.torch.save_model` keeps one of them), else the first."""
+    names = [key_of(mod, attr) for mod, attr, _ in entry.locations]
+    if len(names) > 1:
+        for name in names:
+            if any(k == name or k.endswith("." + name) for k in file.tensors):
+                return name
+    return names[0]
+
+
+def _file_keys(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str]) -> list[str]:
+    return file.match([_entry_name(file, e, key_of) for e in layout.entries], layout.leaves)
+
+
+def _meta_file_keys(file: SafetensorsFile, layout: TensorLayout,
+                    key_of: Callable[[nn.Module, str], str]) -> list[str | None]:
+    """The file key of every leaf still on the meta device (None for the others: already in RAM, such as the
+    recomputed non-persistent buffers, which no checkpoint holds)."""
+    meta = [e for e in layout.entries if layout.leaves[e.recipe].meta]
+    matched = file.match([_entry_name(file, e, key_of) for e in meta], [layout.leaves[e.recipe] for e in meta])
+    keys: list[str | None] = [None] * len(layout.leaves)
+    for entry, key in zip(meta, matched):
+        keys[entry.recipe] = key
+    return keys
+
+
+def persistent_buffers_from_file(file: SafetensorsFile, layouts: list[TensorLayout],
+                                 key_of: Callable[[nn.Module, str], str]) -> int:
+    """A model being loaded from its file (some tensor is on the meta device) takes every persistent buffer the file
+    holds from the file, as `load_state_dict` would: a buffer the init left real (accelerate's `init_empty_weights()`
+    keeps buffers real by default) holds the constructor's value, not the checkpoint's (BatchNorm running stats).
+    Their leaves are marked to be read from the file like meta ones; a buffer the file lacks keeps its value."""
+    suffixes = set()
+    for key in file.tensors:
+        parts = key.split(".")
+        suffixes.update(".".join(parts[j:]) for j in range(len(parts)))
+    marked = 0
+    for layout in layouts:
+        if not layout.plain:
+            continue  # a tensor subclass or a strided leaf: no file can fill it, so its buffers stay as they are
+        for entry in layout.entries:
+            leaf = layout.leaves[entry.recipe]
+            if leaf.meta or not all(kind == "buffer" and name not in mod._non_persistent_buffers_set
+                                    for mod, name, kind in entry.locations):
+                continue
+            if _entry_name(file, entry, key_of) in suffixes:
+                leaf.meta = True
+                marked += 1
+    if marked:
+        log.info("%d persistent buffer(s) come from %s (the model is being loaded from it)", marked, file.path)
+    return marked
+
+
+def _non_persistent(layout: TensorLayout) -> str | None:
+    """The name of a non-persistent buffer in the layout (no checkpoint holds it), if any."""
+    for entry in layout.entries:
+        for mod, name, kind in entry.locations:
+            if kind == "buffer" and name in mod._non_persistent_buffers_set:
+                return name
+    return None
+
+
+def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
+                      strict: bool = False, refused: list[str] | None = None) -> list[str] | None:
+    """The file keys of a unit whose current tensors the file holds byte for byte. When it does not (another dtype,
+    keys, or values: ComfyUI may cast or convert weights when it loads a file): CorruptFileError when `strict`,
+    else None (logged), and the unit stays in RAM. A unit holding a non-persistent buffer (in no checkpoint, so not
+    in the file) stays in RAM without complaint."""
+    buffer = _non_persistent(layout)
+    if buffer is not None:
+        log.debug("a block with the non-persistent buffer %r stays in RAM (no checkpoint holds it)", buffer)
+        return None
+    try:
+        keys = _file_keys(file, layout, key_of)
+        for key, src in zip(keys, layout.sources()):
+            if not torch.equal(src.reshape(-1).view(torch.uint8), file.read_tensor(key).reshape(-1).view(torch.uint8)):
+                raise CorruptFileError(f"{file.path}: {key!r} holds other values than the model's weight")
+    except CorruptFileError as exc:
+        if strict:
+            raise
+        if refused is not None:
+            refused.append(str(exc))  # the caller logs one line for all of them
+        else:
+            log.warning("not streaming a block from disk: %s; it stays in RAM", exc)
+        return None
+    return keys
+
+
+@dataclass
+class ModelLayout:
+    """A model laid out for staging, nothing changed yet: each unit's layout, the rest's, and what the file holds."""
+
+    units: list[Unit]
+    layouts: list[TensorLayout]
+    rest: TensorLayout
+    file: SafetensorsFile | None
+    key_of: Callable[[nn.Module, str], str]
+    file_optional: bool
+    keys: dict[int, list[Any]] = field(default_factory=dict)  # file key per leaf: meta units, disk-verified units
+    rest_keys: list[Any] | None = None
+    disk_ok: list[bool] = field(default_factory=list)  # the unit may stream from the file (before its bytes are checked)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [layout.nbytes for layout in self.layouts]
+
+    @property
+    def rest_bytes(self) -> int:
+        return self.rest.nbytes if self.rest.entries else 0
+
+
+def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | None,
+                  file_optional: bool = False) -> ModelLayout:
+    """Lay out every unit and the rest, and read from the file's header which units it can stream; raises before
+    touching the model's weights on bad input (meta tensors no file can fill, a header that does not match)."""
+    # 0. non-persistent buffers on the meta device are computed as the model computes them, never read from a file;
+    # weights the model declares tied and a meta init untied are tied again (a checkpoint holds them once)
+    tie_meta_weights(model, file)
+    materialize_non_persistent_buffers(model)
+    materialize_tensor_attributes(model)  # plain tensor attributes on meta (rotary tables): rebuilt, or refused by name
+    shared = shared_tensor_ids(model, units)
+    # trainable parameters inside the blocks (a training setup) stay with the rest: on the device, never streamed
+    shared |= {id(p) for p in trainable_in_blocks([u.module for u in units], shared)}
+    layouts: list[TensorLayout] = []
+    in_units: set[tuple[int, str, str]] = set()
+    for unit in units:
+        tensors = [t for t in unit_tensors(unit.module) if id(t[3]) not in shared]
+        in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
+        layouts.append(plan_layout(tensors))
+        del tensors
+    rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
+                               if (id(sub), name, kind) not in in_units])
+    laid = ModelLayout(units, layouts, rest_layout, file, _key_namer(model), file_optional)
+    if file is not None and any(leaf.meta for layout in layouts + [rest_layout] for leaf in layout.leaves):
+        persistent_buffers_from_file(file, layouts + [rest_layout], laid.key_of)
+    for i, layout in enumerate(layouts):
+        ok = layout.plain and file is not None
+        if any(leaf.meta for leaf in layout.leaves):
+            if file is None or not _fillable(layout):
+                _refuse_meta(units[i].name, layout, file)
+            laid.keys[i] = _meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
+            # part of the unit is in RAM already (recomputed buffers): no file view; a misaligned tensor neither
+            ok = ok and all(k is not None for k in laid.keys[i]) and all(file.aligned(k) for k in laid.keys[i])
+        elif (file is not None and not file_optional and layout.plain and _non_persistent(layout) is None):
+            _file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
+        laid.disk_ok.append(ok)
+    if any(leaf.meta for leaf in rest_layout.leaves):
+        if file is None or not _fillable(rest_layout):
+            _refuse_meta("the weights outside the blocks", rest_layout, file)
+        laid.rest_keys = _meta_file_keys(file, rest_layout, laid.key_of)
+    return laid
+
+
+def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
+    """Check that the file holds the very bytes of the units `planned` for the disk tier whose weights are in RAM
+    now (ComfyUI may cast or convert weights when it loads a file); returns the units it does not hold (they stay in
+    RAM: the plan is made again without them on disk). Strict (CorruptFileError) unless the file is optional."""
+    file = laid.file
+    refused: list[str] = []  # blocks the file does not hold exactly (disk_optional): one log line for all
+    out = []
+    for i in planned:
+        if i in laid.keys:
+            continue  # a meta unit: its keys were matched against the file already
+        keys = file_keys_holding(file, laid.layouts[i], laid.key_of, strict=not laid.file_optional, refused=refused)
+        if keys is None or not all(file.aligned(k) for k in keys):
+            out.append(i)  # a misaligned tensor cannot be viewed in place either
+            continue
+        laid.keys[i] = keys
+    if refused:
+        log.warning("not streaming %d block(s) from disk: %s%s; each stays in RAM", len(refused), refused[0],
+                    f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
+    return out
+
+
+def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, bounce_count: int,
+                bounce_bytes: int | None = None,
+                progress: Callable[[int, int], None] | None = None) -> StagedModel:
+    """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk), one unit at a time, and the
+    read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`) for the units that are bounced."""
+    units, layouts, file, keys = laid.units, laid.layouts, laid.file, laid.keys
+    masters: list[StagingBuffer] = []
+    total = len(units) + 1
+    notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
+    reader = rest = None
+    try:
+        for i, layout in enumerate(layouts):
+            if tiers.get(i) == "disk":
+                masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
+            else:
+                masters.append(StagingBuffer.in_ram(layout, backend.alloc_host, pin and tiers.get(i) != "pageable",
+                                                    file, keys.get(i), notice))
+            if progress:
+                progress(i + 1, total)
+        # Non-block tensors: always resident; the host copy stays the master for unload and detach.
+        rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
+        # the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
+        # pinning refused) on a device with pinned memory, whose straight copies would block the forward
+        bounced = [m.layout.nbytes for m in masters if m.host is None or
+                   (not m.pinned and backend.supports_pinned_host)]
+        if bounced:
+            size = max(bounced) if bounce_bytes is None else min(max(bounced), bounce_bytes)
+            reader = BounceReader(backend, size, bounce_count)  # a smaller buffer reads a unit in ranges
+    except BaseException:
+        for m in reversed(masters + ([rest] if rest is not None else [])):
+            m.restore_ordinary()
+        raise
+    staged = []
+    for i, (unit, master) in enumerate(zip(units, masters)):
+        source: UnitSource = (DiskSource(file, keys[i], master.layout.leaves, master.layout.nbytes, reader)
+                              if master.host is None else make_ram_source(master, backend, reader))
+        staged.append(StagedUnit(i, unit.name, unit.module, master, source))
+    if progress:
+        progress(total, total)
+    return StagedModel(staged, rest, laid.rest_bytes, reader, file, laid.key_of)
+
+
+def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:
+    """The source for a RAM master: straight copies when pinned (or no pinned memory exists), else bounced."""
+    if not master.pinned and backend.supports_pinned_host and reader is not None:
+        return BouncedSource(master.host, reader)
+    return HostSource(master.host, master.pinned, backend)
+
+
+def _fillable(layout: TensorLayout) -> bool:
+    """Every tensor is a plain one: its meta leaves can be read from a safetensors file, whatever their strides (a
+    transposed or channels_last weight is read in row-major order and copied into its strided place)."""
+    return all(isinstance(e.recipe, int) for e in layout.entries)
+
+
+def _refuse_meta(what: str, layout: TensorLayout, file: SafetensorsFile | None) -> None:
+    leaf = next(leaf for leaf in layout.leaves if leaf.meta)
+    if file is None:
+        raise ValueError(f"{what}: a {tuple(leaf.shape)} {leaf.dtype} tensor is on the meta device and no "
+                         f"disk_path was given to read it from")
+    raise ValueError(f"{what}: holds meta tensors that {file.path} cannot fill (a tensor subclass cannot be read from a "
+                     f"safetensors file); build those modules with real weights, or quantize after loading")

@@ -1,0 +1,549 @@
+"""Where a unit's bytes come from when they move to the device: one `UnitSource` protocol, three sources.
+
+- `HostSource`: the unit's flat host buffer (pinned, or pageable where the device has no pinned memory), copied
+  straight to the slot on the transfer stream.
+- `BouncedSource`: a pageable host buffer on a device with pinned memory, copied into a pinned bounce buffer on
+  the read-ahead thread first, so the copy to the device stays asynchronous.
+- `DiskSource`: the unit's tensors read from the model's safetensors file into a bounce buffer.
+
+File reads are positioned reads on the file descriptor, never loads through a memory map: a file truncated
+while a model streams from it gives a clear error naming it instead of killing the process with SIGBUS. The
+file's size and modification time are checked before each pass and after each read, so a file rewritten in
+place is refused, never silently streamed. The mapping exists only so that a disk-tier unit's parameters can
+view their bytes between forwards without a copy in RAM.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import queue
+import struct
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..model.layout import Leaf
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+
+
+_IOV_MAX = 1024  # iovecs one preadv takes (Linux IOV_MAX)
+_GAP_MAX = 1 << 16  # file ranges at most this far apart are read by one positioned read
+
+
+class CorruptFileError(ValueError):
+    """A safetensors file that is truncated, corrupt or does not match the model: names the file."""
+
+
+class SourceChangedError(RuntimeError):
+    """The file a model streams from changed on disk (truncated, rewritten) after it was offloaded."""
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+class _ModifyWatch:
+    """Linux inotify on one file: sees every write and truncation at once, whatever the timestamp granularity.
+
+    Elsewhere (or when inotify is unavailable) it sees nothing and the size/mtime check alone applies.
+    """
+
+    IN_MODIFY = 0x2
+    IN_NONBLOCK = 0o4000
+    IN_CLOEXEC = 0o2000000
+
+    def __init__(self, path: Path) -> None:
+        self.fd = -1
+        self.seen = False
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(self.IN_NONBLOCK | self.IN_CLOEXEC)
+            if fd < 0:
+                return
+            if libc.inotify_add_watch(fd, os.fsencode(path), self.IN_MODIFY) < 0:
+                os.close(fd)
+                return
+            self.fd = fd
+        except (OSError, AttributeError):  # no libc symbol, or no inotify on this kernel
+            self.fd = -1
+
+    def modified(self) -> bool:
+        """Whether the file was written since the watch began (non-blocking)."""
+        if self.fd >= 0 and not self.seen:
+            try:
+                self.seen = bool(os.read(self.fd, 4096))
+            except BlockingIOError:
+                pass
+            except OSError:
+                return False
+        return self.seen
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _writable_bytes(t: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (no numpy needed)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+class SafetensorsFile:
+    """A validated safetensors header, positioned reads, and a private map for zero-copy parameter views."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.tensors = self._read_header()
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._watch = _ModifyWatch(self.path)
+        self._identity = self._stat()
+        self._mmap: mmap.mmap | None = None
+        self._flat: torch.Tensor | None = None
+        self._seek_lock = threading.Lock()  # only where os.preadv is missing (Windows)
+        # a model dropped without detach() closes its file too (the mapping goes with the last view of it)
+        self._closer = weakref.finalize(self, _close_fds, self._fd, self._watch.fd)
+
+    def _fail(self, why: str) -> CorruptFileError:
+        return CorruptFileError(f"{self.path}: truncated or corrupt safetensors file ({why})")
+
+    def _read_header(self) -> dict[str, FileTensor]:
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise self._fail(f"only {size} bytes")
+                (n,) = struct.unpack("<Q", head)
+                if n <= 0 or 8 + n > size:
+                    raise self._fail(f"header of {n} bytes does not fit a {size}-byte file")
+                header = json.loads(f.read(n))
+        except OSError as exc:
+            raise CorruptFileError(f"{self.path}: cannot read safetensors file: {exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise self._fail(f"header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise self._fail("header is not a JSON object")
+        base = 8 + n
+        out: dict[str, FileTensor] = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype = _DTYPES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self._fail(f"bad entry for {key!r}: {info!r}") from None
+            numel = 1
+            for d in shape:
+                numel *= d
+            if end - begin != numel * dtype.itemsize or begin < 0:
+                raise self._fail(f"{key!r} spans {end - begin} bytes but {shape} x {dtype} needs "
+                                 f"{numel * dtype.itemsize}")
+            if base + end > size:
+                raise self._fail(f"{key!r} ends at byte {base + end} but the file has {size} bytes")
+            out[key] = FileTensor(dtype, shape, base + begin, base + end)
+        return out
+
+    # identity -------------------------------------------------------------------
+    def _stat(self) -> tuple[int, int]:
+        st = os.fstat(self._fd)
+        return st.st_size, st.st_mtime_ns
+
+    def check_unchanged(self) -> None:
+        """Raise SourceChangedError if the file was truncated or rewritten since it was opened.
+
+        The open descriptor follows the file itself: a file deleted or replaced by rename keeps serving the
+        bytes it had, so only writes into this very file count as a change.
+        """
+        if self._fd < 0:
+            raise SourceChangedError(f"{self.path}: the file was closed (the model was detached)")
+        now = self._stat()
+        if now != self._identity or self._watch.modified():
+            was_size, _ = self._identity
+            size, _ = now
+            what = (f"truncated from {was_size} to {size} bytes" if size < was_size else
+                    f"rewritten in place ({was_size} -> {size} bytes)")
+            raise SourceChangedError(
+                f"{self.path}: the model's weights file was {what} while the model streams from it; its "
+                f"blocks can no longer be read as they were. Restore the file, or load the model again")
+
+    # matching -------------------------------------------------------------------
+    def match(self, names: list[str], leaves: list[Leaf]) -> list[str]:
+        """The file keys for the model's tensor names (a common key prefix is detected); checks dtype/shape."""
+        if not names:
+            return []
+        prefix = None
+        for cand in self._prefixes(names[0]):
+            if all(cand + n in self.tensors for n in names):
+                prefix = cand
+                break
+        if prefix is None:
+            missing = [n for n in names if not any(p + n in self.tensors for p in self._prefixes(names[0]))]
+            raise CorruptFileError(f"{self.path}: does not hold the model's weights; missing e.g. "
+                                   f"{missing[:3]} (file has e.g. {list(self.tensors)[:3]})")
+        keys = [prefix + n for n in names]
+        for key, leaf in zip(keys, leaves):
+            ft = self.tensors[key]
+            if ft.dtype != leaf.dtype or tuple(ft.shape) != tuple(leaf.shape):
+                raise CorruptFileError(f"{self.path}: {key!r} is {tuple(ft.shape)} {ft.dtype} in the file but "
+                                       f"{tuple(leaf.shape)} {leaf.dtype} in the model; bytes stream as stored, so "
+                                       f"the file must match the model's dtype")
+        return keys
+
+    def _prefixes(self, name: str) -> list[str]:
+        found = [""]
+        for key in self.tensors:
+            if key.endswith("." + name):
+                found.append(key[: -len(name)])
+        return found
+
+    def aligned(self, key: str) -> bool:
+        """Whether a tensor's offset allows a zero-copy view of its dtype."""
+        ft = self.tensors[key]
+        return ft.start % ft.dtype.itemsize == 0
+
+    # reading --------------------------------------------------------------------
+    def _read_at(self, dst: torch.Tensor, offset: int) -> None:
+        """Fill a contiguous uint8 CPU tensor from `offset` with positioned reads; short reads are errors."""
+        self._readv_at([_writable_bytes(dst)], offset)
+
+    def _readv_at(self, views: list[memoryview], offset: int) -> None:
+        """Fill `views` in turn from the file range starting at `offset` (one `os.preadv` while none comes up short)."""
+        views = [v for v in views if len(v)]
+        want = sum(len(v) for v in views)
+        done = 0
+        while views:
+            if hasattr(os, "preadv"):
+                n = os.preadv(self._fd, views, offset + done)
+            else:  # pragma: no cover - Windows
+                with self._seek_lock:
+                    os.lseek(self._fd, offset + done, os.SEEK_SET)
+                    chunk = os.read(self._fd, len(views[0]))
+                    views[0][:len(chunk)] = chunk
+                    n = len(chunk)
+            if n <= 0:
+                self.check_unchanged()
+                raise SourceChangedError(f"{self.path}: read {done} of {want} bytes at offset {offset}: the "
+                                         f"file ends early (was it truncated?)")
+            done += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
+
+    def _read_spans(self, spans: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Read file ranges [lo, hi) into uint8 CPU tensors. Ranges at most `_GAP_MAX` apart in the file are read
+        together, by ONE positioned read scattering into their destinations; a gap goes to a scratch buffer, or
+        straight into the destination when it lies as far apart there (the padding of a unit laid out as in the
+        file). A unit whose tensors are contiguous in the file (a packed model's unit) is one sequential read."""
+        spans = sorted((s for s in spans if s[1] > s[0]), key=lambda s: s[0])
+        by_address = sorted(s[2].data_ptr() for s in spans)
+        after = dict(zip(by_address, by_address[1:]))  # the next destination in memory: nothing lies between
+        i = 0
+        while i < len(spans):
+            lo, hi, dst = spans[i]
+            prev = dst.data_ptr()
+            parts: list[Any] = [[prev, hi - lo]]  # [address, length] or a scratch gap
+            i += 1
+            while i < len(spans) and len(parts) < _IOV_MAX - 1 and 0 <= spans[i][0] - hi <= _GAP_MAX:
+                nlo, nhi, ndst = spans[i]
+                last, ptr = parts[-1], ndst.data_ptr()
+                if isinstance(last, list) and after.get(prev) == ptr and ptr == last[0] + last[1] + (nlo - hi):
+                    last[1] += (nlo - hi) + (nhi - nlo)  # the gap is the destination's own padding
+                else:
+                    if nlo > hi:
+                        parts.append(memoryview(bytearray(nlo - hi)))
+                    parts.append([ptr, nhi - nlo])
+                prev, hi = ptr, nhi
+                i += 1
+            self._readv_at([memoryview((ctypes.c_ubyte * p[1]).from_address(p[0])).cast("B")
+                            if isinstance(p, list) else p for p in parts], lo)
+
+    def read_into(self, dst: torch.Tensor, pieces: list[tuple[str, int]]) -> int:
+        """Read (key, dst_offset) tensors into a flat uint8 `dst`; returns bytes read. Raises if the file changed."""
+        spans = []
+        for key, off in pieces:
+            ft = self.tensors[key]
+            spans.append((ft.start, ft.end, dst[off:off + ft.end - ft.start]))
+        self._read_spans(spans)
+        self.check_unchanged()  # a write that raced the read must not pass as the original bytes
+        return sum(hi - lo for lo, hi, _ in spans)
+
+    def read_range(self, dst: torch.Tensor, pieces: list[tuple[str, int]], start: int, end: int) -> int:
+        """Read the bytes [start, end) of a unit laid out as (key, unit offset) pieces into `dst[:end - start]`;
+        returns bytes read. A bounce buffer smaller than the unit reads it in such ranges."""
+        spans = []
+        for key, off in pieces:
+            ft = self.tensors[key]
+            n = ft.end - ft.start
+            lo, hi = max(start, off), min(end, off + n)
+            if lo >= hi:
+                continue
+            spans.append((ft.start + (lo - off), ft.start + (hi - off), dst[lo - start:hi - start]))
+        self._read_spans(spans)
+        self.check_unchanged()  # a write that raced the read must not pass as the original bytes
+        return sum(hi - lo for lo, hi, _ in spans)
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """One tensor as an ordinary, independent CPU tensor (read from the descriptor, not the map)."""
+        ft = self.tensors[key]
+        buf = torch.empty(ft.end - ft.start, dtype=torch.uint8)
+        self._read_at(buf, ft.start)
+        self.check_unchanged()
+        return buf.view(ft.dtype).view(ft.shape)
+
+    def view(self, key: str) -> torch.Tensor:
+        """A zero-copy view of one tensor in the private map (a copy read from the file if misaligned)."""
+        ft = self.tensors[key]
+        if ft.start % ft.dtype.itemsize:
+            return self.read_tensor(key)
+        if self._flat is None:
+            # Private copy-on-write mapping: a write through a parameter view lands in process memory (the unit
+            # then leaves the disk tier) and the file is never modified.
+            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+            self._flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        return self._flat[ft.start:ft.end].view(ft.dtype).view(ft.shape)
+
+    def close(self) -> None:
+        self._flat = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # views still alive; the mapping goes with them
+                pass
+            self._mmap = None
+        self._closer()
+        self._fd = -1
+        self._watch.fd = -1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the read-ahead thread
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DeferredCopy:
+    """A copy whose device event exists only once the read-ahead thread has filled its bounce buffer."""
+
+    __slots__ = ("_done", "event", "error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.event: Any = None
+        self.error: BaseException | None = None
+
+    def resolve(self) -> Any:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.event
+
+
+def resolve(copy: Any) -> Any:
+    """The device event behind a copy, waiting for the read-ahead thread when it is deferred."""
+    return copy.resolve() if isinstance(copy, DeferredCopy) else copy
+
+
+class ReadCounters:
+    """What the read-ahead thread did: bounce fills and bytes read from files."""
+
+    __slots__ = ("reads", "bytes_read")
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.bytes_read = 0
+
+
+def _read_ahead(jobs: queue.Queue, free: queue.Queue, backend: Any, counters: ReadCounters) -> None:
+    # The thread holds only the queues, never the reader: dropping a model stops it (see BounceReader).
+    # A job is one unit's bytes in one or more ranges (a bounce buffer smaller than the unit); its copy is
+    # done when the copy of its last range is, since copies run in order on the transfer stream.
+    while True:
+        item = jobs.get()
+        if item is None:
+            jobs.task_done()
+            return
+        fill, start, end, dst, after, job, last = item
+        try:
+            if job.error is None:  # an earlier range of this unit failed: skip the rest
+                buf, prev = free.get()
+                try:
+                    if prev is not None:
+                        backend.event_synchronize(prev)  # its previous copy must have left the bounce buffer
+                    counters.bytes_read += fill(buf, start, end)
+                    event = backend.copy_h2d(dst[start:end], buf[:end - start], after)
+                except BaseException:
+                    free.put((buf, None))
+                    raise
+                free.put((buf, event))
+                job.event = event
+                if last:
+                    counters.reads += 1
+        except BaseException as exc:  # surfaced to the forward that waits for this unit
+            job.error = exc
+        finally:
+            if last:
+                job._done.set()
+            del item, fill, dst, after, job  # the idle thread must not keep the last buffers alive
+            jobs.task_done()
+
+
+def _stop_read_ahead(jobs: queue.Queue, thread: threading.Thread) -> None:
+    jobs.put(None)
+    if thread is not threading.current_thread():
+        thread.join()  # a daemon thread killed in the middle of a copy at interpreter exit aborts the process
+
+
+class BounceReader:
+    """Read-ahead thread: fills pinned bounce buffers (from disk or pageable RAM) and queues their copies."""
+
+    def __init__(self, backend: Any, bounce_bytes: int, count: int) -> None:
+        self.bounce_bytes = bounce_bytes
+        self.count = max(1, count)
+        self.counters = ReadCounters()
+        self._free: queue.Queue = queue.Queue()
+        self.pinned = True
+        for _ in range(max(1, count)):
+            buf, pinned = backend.alloc_host(bounce_bytes, True)
+            self.pinned &= pinned
+            self._free.put((buf, None))
+        self._jobs: queue.Queue = queue.Queue()
+        thread = threading.Thread(target=_read_ahead, args=(self._jobs, self._free, backend, self.counters),
+                                  name="offload-read-ahead", daemon=True)
+        thread.start()
+        self._stop = weakref.finalize(self, _stop_read_ahead, self._jobs, thread)  # also runs at exit
+
+    def submit(self, fill: Callable[[torch.Tensor, int, int], int], nbytes: int, dst: torch.Tensor,
+               after: Any) -> DeferredCopy:
+        """Queue `nbytes` into `dst` after event `after`, in ranges of at most one bounce buffer each:
+        `fill(buf, start, end)` puts the bytes [start, end) into `buf` and returns the bytes it read from files."""
+        if not self._stop.alive:
+            raise RuntimeError("the read-ahead thread was stopped (the model was detached)")
+        job = DeferredCopy()
+        step = self.bounce_bytes
+        starts = list(range(0, nbytes, step)) or [0]
+        for k, start in enumerate(starts):
+            self._jobs.put((fill, start, min(nbytes, start + step), dst, after, job, k == len(starts) - 1))
+        return job
+
+    def drain(self) -> None:
+        """Wait until every submitted read has been done and its copy queued."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Finish queued reads and stop the thread (nothing may read a file after it is closed)."""
+        self._stop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# unit sources
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class UnitSource(Protocol):
+    """Where one unit's bytes come from; `issue` queues their copy into a device buffer after event `after`."""
+
+    tier: str  # pinned | pageable | disk
+    nbytes: int
+    reads: int  # times the bytes were read into a bounce buffer (disk, bounced pageable RAM)
+    read_ms: float  # time spent reading them into bounce buffers, in all (before each copy could start)
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any: ...
+
+
+class HostSource:
+    """A host buffer copied straight to the device (pinned; or pageable where the device has no pinned memory)."""
+
+    reads = 0
+    read_ms = 0.0
+
+    def __init__(self, host: torch.Tensor, pinned: bool, backend: Any) -> None:
+        self.host = host
+        self.nbytes = host.numel()
+        self.tier = "pinned" if pinned else "pageable"
+        self.backend = backend
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        return self.backend.copy_h2d(dst[:self.nbytes], self.host, after)
+
+
+class BouncedSource:
+    """Pageable RAM on a device with pinned memory: bounced through a pinned buffer so the copy stays async."""
+
+    tier = "pageable"
+
+    def __init__(self, host: torch.Tensor, reader: BounceReader) -> None:
+        self.host = host
+        self.nbytes = host.numel()
+        self.reader = reader
+        self.reads = 0
+        self.read_ms = 0.0  # time the read-ahead thread spent filling bounce buffers with this unit's bytes
+
+    def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        t0 = time.perf_counter()
+        buf[:end - start].copy_(self.host[start:end])
+        self.read_ms += (time.perf_counter() - t0) * 1e3
+        return 0
+
+    def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        self.reads += 1
+        return self.reader.submit(self._fill, self.nbytes, dst, after)
+
+
+class DiskSource:
+    """A disk-tier unit: its tensors read from the safetensors file on each streamed use."""
+
+    tier = "disk"
+
+    def __init__(self, file: SafetensorsFile, keys: list[str], leaves: list[Leaf], nbytes: int,
+                 reader: BounceReader) -> None:
+        self.file = file
+        self.reader = reader
+        self.nbytes = nbytes
+        self.pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
+        self.reads = 0
+        self.read_ms = 0.0  # time the read-ahead thread spent reading this unit's bytes from the file
+
+    def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        t0 = time.perf_counter()
+        try:
+            if start == 0 and end == self.nbytes:
+                return self.file.read_into(buf, self.pieces)
+            return self.file.read_range(buf, self.pieces, start, end)
+        finally:
+            self.read_ms += (time.perf_counter() - t0) * 1e3
+
+    def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        self.reads += 1
+        return self.reader.submit(self._fill, self.nbytes, dst, after)

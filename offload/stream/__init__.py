@@ -1,0 +1,12 @@
+"""The hot path: `streamer.ModelStreamer` owns one pass (its lock, the per-unit hooks, the learned order) and
+composes the parts that act at its safe points: `placement` (resident set, slot ring, device bytes), `prefetch`
+(the prefetch worker: which unit is copied into which slot), `host_tiers` (RAM or disk masters, giving RAM back),
+`write_watch` (weights written in place), `buffer_writes` (buffers a unit writes reach the host master),
+`outputs`, `pass_lock`, `backward` (training through streamed units), `compile_support` (torch.compile),
+`devices` (several devices), and `replan.PlanKeeper` (asks plan/ again when the facts change and places the answer).
+
+Layer: below the entry points (handle, setup); imports budget/, plan/, store/, model/, report/, backends/ and the
+config vocabulary; nothing in those imports it.
+Used from outside: `streamer.ModelStreamer`, `streamer.DeviceMemoryError`, `replan.PlanKeeper`,
+`backward.TrainableWeightError`, `devices.SecondaryDevices`, `pass_lock.PassLock`.
+"""

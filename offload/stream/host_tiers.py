@@ -1,0 +1,140 @@
+"""Host tiers of one staged model: which units' masters live in RAM and which are read from the disk file.
+
+`HostTiers` moves units between tiers after staging: a disk-tier unit written in place gets a RAM master
+(`promote_to_ram`), and RAM is given back on request by moving units whose exact bytes the file holds to the
+disk tier (`release_host_memory`). It also reports the host bytes the model holds.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..backends.base import Backend
+from .placement import UnitState, quiesce
+from ..plan.planner import bounce_buffers
+from .prefetch import PrefetchWorker
+from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
+from ..store.storage import BounceReader, DiskSource
+
+log = logging.getLogger(__name__)
+
+
+class HostTiers:
+    """The host side of a staged model's units: RAM or disk masters, the read-ahead thread's bounce buffers."""
+
+    def __init__(self, staged: StagedModel, units: list[UnitState], sources: list[Any], backend: Backend,
+                 worker: PrefetchWorker, pin_memory: bool, prefetch: int) -> None:
+        self.staged = staged
+        self.units = units  # shared with the streamer (the same list object)
+        self.sources = sources  # shared with the worker
+        self.backend = backend
+        self.worker = worker
+        self.pin_memory = pin_memory
+        self.prefetch = prefetch
+
+    def differs_from_file(self, u: UnitState) -> bool:
+        """Whether a disk-tier unit's views hold other bytes than its file (a write through `.data`)."""
+        master = u.master
+        master.file.check_unchanged()  # reading the map of a truncated file would be fatal
+        for entry, key in zip(master.layout.entries, master.keys):  # disk layouts are plain: one leaf per entry
+            t = entry.current()
+            if t is None or not torch.equal(t.detach().reshape(-1).view(torch.uint8),
+                                            master.file.read_tensor(key).reshape(-1).view(torch.uint8)):
+                return True
+        return False
+
+    def promote_to_ram(self, u: UnitState, device_copy: torch.Tensor | None = None) -> None:
+        """A disk-tier unit whose bytes were written in place gets a RAM master (from the written views, or from
+        its device copy) and streams from RAM from now on: pread would return the file's, not the written, bytes."""
+        old = u.master
+        layout = old.layout
+        host, pinned = self.backend.alloc_host(layout.nbytes, self.pin_memory)
+        with torch.no_grad():
+            if device_copy is not None:
+                self.backend.synchronize()
+                host.copy_(device_copy)
+            else:
+                old.file.check_unchanged()
+                for view, entry in zip(layout.leaf_views(host), layout.entries):
+                    view.copy_(entry.current().detach())
+        binding = layout.build(host, master=True)
+        master = StagingBuffer(layout, host, pinned, binding)
+        if u.resident_buf is None:
+            binding.apply()
+        u.staged.master = master
+        u.staged.source = self.sources[u.index] = make_ram_source(master, self.backend, self.staged.reader)
+        u.mark = layout.version()
+        log.info("%s was written in place; it streams from RAM from now on instead of %s", u.staged.name,
+                 old.file.path if old.file is not None else "its file")
+
+    def host_memory(self) -> dict[str, int]:
+        """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, and on disk."""
+        ram = pinned = disk = 0
+        for u in self.units:
+            if u.master.host is None:
+                disk += u.nbytes
+            else:
+                ram += u.nbytes
+                pinned += u.nbytes if u.master.pinned else 0
+        ram += self.staged.rest.layout.nbytes
+        reader = self.staged.reader
+        if reader is not None:
+            ram += reader.bounce_bytes * reader.count
+            pinned += reader.bounce_bytes * reader.count if reader.pinned else 0
+        return {"ram": ram, "pinned": pinned, "disk": disk}
+
+    def release_host_memory(self, nbytes: int, order: list[int]) -> int:
+        """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
+        model's file holds their exact bytes (checked); returns the bytes freed, net of any bounce buffers the disk
+        tier needed (0 without a file). The caller holds the pass lock."""
+        staged = self.staged
+        file = staged.file
+        if file is None or nbytes <= 0:
+            return 0
+        candidates = [self.units[i] for i in order
+                      if self.units[i].master.host is not None and self.units[i].staged.layout.plain]
+        biggest = max((x.nbytes for x in self.units), default=0)
+        reader = staged.reader
+        if reader is None or reader.bounce_bytes < biggest:  # the disk tier would need new bounce buffers
+            extra = biggest * bounce_buffers(self.prefetch) - (0 if reader is None else
+                                                               reader.bounce_bytes * reader.count)
+            if sum(u.nbytes for u in candidates) <= extra:
+                return 0  # moving every block could not even pay for the bounce buffers
+        freed = cost = 0
+        refused: list[str] = []
+        for u in candidates:
+            if freed - cost >= nbytes:
+                break
+            keys = file_keys_holding(file, u.staged.layout, staged.key_of, refused=refused)
+            if keys is None or not all(file.aligned(k) for k in keys):
+                continue
+            quiesce(staged, self.backend)  # no read or copy may still use the RAM master about to go
+            if staged.reader is None or staged.reader.bounce_bytes < u.nbytes:
+                cost += self._replace_reader(biggest)
+            u.staged.master = StagingBuffer.on_disk(u.staged.layout, file, keys, apply=u.resident_buf is None)
+            u.staged.source = self.sources[u.index] = DiskSource(file, keys, u.staged.layout.leaves, u.nbytes,
+                                                                  staged.reader)
+            u.mark = u.staged.layout.version()
+            freed += u.nbytes
+        if refused:
+            log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
+                        f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
+        if freed:
+            self.worker.restart()  # copies queued from the old masters are replaced by reads of the file
+            log.info("moved %.1f MB of blocks to the disk tier (%s) to give RAM back", freed / 2 ** 20, file.path)
+        return max(0, freed - cost)
+
+    def _replace_reader(self, bounce_bytes: int) -> int:
+        """A read-ahead thread with bounce buffers of `bounce_bytes`; returns the host bytes it added."""
+        staged = self.staged
+        old = staged.reader
+        before = 0 if old is None else old.bounce_bytes * old.count
+        if old is not None:
+            old.close()
+        staged.reader = BounceReader(self.backend, bounce_bytes, bounce_buffers(self.prefetch))
+        for src in self.sources:  # sources bound to the old reader move to the new one
+            if hasattr(src, "reader"):
+                src.reader = staged.reader
+        return staged.reader.bounce_bytes * staged.reader.count - before
