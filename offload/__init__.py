@@ -27,7 +27,7 @@ from .report.metrics import BlockReport, OffloadReport, summarize
 from .plan.planner import PlanError, RamCeilingError
 from .predict.prediction import Prediction, predict
 from .store.storage import CorruptFileError, SourceChangedError
-from .stream.streamer import DeviceMemoryError
+from .plan.planner import DeviceMemoryError
 
 __all__ = ["OffloadConfig", "PRESETS", "PresetPolicy", "DEFAULT_PRESET", "preset_tooltip", "budget_preset_tooltip",
            "presets_markdown_table", "offload_module", "OffloadHandle", "VramBudget", "default_budget",
@@ -44,10 +44,11 @@ def _install_moved_modules() -> None:
     import importlib.abc
     import importlib.machinery
     import sys
+    import types
 
     moved = {"backends": ["pin_gate"],
              "model": ["blocks", "layout", "meta_buffers", "fp8", "model_changes"],
-             "store": ["staging", "storage", "packed"],
+             "store": ["staging"],
              "plan": ["planner", "plan_device", "plan_host", "ring_sim", "cost_model"],
              "budget": ["recency", "membership", "reserve"],
              "stream": ["streamer", "prefetch", "placement", "host_tiers", "write_watch", "buffer_writes", "outputs",
@@ -55,7 +56,10 @@ def _install_moved_modules() -> None:
              "report": ["metrics"],
              "predict": ["cost_profile", "meta_costs", "device_timing", "cards", "plan_cli"],
              "generate": ["kv_cache"]}
-    old_to_new = {f"{__name__}.{m}": f"{__name__}.{pkg}.{m}" for pkg, mods in moved.items() for m in mods}
+    # modules split in two when they moved: the old name offers the names of both
+    split = {"storage": ("store.storage", "store.sources"), "packed": ("store.packed", "store.pack_writer")}
+    old_to_new: dict = {f"{__name__}.{m}": (f"{__name__}.{pkg}.{m}",) for pkg, mods in moved.items() for m in mods}
+    old_to_new.update({f"{__name__}.{m}": tuple(f"{__name__}.{t}" for t in ts) for m, ts in split.items()})
     own_specs: dict = {}
 
     class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -65,12 +69,24 @@ def _install_moved_modules() -> None:
             return importlib.machinery.ModuleSpec(fullname, self)
 
         def create_module(self, spec):  # type: ignore[no-untyped-def]
-            module = importlib.import_module(old_to_new[spec.name])
-            own_specs[module.__name__] = module.__spec__
+            parts = [importlib.import_module(name) for name in old_to_new[spec.name]]
+            if len(parts) == 1:
+                own_specs[parts[0].__name__] = parts[0].__spec__
+                return parts[0]
+            module = types.ModuleType(spec.name, f"The names of {', '.join(p.__name__ for p in parts)}.")
+
+            def __getattr__(name: str) -> object:
+                for part in parts:
+                    if hasattr(part, name):
+                        return getattr(part, name)
+                raise AttributeError(f"module {spec.name!r} has no attribute {name!r}")
+
+            module.__getattr__ = __getattr__  # type: ignore[attr-defined]
             return module
 
         def exec_module(self, module):  # type: ignore[no-untyped-def]
-            module.__spec__ = own_specs[module.__name__]  # the import system stamped the old name's spec on it
+            if module.__name__ in own_specs:  # the import system stamped the old name's spec on it
+                module.__spec__ = own_specs[module.__name__]
 
     if not any(type(f).__name__ == "MovedModules" and getattr(f, "names", None) == old_to_new
                for f in sys.meta_path):

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 def _pack(args: argparse.Namespace) -> int:
     import json
 
-    from .store.packed import pack_file
+    from .store.pack_writer import pack_file
     from .store.storage import CorruptFileError
 
     try:

@@ -25,7 +25,7 @@ from .report.metrics import OffloadReport
 from .stream.replan import PlanKeeper
 from .reporting import ReportBase, build_report
 from .setup import set_up
-from .stream.streamer import DeviceMemoryError  # noqa: F401  (raised through the handle: importable from here as before)
+from .plan.planner import DeviceMemoryError  # noqa: F401  (raised through the handle: importable from here as before)
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class OffloadHandle(BudgetMembership):
         learned, each laid out as the engine's flat buffer, so `disk_path=out_dir` streams each unit with one read.
         Returns the index path."""
         self._check_attached("pack")
-        from .store.packed import DEFAULT_SHARD_BYTES, pack_handle
+        from .store.pack_writer import DEFAULT_SHARD_BYTES, pack_handle
 
         return str(pack_handle(self, out_dir, shard_bytes or DEFAULT_SHARD_BYTES, overwrite))
 

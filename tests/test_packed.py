@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offload import OffloadConfig
-from offload.store.packed import PackedWeights, group_units, open_weights, pack_file, scale_for
+from offload.store.packed import PackedWeights, open_weights
+from offload.store.pack_writer import group_units, pack_file, scale_for
 from offload.store.storage import CorruptFileError, SafetensorsFile, SourceChangedError
 from tests.models import Fp8Stack, LayersModel, ReorderStack, aligned_bytes, run, seeded
 

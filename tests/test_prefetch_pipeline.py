@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from offload.stream.prefetch import PrefetchWorker
-from offload.store.storage import DeferredCopy
+from offload.store.sources import DeferredCopy
 
 
 class _Source:

@@ -18,6 +18,10 @@ GREEDY_MAX_UNITS = 160  # above this the greedy search (n^3) gives way to rankin
 MAX_WIDTHS = 4  # slot widths tried by the search
 
 
+class DeviceMemoryError(ValueError):
+    """Even the smallest plan (one slot) does not fit: names the unit and its size."""
+
+
 class PlanError(ValueError):
     """The budget cannot hold even the smallest working plan; the message names what does not fit."""
 

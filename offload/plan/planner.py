@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import psutil
 
-from .plan_device import (PlanError, UnitPlan, across_devices, plan_by_cost, plan_units, ring_slots,  # noqa: F401
-                          spread, want_bytes)
+from .plan_device import (DeviceMemoryError, PlanError, UnitPlan, across_devices, plan_by_cost,  # noqa: F401
+                          plan_units, ring_slots, spread, want_bytes)
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
                         bounce_buffers, host_ram_bytes, plan_host, plan_host_capped)
 from .ring_sim import UnitCosts, simulate_pass

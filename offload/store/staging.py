@@ -22,8 +22,8 @@ from ..model.trainable import trainable_in_blocks
 from ..model.blocks import Unit
 from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
 from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
-from .storage import (BouncedSource, BounceReader, CorruptFileError, DiskSource, HostSource, SafetensorsFile,
-                      UnitSource)
+from .storage import CorruptFileError, SafetensorsFile
+from .sources import BouncedSource, BounceReader, DiskSource, HostSource, UnitSource
 
 log = logging.getLogger(__name__)
 

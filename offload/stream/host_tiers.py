@@ -16,7 +16,7 @@ from .placement import UnitState, quiesce
 from ..plan.planner import bounce_buffers
 from .prefetch import PrefetchWorker
 from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
-from ..store.storage import BounceReader, DiskSource
+from ..store.sources import BounceReader, DiskSource
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from ..backends.base import Backend
 from ..model.layout import Binding
 from .prefetch import PrefetchWorker
 from ..store.staging import StagedModel, StagedUnit, StagingBuffer
-from ..store.storage import HostSource, resolve
+from ..store.sources import HostSource, resolve
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..store.storage import UnitSource, resolve
+from ..store.sources import UnitSource, resolve
 
 log = logging.getLogger(__name__)
 

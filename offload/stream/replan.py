@@ -31,9 +31,9 @@ import torch
 from ..backends.base import Backend
 from ..plan.cost_model import CostTracker
 from ..plan import planner
-from ..plan.planner import STALL_MARGIN_FRACTION, STALL_MARGIN_MS, Plan, PlanError, PlanFacts
+from ..plan.planner import STALL_MARGIN_FRACTION, STALL_MARGIN_MS, DeviceMemoryError, Plan, PlanError, PlanFacts
 from ..plan.ring_sim import UnitCosts, simulate_pass
-from .streamer import DeviceMemoryError, ModelStreamer
+from .streamer import ModelStreamer
 
 log = logging.getLogger(__name__)
 

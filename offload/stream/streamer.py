@@ -29,26 +29,23 @@ import torch.nn as nn
 
 from ..backends.base import Backend
 from .buffer_writes import ModelBufferWrites
-from .compile_support import (ChildHook, InFlag, compile_block_forward, prepare_dynamo, register_hook_class,
-                              restore_compile)
+from .compile_support import (InFlag, prepare_dynamo)
 from ..model.model_changes import ModelChanges
+from ..plan.planner import DeviceMemoryError  # noqa: F401  (raised through the streamer: importable from here as before)
 from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
                        trainable_weight_error)
 from .host_tiers import HostTiers
-from ..report.metrics import BlockReport, MetricsCollector
+from ..report.metrics import MetricsCollector
 from .outputs import unalias
 from .pass_lock import PassLock, module_call_frame
 from .placement import DevicePlacement, UnitState
 from .prefetch import PrefetchWorker
 from ..store.staging import StagedModel
-from ..store.storage import resolve
+from ..store.sources import resolve
+from .hooks import ModelHooks, WeakHook
 from .write_watch import WriteWatch
 
 log = logging.getLogger(__name__)
-
-
-class DeviceMemoryError(ValueError):
-    """Even the smallest plan (one slot) does not fit: names the unit and its size."""
 
 
 class PassListener(Protocol):
@@ -57,24 +54,6 @@ class PassListener(Protocol):
     def before_pass(self) -> None: ...
 
     def after_pass(self) -> None: ...
-
-
-@register_hook_class  # dynamo calls it eagerly, never traces the engine (offload/stream/compile_support.py)
-class _WeakHook:
-    """A hook (or callback) calling a streamer method through a weak reference (no model -> engine -> model cycle)."""
-
-    __slots__ = ("_ref", "_fn", "_index")
-
-    def __init__(self, streamer: "ModelStreamer", fn: Any, index: int | None = None) -> None:
-        self._ref = weakref.ref(streamer)
-        self._fn = fn
-        self._index = index
-
-    def __call__(self, *args: Any) -> Any:
-        s = self._ref()
-        if s is None:
-            return None
-        return self._fn(s, *args) if self._index is None else self._fn(s, self._index, *args)
 
 
 @dataclass
@@ -113,28 +92,28 @@ class ModelStreamer:
         self.buffers = ModelBufferWrites(staged, self.units, self.placement, self.host, self.worker, backend)
         self.metrics = MetricsCollector(backend, len(self.units), profile)
         self.backward = BackwardStreamer(self.units, self.placement, self.worker, backend, self.metrics,
-                                         _WeakHook(self, ModelStreamer._fetch),
-                                         _WeakHook(self, ModelStreamer.ensure_loaded),
-                                         _WeakHook(self, ModelStreamer._after_backward),
-                                         _WeakHook(self, ModelStreamer._backward_releasing))
+                                         WeakHook(self, ModelStreamer._fetch),
+                                         WeakHook(self, ModelStreamer.ensure_loaded),
+                                         WeakHook(self, ModelStreamer._after_backward),
+                                         WeakHook(self, ModelStreamer._backward_releasing))
         self.order_learned = False
         self.active: ActiveUnit | None = None
         self._resident_start: dict[int, tuple[Any, bool]] = {}
         self._seen: list[int] = []
         # one pass at a time; device memory changes hands only under it (the lock refers back weakly, no cycle)
-        self._lock = PassLock(_WeakHook(self, ModelStreamer._abandon_pass))
+        self._lock = PassLock(WeakHook(self, ModelStreamer._abandon_pass))
         self._root_calls = 0  # root-module forwards in progress on the owning thread (nested calls count)
         self._pass_owner: int | None = None
         self._last_unit_outside_root: int | None = None
         self._refusal: TrainableWeightError | None = None  # this pass computes with a streamed weight requiring grad
-        self._hooks: list[Any] = []
         self._in_flags = [InFlag() for _ in self.units]  # unit i is in: its children's hooks have nothing to do
-        self._compile_overrides: list[nn.Module] = []
-        self._install_hooks(model)
+        self.hooks = ModelHooks()
+        self.hooks.install(self, model, [u.staged.module for u in self.units], self._in_flags,
+                           self.staged.rest.layout)
         # conversions after offloading are refused at the call; deepcopy gives an ordinary model (model_changes.py)
         self.changes = ModelChanges(model, [u.staged.layout for u in self.units] + [staged.rest.layout],
-                                    _WeakHook(self, ModelStreamer._in_pass),
-                                    _WeakHook(self, ModelStreamer._engine_hook_ids))
+                                    WeakHook(self, ModelStreamer._in_pass),
+                                    WeakHook(self, ModelStreamer._engine_hook_ids))
         prepare_dynamo()  # a no-op until torch._dynamo is in use
 
     # the placement's figures, read by the handle's report ------------------------------
@@ -167,38 +146,12 @@ class ModelStreamer:
         self.placement.peak_device_bytes = value
 
     # hooks ----------------------------------------------------------------------
-    def _install_hooks(self, model: nn.Module) -> None:
-        cls = type(self)
-        self._hooks.append(model.register_forward_pre_hook(_WeakHook(self, cls._root_pre), prepend=True))
-        self._hooks.append(model.register_forward_hook(_WeakHook(self, cls._root_post), always_call=True))
-        for u in self.units:
-            module = u.staged.module
-            # prepend: hooks the user registered earlier must already see the unit's device weights
-            self._hooks.append(module.register_forward_pre_hook(_WeakHook(self, cls._pre, u.index), prepend=True))
-            self._hooks.append(module.register_forward_hook(_WeakHook(self, cls._post, u.index), always_call=True))
-            # Some models never call the block container itself (ComfyUI's UNet iterates a
-            # TimestepEmbedSequential and calls its layers): the first child to run brings the unit in.
-            for child in module.children():
-                self._hooks.append(child.register_forward_pre_hook(
-                    ChildHook(self._in_flags[u.index], _WeakHook(self, cls._child_pre, u.index)), prepend=True))
-            if compile_block_forward(module):
-                self._compile_overrides.append(module)
-        # A module outside the blocks called on its own before any block (generate() entering T5's or Whisper's
-        # encoder, whose embedding runs first) must not compute on the host copy: it brings the placement in.
-        rest = {id(m): m for e in self.staged.rest.layout.entries for m, _, _ in e.locations if m is not model}
-        for sub in rest.values():
-            self._hooks.append(sub.register_forward_pre_hook(_WeakHook(self, cls._rest_pre), prepend=True))
-
     def _rest_pre(self, module: nn.Module, args: Any) -> None:
         if not self.placement.loaded and not in_backward():
             self.ensure_loaded()
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        restore_compile(self._compile_overrides)
-        self._compile_overrides.clear()
+        self.hooks.remove()
         changes = getattr(self, "changes", None)
         if changes is not None:
             changes.remove()
@@ -209,7 +162,7 @@ class ModelStreamer:
 
     def _engine_hook_ids(self) -> set[int]:
         """The ids of every forward hook the engine put on the model (a deepcopy leaves them out)."""
-        ids = {h.id for h in self._hooks}
+        ids = self.hooks.ids()
         hop = getattr(getattr(self._listener(), "secondaries", None), "hop", None)  # a model on several devices
         ids.update(h.id for h in getattr(hop, "_hooks", ()))
         return ids
@@ -521,18 +474,6 @@ class ModelStreamer:
         running pass to end."""
         with self._lock:
             return self.host.release_host_memory(nbytes, order)
-
-    # reporting -----------------------------------------------------------------------
-    def block_reports(self) -> list[BlockReport]:
-        """Per-unit figures since the last reset (waits for the timing events recorded so far)."""
-        m = self.metrics
-        with m.lock:
-            m._harvest(block=True)
-            return [BlockReport(u.staged.name, u.tier, u.nbytes, m.h2d_ms[u.index], m.compute_ms[u.index],
-                                m.stall_ms[u.index], m.calls[u.index], m.bytes_streamed[u.index],
-                                self.sources[u.index].reads, m.bwd_calls[u.index], m.bwd_bytes[u.index],
-                                m.bwd_h2d_ms[u.index], m.bwd_ms[u.index], m.bwd_stall_ms[u.index])
-                    for u in self.units]
 
     # detach ----------------------------------------------------------------------------
     def detach(self) -> None:

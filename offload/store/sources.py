@@ -1,0 +1,223 @@
+"""Where a unit's bytes come from when they move to the device: one `UnitSource` protocol, three sources, and the
+read-ahead thread two of them use.
+
+- `HostSource`: the unit's flat host buffer (pinned, or pageable where the device has no pinned memory), copied
+  straight to the slot on the transfer stream.
+- `BouncedSource`: a pageable host buffer on a device with pinned memory, copied into a pinned bounce buffer on
+  the read-ahead thread first, so the copy to the device stays asynchronous.
+- `DiskSource`: the unit's tensors read from the model's file (`storage.SafetensorsFile`, or a packed folder with
+  its interface) into a bounce buffer.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..model.layout import Leaf
+from .storage import SafetensorsFile
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the read-ahead thread
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class DeferredCopy:
+    """A copy whose device event exists only once the read-ahead thread has filled its bounce buffer."""
+
+    __slots__ = ("_done", "event", "error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.event: Any = None
+        self.error: BaseException | None = None
+
+    def resolve(self) -> Any:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.event
+
+
+def resolve(copy: Any) -> Any:
+    """The device event behind a copy, waiting for the read-ahead thread when it is deferred."""
+    return copy.resolve() if isinstance(copy, DeferredCopy) else copy
+
+
+class ReadCounters:
+    """What the read-ahead thread did: bounce fills and bytes read from files."""
+
+    __slots__ = ("reads", "bytes_read")
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.bytes_read = 0
+
+
+def _read_ahead(jobs: queue.Queue, free: queue.Queue, backend: Any, counters: ReadCounters) -> None:
+    # The thread holds only the queues, never the reader: dropping a model stops it (see BounceReader).
+    # A job is one unit's bytes in one or more ranges (a bounce buffer smaller than the unit); its copy is
+    # done when the copy of its last range is, since copies run in order on the transfer stream.
+    while True:
+        item = jobs.get()
+        if item is None:
+            jobs.task_done()
+            return
+        fill, start, end, dst, after, job, last = item
+        try:
+            if job.error is None:  # an earlier range of this unit failed: skip the rest
+                buf, prev = free.get()
+                try:
+                    if prev is not None:
+                        backend.event_synchronize(prev)  # its previous copy must have left the bounce buffer
+                    counters.bytes_read += fill(buf, start, end)
+                    event = backend.copy_h2d(dst[start:end], buf[:end - start], after)
+                except BaseException:
+                    free.put((buf, None))
+                    raise
+                free.put((buf, event))
+                job.event = event
+                if last:
+                    counters.reads += 1
+        except BaseException as exc:  # surfaced to the forward that waits for this unit
+            job.error = exc
+        finally:
+            if last:
+                job._done.set()
+            del item, fill, dst, after, job  # the idle thread must not keep the last buffers alive
+            jobs.task_done()
+
+
+def _stop_read_ahead(jobs: queue.Queue, thread: threading.Thread) -> None:
+    jobs.put(None)
+    if thread is not threading.current_thread():
+        thread.join()  # a daemon thread killed in the middle of a copy at interpreter exit aborts the process
+
+
+class BounceReader:
+    """Read-ahead thread: fills pinned bounce buffers (from disk or pageable RAM) and queues their copies."""
+
+    def __init__(self, backend: Any, bounce_bytes: int, count: int) -> None:
+        self.bounce_bytes = bounce_bytes
+        self.count = max(1, count)
+        self.counters = ReadCounters()
+        self._free: queue.Queue = queue.Queue()
+        self.pinned = True
+        for _ in range(max(1, count)):
+            buf, pinned = backend.alloc_host(bounce_bytes, True)
+            self.pinned &= pinned
+            self._free.put((buf, None))
+        self._jobs: queue.Queue = queue.Queue()
+        thread = threading.Thread(target=_read_ahead, args=(self._jobs, self._free, backend, self.counters),
+                                  name="offload-read-ahead", daemon=True)
+        thread.start()
+        self._stop = weakref.finalize(self, _stop_read_ahead, self._jobs, thread)  # also runs at exit
+
+    def submit(self, fill: Callable[[torch.Tensor, int, int], int], nbytes: int, dst: torch.Tensor,
+               after: Any) -> DeferredCopy:
+        """Queue `nbytes` into `dst` after event `after`, in ranges of at most one bounce buffer each:
+        `fill(buf, start, end)` puts the bytes [start, end) into `buf` and returns the bytes it read from files."""
+        if not self._stop.alive:
+            raise RuntimeError("the read-ahead thread was stopped (the model was detached)")
+        job = DeferredCopy()
+        step = self.bounce_bytes
+        starts = list(range(0, nbytes, step)) or [0]
+        for k, start in enumerate(starts):
+            self._jobs.put((fill, start, min(nbytes, start + step), dst, after, job, k == len(starts) - 1))
+        return job
+
+    def drain(self) -> None:
+        """Wait until every submitted read has been done and its copy queued."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Finish queued reads and stop the thread (nothing may read a file after it is closed)."""
+        self._stop()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# unit sources
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class UnitSource(Protocol):
+    """Where one unit's bytes come from; `issue` queues their copy into a device buffer after event `after`."""
+
+    tier: str  # pinned | pageable | disk
+    nbytes: int
+    reads: int  # times the bytes were read into a bounce buffer (disk, bounced pageable RAM)
+    read_ms: float  # time spent reading them into bounce buffers, in all (before each copy could start)
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any: ...
+
+
+class HostSource:
+    """A host buffer copied straight to the device (pinned; or pageable where the device has no pinned memory)."""
+
+    reads = 0
+    read_ms = 0.0
+
+    def __init__(self, host: torch.Tensor, pinned: bool, backend: Any) -> None:
+        self.host = host
+        self.nbytes = host.numel()
+        self.tier = "pinned" if pinned else "pageable"
+        self.backend = backend
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        return self.backend.copy_h2d(dst[:self.nbytes], self.host, after)
+
+
+class BouncedSource:
+    """Pageable RAM on a device with pinned memory: bounced through a pinned buffer so the copy stays async."""
+
+    tier = "pageable"
+
+    def __init__(self, host: torch.Tensor, reader: BounceReader) -> None:
+        self.host = host
+        self.nbytes = host.numel()
+        self.reader = reader
+        self.reads = 0
+        self.read_ms = 0.0  # time the read-ahead thread spent filling bounce buffers with this unit's bytes
+
+    def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        t0 = time.perf_counter()
+        buf[:end - start].copy_(self.host[start:end])
+        self.read_ms += (time.perf_counter() - t0) * 1e3
+        return 0
+
+    def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        self.reads += 1
+        return self.reader.submit(self._fill, self.nbytes, dst, after)
+
+
+class DiskSource:
+    """A disk-tier unit: its tensors read from the safetensors file on each streamed use."""
+
+    tier = "disk"
+
+    def __init__(self, file: SafetensorsFile, keys: list[str], leaves: list[Leaf], nbytes: int,
+                 reader: BounceReader) -> None:
+        self.file = file
+        self.reader = reader
+        self.nbytes = nbytes
+        self.pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
+        self.reads = 0
+        self.read_ms = 0.0  # time the read-ahead thread spent reading this unit's bytes from the file
+
+    def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        t0 = time.perf_counter()
+        try:
+            if start == 0 and end == self.nbytes:
+                return self.file.read_into(buf, self.pieces)
+            return self.file.read_range(buf, self.pieces, start, end)
+        finally:
+            self.read_ms += (time.perf_counter() - t0) * 1e3
+
+    def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
+        self.reads += 1
+        return self.reader.submit(self._fill, self.nbytes, dst, after)
