@@ -47,7 +47,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
-from offload.store.packed import pack_file  # noqa: E402
+from offload.store.pack_writer import pack_file  # noqa: E402
 
 CHUNK = 8 << 20
 
