@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .report.metrics import OffloadReport, effective_gbps, overlap_ratio
+from .report.metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
 from .plan.planner import Plan
 from .stream.streamer import ModelStreamer
 
@@ -44,7 +44,7 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
     reader = s.staged.reader
     if reader is not None:
         reader.drain()
-    blocks = s.block_reports()
+    blocks = block_reports(s)
     for b, src in zip(blocks, s.sources):
         b.reads = max(0, b.reads - base.reads.get(id(src), 0))
     if plan is not None:
@@ -68,3 +68,15 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
         predicted_step_ms=plan.predicted_step_ms if plan is not None else None,
         step_ms=(sum(b.compute_ms + b.stall_ms for b in blocks) / forwards) if forwards else None,
         **fields)
+
+
+def block_reports(s: ModelStreamer) -> list[BlockReport]:
+    """Per-unit figures since the last reset (waits for the timing events recorded so far)."""
+    m = s.metrics
+    with m.lock:
+        m._harvest(block=True)
+        return [BlockReport(u.staged.name, u.tier, u.nbytes, m.h2d_ms[u.index], m.compute_ms[u.index],
+                            m.stall_ms[u.index], m.calls[u.index], m.bytes_streamed[u.index],
+                            s.sources[u.index].reads, m.bwd_calls[u.index], m.bwd_bytes[u.index],
+                            m.bwd_h2d_ms[u.index], m.bwd_ms[u.index], m.bwd_stall_ms[u.index])
+                for u in s.units]
