@@ -49,10 +49,10 @@ def _install_moved_modules() -> None:
     moved = {"backends": ["pin_gate"],
              "model": ["blocks", "layout", "meta_buffers", "fp8", "model_changes"],
              "store": ["staging"],
-             "plan": ["planner", "plan_device", "plan_host", "ring_sim", "cost_model"],
+             "plan": ["planner", "plan_device", "plan_host", "ring_sim", "cost_model", "replan"],
              "budget": ["recency", "membership", "reserve"],
              "stream": ["streamer", "prefetch", "placement", "host_tiers", "write_watch", "buffer_writes", "outputs",
-                        "pass_lock", "backward", "compile_support", "devices", "replan"],
+                        "pass_lock", "backward", "compile_support", "devices"],
              "report": ["metrics"],
              "predict": ["cost_profile", "meta_costs", "device_timing", "cards", "plan_cli"],
              "generate": ["kv_cache"]}

@@ -22,7 +22,7 @@ from .budget.vram_budget import VramBudget
 from .config import OffloadConfig
 from .budget.membership import BudgetMembership
 from .report.metrics import OffloadReport
-from .stream.replan import PlanKeeper
+from .plan.replan import PlanKeeper
 from .reporting import ReportBase, build_report
 from .setup import set_up
 from .plan.planner import DeviceMemoryError  # noqa: F401  (raised through the handle: importable from here as before)

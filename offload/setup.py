@@ -10,7 +10,7 @@
 5. stream: `ModelStreamer` installs the hooks; a model on several devices gets its activation hops.
 
 Nothing here changes the model before step 4, so a refused model is left exactly as it was. The handle then makes
-the `PlanKeeper` that keeps the plan current (offload/stream/replan.py) and joins the budget, whose share replaces the
+the `PlanKeeper` that keeps the plan current (offload/plan/replan.py) and joins the budget, whose share replaces the
 setup plan's device side (which assumes the whole budget) before the first forward.
 """
 from __future__ import annotations

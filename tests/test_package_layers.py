@@ -42,7 +42,7 @@ MOVED = {
     "streamer": "stream.streamer", "prefetch": "stream.prefetch", "placement": "stream.placement",
     "host_tiers": "stream.host_tiers", "write_watch": "stream.write_watch", "buffer_writes": "stream.buffer_writes",
     "outputs": "stream.outputs", "pass_lock": "stream.pass_lock", "backward": "stream.backward",
-    "compile_support": "stream.compile_support", "devices": "stream.devices", "replan": "stream.replan",
+    "compile_support": "stream.compile_support", "devices": "stream.devices", "replan": "plan.replan",
     "metrics": "report.metrics",
     "cost_profile": "predict.cost_profile", "meta_costs": "predict.meta_costs",
     "device_timing": "predict.device_timing", "cards": "predict.cards", "plan_cli": "predict.plan_cli",

@@ -76,7 +76,7 @@ class _Underestimating(CostTracker):
 
 
 def test_a_stall_the_plan_did_not_predict_feeds_the_next_plan(monkeypatch):
-    import offload.stream.replan as replan
+    import offload.plan.replan as replan
 
     monkeypatch.setattr(replan, "CostTracker", _Underestimating)
     model, x, allowance = _fat_lean(repeats=2)  # little compute: nothing can hide a fat block's copy

@@ -1,7 +1,7 @@
 """What a VramBudget asks of an offloaded model (budget.py `BudgetMember`), answered for `OffloadHandle`: the least
 and the most it can use, what it holds now, and shrinking while it is idle; the same for its share of each
 secondary device; and the sizes ComfyUI's accounting and the nodes ask for (unit bytes, the plan for a share).
-The model's plan itself is the PlanKeeper's (offload/stream/replan.py); this only answers for bytes."""
+The model's plan itself is the PlanKeeper's (offload/plan/replan.py); this only answers for bytes."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,6 +1,6 @@
 """Measured costs: per-unit compute, copy and stall times per call, from the metrics' running totals.
 
-`CostTracker` is what the planner knows of a model's units once they ran (offload/stream/replan.py folds the metrics in at
+`CostTracker` is what the planner knows of a model's units once they ran (offload/plan/replan.py folds the metrics in at
 the end of passes). The simulation these costs feed is offload/plan/ring_sim.py; the placement they decide is
 offload/plan/plan_device.py, called only through `planner.make_plan`. `UnitCosts`, `predict_stalls` and `plan_by_cost`
 are importable from here as before.

@@ -7,7 +7,7 @@ its device, its tier (vram on which device, pinned, pageable, disk), whether it 
 stall predicted for it and the reason; the ring per device, the lookahead, the bounce buffers. First placement,
 budget changes, out-of-memory shrinks, re-plans from measured costs and secondary devices all call it with new
 facts; nothing else decides where a unit lives. Applying a plan is `DevicePlacement`'s (device side) and
-`staging.stage_model`'s (host side); gathering the facts is the handle's (offload/handle.py, offload/stream/replan.py).
+`staging.stage_model`'s (host side); gathering the facts is the handle's (offload/handle.py, offload/plan/replan.py).
 
 How each side is decided lives beside it: `plan_device.py` (resident set and ring, by count before anything is
 measured, by predicted stall after; secondary devices), `plan_host.py` (host tiers under the RAM the model may

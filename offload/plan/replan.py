@@ -29,11 +29,10 @@ from typing import Any
 import torch
 
 from ..backends.base import Backend
-from ..plan.cost_model import CostTracker
-from ..plan import planner
-from ..plan.planner import STALL_MARGIN_FRACTION, STALL_MARGIN_MS, DeviceMemoryError, Plan, PlanError, PlanFacts
-from ..plan.ring_sim import UnitCosts, simulate_pass
-from .streamer import ModelStreamer
+from . import planner
+from .cost_model import CostTracker
+from .planner import STALL_MARGIN_FRACTION, STALL_MARGIN_MS, DeviceMemoryError, Plan, PlanError, PlanFacts
+from .ring_sim import UnitCosts, simulate_pass
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,8 @@ CONFIRM_CHECKS = 2  # a stall beyond the prediction must show at this many check
 class PlanKeeper:
     """The plan in place for one model and the facts it was made from (see the module docstring)."""
 
-    def __init__(self, base: PlanFacts, streamer: ModelStreamer, backend: Backend, owner: Any) -> None:
+    def __init__(self, base: PlanFacts, streamer: Any, backend: Backend, owner: Any) -> None:
+        # streamer: stream/streamer.ModelStreamer, which places the plans (duck-typed: plan/ imports nothing above it)
         self.base = base  # the facts that do not change after setup (sizes, names, host tiers, ...)
         self.streamer = streamer
         self.backend = backend

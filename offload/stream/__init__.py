@@ -3,10 +3,11 @@ composes the parts that act at its safe points: `placement` (resident set, slot 
 (the prefetch worker: which unit is copied into which slot), `host_tiers` (RAM or disk masters, giving RAM back),
 `write_watch` (weights written in place), `buffer_writes` (buffers a unit writes reach the host master),
 `outputs`, `pass_lock`, `backward` (training through streamed units), `compile_support` (torch.compile),
-`devices` (several devices), and `replan.PlanKeeper` (asks plan/ again when the facts change and places the answer).
+and `devices` (several devices). `hooks.ModelHooks` puts the engine's hooks on the model. The plan the streamer applies
+comes from plan/ (`replan.PlanKeeper` hands it over).
 
 Layer: below the entry points (handle, setup); imports budget/, plan/, store/, model/, report/, backends/ and the
 config vocabulary; nothing in those imports it.
-Used from outside: `streamer.ModelStreamer`, `streamer.DeviceMemoryError`, `replan.PlanKeeper`,
+Used from outside: `streamer.ModelStreamer`, `hooks.ModelHooks`,
 `backward.TrainableWeightError`, `devices.SecondaryDevices`, `pass_lock.PassLock`.
 """
