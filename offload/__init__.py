@@ -17,17 +17,17 @@ except ImportError as _exc:
         "run ComfyUI's Python, not another environment's.") from _exc
 del _torch
 from .backends import device_memory, resolve_device
-from .stream.backward import TrainableWeightError
 from .budget.vram_budget import BudgetError, VramBudget, default_budget
-from .predict.cards import Card
 from .config import (DEFAULT_PRESET, PRESETS, OffloadConfig, PresetPolicy, budget_preset_tooltip, preset_tooltip,
                      presets_markdown_table)
 from .handle import DetachedError, OffloadHandle, offload_module
-from .report.metrics import BlockReport, OffloadReport, summarize
 from .plan.planner import PlanError, RamCeilingError
-from .predict.prediction import Prediction, predict
-from .store.storage import CorruptFileError, SourceChangedError
 from .plan.planner import DeviceMemoryError
+from .predict.cards import Card
+from .predict.prediction import Prediction, predict
+from .report.metrics import BlockReport, OffloadReport, summarize
+from .store.storage import CorruptFileError, SourceChangedError
+from .stream.backward import TrainableWeightError
 
 __all__ = ["OffloadConfig", "PRESETS", "PresetPolicy", "DEFAULT_PRESET", "preset_tooltip", "budget_preset_tooltip",
            "presets_markdown_table", "offload_module", "OffloadHandle", "VramBudget", "default_budget",

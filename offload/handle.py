@@ -18,14 +18,14 @@ import torch
 import torch.nn as nn
 
 from .arguments import check_arguments, check_priority
+from .budget.membership import BudgetMembership
 from .budget.vram_budget import VramBudget
 from .config import OffloadConfig
-from .budget.membership import BudgetMembership
-from .report.metrics import OffloadReport
+from .plan.planner import DeviceMemoryError  # noqa: F401  (raised through the handle: importable from here as before)
 from .plan.replan import PlanKeeper
+from .report.metrics import OffloadReport
 from .reporting import ReportBase, build_report
 from .setup import set_up
-from .plan.planner import DeviceMemoryError  # noqa: F401  (raised through the handle: importable from here as before)
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,8 @@ class OffloadHandle(BudgetMembership):
         self.secondaries.priority_changed()
 
     def kv_pager(self, page_tokens: int = 64, offload: bool = True) -> Any:
-        """This model's paged KV cache store (offload/generate/kv_cache.py): caches made from it live under the same budget
-        as the weights, at the same priority, and show in the report. Needs transformers."""
+        """This model's paged KV cache store (offload/generate/kv_cache.py): caches made from it live under the same
+        budget as the weights, at the same priority, and show in the report. Needs transformers."""
         self._check_attached("kv_pager")
         kv = self._kv
         if kv is None or kv.page_tokens != page_tokens or kv.offload_enabled != offload:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .report.metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
 from .plan.planner import Plan
+from .report.metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
 from .stream.streamer import ModelStreamer
 
 

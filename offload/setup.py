@@ -24,16 +24,16 @@ import torch.nn as nn
 
 from .backends import get_backend, resolve_device
 from .backends.base import Backend
-from .model.blocks import find_units
+from .budget.reserve import ReserveMeter
 from .budget.vram_budget import VramBudget, default_budget
 from .config import OffloadConfig
-from .stream.devices import SecondaryDevices
+from .model.blocks import find_units
 from .model.layout import unit_tensors
-from .store.packed import open_weights
 from .plan import planner
 from .plan.planner import GIB, HostFacts, Plan, PlanFacts, estimate_reserve, read_host_memory
-from .budget.reserve import ReserveMeter
+from .store.packed import open_weights
 from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
+from .stream.devices import SecondaryDevices
 from .stream.streamer import ModelStreamer, PassListener
 
 log = logging.getLogger(__name__)

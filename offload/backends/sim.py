@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .pin_gate import pin_host
 from .base import Backend
+from .pin_gate import pin_host
 
 log = logging.getLogger(__name__)
 

@@ -7,5 +7,5 @@ Layer: below stream/ and the entry points; imports plan/, backends/ and the conf
 Used from outside: `VramBudget`, `BudgetError`, `default_budget` (re-exported here, as `offload.budget` named them
 before the move), `reserve.reserve_from_peak`, `membership.BudgetMembership`.
 """
-from .vram_budget import HOW_TO_CHANGE, BudgetError, BudgetMember, VramBudget, default_budget  # noqa: F401
 from .recency import PHASE_PASSES  # noqa: F401
+from .vram_budget import HOW_TO_CHANGE, BudgetError, BudgetMember, VramBudget, default_budget  # noqa: F401

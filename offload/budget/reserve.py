@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 from ..backends.base import Backend
-from .vram_budget import VramBudget
 from ..plan.planner import GIB, MIB
+from .vram_budget import VramBudget
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ _TRAINABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64
 def trainable_in_blocks(modules: list[nn.Module], skip: set[int]) -> list[nn.Parameter]:
     """The parameters the blocks hold that train, kept on the device outside the streamed bytes (see
     stream/backward.py): adapters a library added before offloading (peft's LoRA layers), norms left trainable. Empty
-    unless the model is set up for training: offloaded with gradients enabled (not under no_grad or inference_mode), some of
-    the blocks' parameters frozen, and the trainable ones the smaller part of the two. A model whose parameters all
+    unless the model is set up for training: offloaded with gradients enabled (not under no_grad or inference_mode),
+    some of the blocks' parameters frozen, and the trainable ones the smaller part of the two. A model whose parameters all
     require grad (any nn.Module's default) streams all of them, as does one offloaded for inference."""
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return []

@@ -17,12 +17,12 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..backends import get_backend
-from ..model.blocks import Unit
 from ..budget.vram_budget import VramBudget
 from ..config import OffloadConfig
-from .cost_profile import Profile
+from ..model.blocks import Unit
 from ..model.layout import unit_tensors
 from ..plan.planner import MIB
+from .cost_profile import Profile
 
 MAX_HOOK_UNITS = 256  # above this many units the engine's CPU cost is measured on this many and scaled
 _hook_ms_cache: dict[int, dict[str, float]] = {}

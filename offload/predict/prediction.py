@@ -30,21 +30,21 @@ from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
-from ..model.trainable import trainable_in_blocks
-from ..model.blocks import Unit, find_units
-from ..budget.vram_budget import VramBudget
-from .cards import Card, get_card
-from ..config import OffloadConfig
-from .cost_profile import Profile
-from .device_timing import measure_on_device
-from ..model.layout import plan_layout, unit_tensors
-from .meta_costs import MetaAnalysis, analyse_on_meta
-from ..plan.plan_host import host_ram_bytes
-from ..plan.planner import (MIB, HostFacts, Plan, PlanError, PlanFacts, RamCeilingError, default_reserve, estimate_reserve,
-                      read_host_memory, settled_plan, want_bytes)
 from ..budget.reserve import reserve_from_peak
+from ..budget.vram_budget import VramBudget
+from ..config import OffloadConfig
+from ..model.blocks import Unit, find_units
+from ..model.layout import plan_layout, unit_tensors
+from ..model.trainable import trainable_in_blocks
+from ..plan.plan_host import host_ram_bytes
+from ..plan.planner import (MIB, HostFacts, Plan, PlanError, PlanFacts, RamCeilingError, default_reserve,
+                            estimate_reserve, read_host_memory, settled_plan, want_bytes)
 from ..plan.ring_sim import UnitCosts, simulate_pass
 from ..store.staging import shared_tensor_ids
+from .cards import Card, get_card
+from .cost_profile import Profile
+from .device_timing import measure_on_device
+from .meta_costs import MetaAnalysis, analyse_on_meta
 
 log = logging.getLogger(__name__)
 

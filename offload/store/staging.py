@@ -18,12 +18,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from ..model.trainable import trainable_in_blocks
 from ..model.blocks import Unit
 from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
 from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
-from .storage import CorruptFileError, SafetensorsFile
+from ..model.trainable import trainable_in_blocks
 from .sources import BouncedSource, BounceReader, DiskSource, HostSource, UnitSource
+from .storage import CorruptFileError, SafetensorsFile
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from ..backends.base import Backend
-from .placement import UnitState, quiesce
 from ..plan.planner import bounce_buffers
-from .prefetch import PrefetchWorker
-from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
 from ..store.sources import BounceReader, DiskSource
+from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
+from .placement import UnitState, quiesce
+from .prefetch import PrefetchWorker
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """What a streamed unit's output may hold: views of its slot, cloned before the slot is reused. (Tensors autograd
-saves for backward are handled by offload/stream/backward.py: a view of the slot is saved as a handle, not as memory.)"""
+saves for backward are handled by offload/stream/backward.py: a view of the slot is saved as a handle, not as
+memory.)"""
 from __future__ import annotations
 
 import copy

@@ -15,9 +15,9 @@ import torch
 
 from ..backends.base import Backend
 from ..model.layout import Binding
-from .prefetch import PrefetchWorker
-from ..store.staging import StagedModel, StagedUnit, StagingBuffer
 from ..store.sources import HostSource, resolve
+from ..store.staging import StagedModel, StagedUnit, StagingBuffer
+from .prefetch import PrefetchWorker
 
 log = logging.getLogger(__name__)
 

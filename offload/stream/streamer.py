@@ -28,21 +28,21 @@ import torch
 import torch.nn as nn
 
 from ..backends.base import Backend
-from .buffer_writes import ModelBufferWrites
-from .compile_support import (InFlag, prepare_dynamo)
 from ..model.model_changes import ModelChanges
 from ..plan.planner import DeviceMemoryError  # noqa: F401  (raised through the streamer: importable from here as before)
+from ..report.metrics import MetricsCollector
+from ..store.sources import resolve
+from ..store.staging import StagedModel
 from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
                        trainable_weight_error)
+from .buffer_writes import ModelBufferWrites
+from .compile_support import InFlag, prepare_dynamo
+from .hooks import ModelHooks, WeakHook
 from .host_tiers import HostTiers
-from ..report.metrics import MetricsCollector
 from .outputs import unalias
 from .pass_lock import PassLock, module_call_frame
 from .placement import DevicePlacement, UnitState
 from .prefetch import PrefetchWorker
-from ..store.staging import StagedModel
-from ..store.sources import resolve
-from .hooks import ModelHooks, WeakHook
 from .write_watch import WriteWatch
 
 log = logging.getLogger(__name__)

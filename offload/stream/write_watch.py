@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from .host_tiers import HostTiers
 from ..model.layout import Binding, Entry, TensorLayout
 from ..model.model_changes import ModelChangedError
+from ..store.staging import StagedModel
+from .host_tiers import HostTiers
 from .placement import DevicePlacement, UnitState
 from .prefetch import PrefetchWorker
-from ..store.staging import StagedModel
 
 log = logging.getLogger(__name__)
 
