@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from ..config import PRESETS, OffloadConfig
-from .cards import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Card, get_card
+from .cards import MEMORY_EFFICIENCY, Card, get_card
 from .header_costs import Tokens, diffusion_analysis, encoder_analysis, vae_decode_cost
 from .model_files import ModelFileError, TensorInfo, read_tensor_infos
 from .model_kinds import FAMILIES, ModelDesc, describe, split_checkpoint
@@ -279,7 +279,7 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
         fell_back = not cost.tiled and desc.nbytes + cost.peak_bytes > room
         if fell_back:
             cost = vae_decode_cost(desc.vae or "kl", width, height, frames, s.batch, True)
-        ms = (cost.flops / (card.tflops * 1e12 * MATMUL_EFFICIENCY) +
+        ms = (cost.flops / (card.tflops * 1e12 * card.matmul_efficiency) +
               cost.nbytes / (max(card.mem_gbps, 1.0) * 1e9 * MEMORY_EFFICIENCY)) * 1e3
         vram = desc.nbytes + cost.peak_bytes
         plan = models[key]
