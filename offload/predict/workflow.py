@@ -222,7 +222,7 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
     # text encoders: every prompt once
     for key, plan in models.items():
         desc = descs.get(key)
-        if desc is None or desc.role != "text_encoder":
+        if desc is None or plan.role != "text_encoder":
             continue
         loader = key.split(":")[0]
         prompts = facts.text_encodes.get(loader, 0)

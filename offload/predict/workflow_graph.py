@@ -298,7 +298,7 @@ def _sampler(g: _Graph, nid: str, node: dict[str, Any], is_model_loader: Any) ->
         steps = max(0, end - start)
     path = g.trace(model_from, ("model",), is_model_loader)
     loader = path[-1] if len(path) > 1 and is_model_loader(g.api[path[-1]]) else None
-    loras = [p for p in path if _role(g.api[p]) == "lora"]
+    loras = [p for p in reversed(path) if _role(g.api[p]) == "lora"]  # in the order they apply
     ref = SamplerRef(nid, node["class_type"], steps, total, _num(ins.get("cfg"), 1.0), loader, loras, path,
                      denoise=_num(ins.get("denoise"), 1.0))
     lat = g.trace(nid, ("latent_image", "samples", "latent", "latent_image"),
