@@ -354,10 +354,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .cards import CARDS
     from ..config import PRESETS
 
-    parser.add_argument("model", help="a config.json (diffusers or transformers), a folder holding one, or a ComfyUI "
-                                      "diffusion model .safetensors file (only its header is read)")
+    parser.add_argument("model", help="a ComfyUI workflow .json (API or UI; its models' headers are read from "
+                                      "--models-dir), a config.json (diffusers or transformers), a folder holding "
+                                      "one, or a ComfyUI diffusion model .safetensors file (only its header is read)")
+    parser.add_argument("--models-dir", action="append", default=None, help="a ComfyUI models folder (workflows; "
+                                                                            "repeatable; default ./models)")
     parser.add_argument("--card", default="rtx4090", help=f"the GPU: {', '.join(CARDS)} (default rtx4090)")
-    parser.add_argument("--vram", default=None, help="override the card's memory, e.g. 16GB")
+    parser.add_argument("--vram", default=None, help="the card's memory, e.g. 16GB (overrides the named card's)")
+    parser.add_argument("--tflops", type=float, default=None, help="dense bf16 tensor TFLOP/s (fp32 accumulate) "
+                                                                   "of a card not in the table")
+    parser.add_argument("--mem-gbps", type=float, default=None, help="its memory bandwidth, GB/s")
+    parser.add_argument("--h2d-gbps", type=float, default=None, help="its pinned host-to-device copy speed, GB/s")
+    parser.add_argument("--arch", default=None, choices=["ampere", "ada", "hopper", "blackwell", "blackwell-dc"],
+                        help="its architecture (sets the attention kernel's efficiency)")
+    parser.add_argument("--attention", default=None, choices=["sdpa", "fa2", "fa3"],
+                        help="the attention kernel (default sdpa: PyTorch's, as ComfyUI uses)")
     parser.add_argument("--ram", default=None, help="host RAM the model may use, e.g. 32GB (default: not limited)")
     parser.add_argument("--frames", type=int, default=81, help="video frames (video models; default 81)")
     parser.add_argument("--height", type=int, default=None, help="image/video height in pixels (default 1024; "
@@ -375,22 +386,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
-    """Build the model on the meta device, predict every preset on the card, print the table (or JSON)."""
+def card_from_args(args: argparse.Namespace) -> Any:
+    """The card named by --card, with --vram / --tflops / --mem-gbps / --h2d-gbps / --arch / --attention applied."""
     from dataclasses import replace
 
     from .cards import get_card
+
+    card = get_card(args.card)
+    given = {k: v for k, v in (("tflops", getattr(args, "tflops", None)), ("mem_gbps", getattr(args, "mem_gbps", None)),
+                               ("h2d_gbps", getattr(args, "h2d_gbps", None)), ("arch", getattr(args, "arch", None)),
+                               ("attention", getattr(args, "attention", None))) if v is not None}
+    if args.vram:
+        given["vram_bytes"] = parse_bytes(args.vram)
+    if given:
+        label = ", ".join(f"{k}={args.vram if k == 'vram_bytes' else v}" for k, v in given.items())
+        card = replace(card, name=f"{card.name} ({label})", **given)
+    return card
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+    """Build the model on the meta device, predict every preset on the card, print the table (or JSON)."""
     from ..config import PRESETS, OffloadConfig
     from .prediction import predict_configs
+    from .workflow_cli import is_workflow
+
+    if is_workflow(args.model):
+        from . import workflow_cli
+
+        return workflow_cli.run(args, card_from_args(args), parse_bytes(args.ram) if args.ram else None, out)
 
     spec = load_spec(args.model)
     video = spec.family in ("wan", "hunyuan_video", "hunyuan_video_1.5")
     size = InputSize(frames=args.frames if video else 1, height=args.height or (480 if video else 1024),
                      width=args.width or (832 if video else 1024), tokens=args.tokens, text_tokens=args.text_tokens,
                      batch=args.batch)
-    card = get_card(args.card)
-    if args.vram:
-        card = replace(card, name=f"{card.name} at {args.vram}", vram_bytes=parse_bytes(args.vram))
+    card = card_from_args(args)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
