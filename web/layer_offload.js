@@ -454,7 +454,7 @@ function planSection() {
       cell("fits", !m.found ? "not found" : m.fits === true ? "yes" : m.fits === false ? "no" : "-",
         { class: m.fits === false || !m.found ? "lo-stall" : "" }),
       cell("preset", m.preset || "-"),
-      cell("vram", maybeBytes(m.vram_bytes)),
+      cell("vram", maybeBytes(m.vram_bytes), { title: `of which activations ${maybeBytes(m.activation_bytes)}` }),
       cell("ram", maybeBytes(m.host_bytes)),
       cell("disk", maybeBytes(m.disk_bytes)),
       cell("time", time));
