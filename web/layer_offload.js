@@ -316,9 +316,6 @@ function panel(data) {
   }
   const devices = deviceList(data);
   out.push(budgetSection(data.budget || {}));
-  out.push(planSection());
-  const check = workflowCheck(data.workflow);
-  if (check) out.push(check);
   out.push(legend(devices));
   const models = data.models || [];
   if (!models.length) {
@@ -326,6 +323,10 @@ function panel(data) {
       "No offloaded model yet: run a prompt with an Offload loader or Offload Model node."));
   }
   for (const m of models) out.push(modelRow(m, devices));
+  // the plan of the canvas (before a run) and the last run's plan beside its measured figures, after the models
+  out.push(planSection());
+  const check = workflowCheck(data.workflow);
+  if (check) out.push(check);
   return out;
 }
 
