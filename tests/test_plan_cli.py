@@ -205,13 +205,14 @@ def test_frames_checked_against_the_rule(tmp_path, capsys, frames, ok):
         assert "4k+1" in err and "77" in err and "81" in err
 
 
+# diffusers' tests/models/transformers/test_models_transformer_cogvideox.py and ..._ltx.py configs
 COG_CONFIG = {"_class_name": "CogVideoXTransformer3DModel", "num_attention_heads": 2, "attention_head_dim": 32,
               "in_channels": 16, "out_channels": 16, "time_embed_dim": 64, "text_embed_dim": 64, "num_layers": 2,
               "sample_width": 8, "sample_height": 8, "sample_frames": 9, "patch_size": 2, "max_text_seq_length": 226,
-              "use_rotary_positional_embeddings": True}  # tests/models/transformers/test_models_transformer_cogvideox.py
+              "use_rotary_positional_embeddings": True}
 LTX_CONFIG = {"_class_name": "LTXVideoTransformer3DModel", "in_channels": 8, "out_channels": 8, "patch_size": 1,
               "patch_size_t": 1, "num_attention_heads": 4, "attention_head_dim": 8, "cross_attention_dim": 32,
-              "num_layers": 1, "caption_channels": 16}  # tests/models/transformers/test_models_transformer_ltx.py
+              "num_layers": 1, "caption_channels": 16}
 
 
 @pytest.mark.parametrize("config, family, frames", [(COG_CONFIG, "cogvideox", 9), (LTX_CONFIG, "ltx_video", 17)])

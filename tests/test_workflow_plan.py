@@ -20,7 +20,8 @@ import pytest
 from offload.__main__ import main
 from offload.predict import plan_workflow
 from offload.predict.model_files import read_tensor_infos
-from offload.predict.published import ROWS, predict_row
+from offload.predict.model_files import TensorInfo
+from offload.predict.published import ROWS, flux_shapes, predict_row, wan_shapes
 from offload.predict.workflow_graph import read_graph, to_api
 
 sys.path.insert(0, str(Path(__file__).parent / "comfyui"))
@@ -92,7 +93,8 @@ def t5_file(path: Path) -> Path:
 def wan_vae_file(path: Path) -> Path:
     return write_safetensors(path, {"decoder.middle.0.residual.0.gamma": (384, 1, 1, 1),
                                     "decoder.head.0.gamma": (96, 1, 1, 1), "encoder.conv1.weight": (96, 3, 3, 3, 3),
-                                    "decoder.conv1.weight": (384, 16, 3, 3, 3), "decoder.head.2.weight": (3, 96, 3, 3, 3)})
+                                    "decoder.conv1.weight": (384, 16, 3, 3, 3),
+                                    "decoder.head.2.weight": (3, 96, 3, 3, 3)})
 
 
 def lora_file(path: Path) -> Path:
@@ -323,3 +325,59 @@ def test_published_table_matches_docs():
         assert float(cells[-1].rstrip("x")) == pytest.approx(predicted["ratio"], abs=0.011), line
         within += abs(predicted["ratio"] - 1.0) <= 0.3
     assert within >= 0.8 * len(ROWS)
+
+
+def _diffusers_wan():
+    import diffusers
+    import torch
+
+    # diffusers' tests/models/transformers/test_models_transformer_wan.py config, two heads of 128 wide
+    with torch.device("meta"):
+        model = diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=128, in_channels=16, out_channels=16,
+            text_dim=64, freq_dim=256, ffn_dim=512, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    kw = dict(hidden_states=torch.empty(1, 16, 3, 32, 32, device="meta"), timestep=torch.empty(1, device="meta"),
+              encoder_hidden_states=torch.empty(1, 20, 64, device="meta"), return_dict=False)
+    return model, kw, 3 * 16 * 16, 20
+
+
+def _diffusers_flux():
+    import diffusers
+    import torch
+
+    # diffusers' tests/models/transformers/test_models_transformer_flux.py config, two heads of 128 wide
+    with torch.device("meta"):
+        model = diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
+            num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=(16, 56, 56))
+    mk = lambda *s: torch.empty(*s, device="meta")  # noqa: E731
+    kw = dict(hidden_states=mk(1, 256, 64), encoder_hidden_states=mk(1, 30, 64), pooled_projections=mk(1, 32),
+              timestep=mk(1), img_ids=mk(256, 3), txt_ids=mk(30, 3), return_dict=False)
+    return model, kw, 256, 30
+
+
+def _wan_file_shapes():
+    return {**wan_shapes(256, 512, 2, False), "text_embedding.0.weight": TensorInfo((256, 64), "bfloat16", 256 * 128)}
+
+
+@pytest.mark.parametrize("build, shapes", [(_diffusers_wan, _wan_file_shapes),
+                                           (_diffusers_flux, lambda: flux_shapes(256, 1, 1))], ids=["wan", "flux"])
+def test_header_costs_match_the_flop_counter(build, shapes):
+    """Per block, the FLOPs priced from ComfyUI-layout shapes equal torch.utils.flop_counter's (and the fused
+    attention's) on diffusers' own model of the same dims run on the meta device; the activation peak is close."""
+    import torch
+
+    from offload.predict.header_costs import Tokens, diffusion_analysis
+    from offload.predict.meta_costs import analyse_on_meta
+    from offload.predict.model_kinds import describe
+
+    model, kw, image, text = build()
+    model = model.to(torch.bfloat16)
+    kw = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and k in ("hidden_states", "encoder_hidden_states",
+                                                                           "pooled_projections") else v
+          for k, v in kw.items()}
+    meta = analyse_on_meta(model, (), kw)
+    header = diffusion_analysis(describe(shapes()), Tokens(image, text, 1))
+    assert header.flops == pytest.approx(meta.flops, rel=0.02)
+    assert header.activation_bytes == pytest.approx(meta.activation_bytes, rel=0.25)

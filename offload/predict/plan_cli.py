@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import re
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,17 +51,12 @@ class ModelSpec:
 
 # ------------------------------------------------------------------------------------------------ reading a file
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
-    """The header of a .safetensors file (names, dtypes, shapes, offsets), read without its data."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-        (length,) = struct.unpack("<Q", raw)
-        if length <= 0 or length > 200 << 20:
-            raise ValueError(f"{path} is not a safetensors file (header length {length})")
-        header = json.loads(fh.read(length))
-    header.pop("__metadata__", None)
-    return header
+    """The header of a .safetensors file (names, dtypes, shapes), read without its data through
+    `store.storage.SafetensorsFile` (its checks apply)."""
+    from .model_files import ST_NAMES, read_safetensors_infos
+
+    return {name: {"dtype": ST_NAMES.get(info.dtype, info.dtype), "shape": list(info.shape)}
+            for name, info in read_safetensors_infos(Path(path)).items()}
 
 
 def _strip(keys: dict[str, Any]) -> dict[str, Any]:

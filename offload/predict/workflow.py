@@ -291,8 +291,9 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
         plan.without_offloading = {"fits": vram <= room, "needs_bytes": vram, "weights_bytes": desc.nbytes,
                                    "activation_bytes": cost.peak_bytes, "card_bytes": room, "ms_per_call": ms}
         if fell_back:
-            plan.notes.append(f"an untiled decode needs {(desc.nbytes + vae_decode_cost(desc.vae or 'kl', width, height, frames, s.batch).peak_bytes) / GIB:.1f} GiB: "  # noqa: E501
-                              "ComfyUI retries it tiled when it runs out of memory (planned tiled)")
+            untiled = desc.nbytes + vae_decode_cost(desc.vae or "kl", width, height, frames, s.batch).peak_bytes
+            plan.notes.append(f"an untiled decode needs {untiled / GIB:.1f} GiB: ComfyUI retries it tiled when it "
+                              f"runs out of memory (planned tiled)")
         decodes.append({"node": d["node"], "vae": key, "kind": cost.kind, "tiled": cost.tiled, "fell_back": fell_back,
                         "ms": ms, "vram_bytes": vram})
         phases.append({"phase": "vae decode", "model": key, "calls": 1, "ms": ms, "vram_bytes": vram})
