@@ -381,3 +381,74 @@ def test_header_costs_match_the_flop_counter(build, shapes):
     header = diffusion_analysis(describe(shapes()), Tokens(image, text, 1))
     assert header.flops == pytest.approx(meta.flops, rel=0.02)
     assert header.activation_bytes == pytest.approx(meta.activation_bytes, rel=0.25)
+
+
+REQUIRED_CARDS = ("rtx3060-12gb", "rtx3090", "rtx4060ti-16gb", "rtx4070-12gb", "rtx4070ti-super", "rtx4080-super",
+                  "rtx4090", "rtx4090d", "rtx5060ti-16gb", "rtx5070ti", "rtx5080", "rtx5090", "a100-40gb", "a100-80gb",
+                  "l40s", "l20", "h20", "h100-pcie", "h100-sxm", "h200", "b200")
+
+
+def test_cards_table():
+    from offload.predict.cards import CARDS, match_card
+
+    for name in REQUIRED_CARDS:
+        card = CARDS[name]
+        assert card.source and card.arch and card.mem_gbps > 0, name
+        assert 0 < card.attention_efficiency <= 1 and 0 < card.matmul_efficiency <= 1, name
+    # attention by architecture: FlashAttention-2 reaches less of Hopper's peak than of Ada's; FA3 more on Hopper
+    assert CARDS["h100-sxm"].attention_efficiency < CARDS["rtx4090"].attention_efficiency
+    from dataclasses import replace
+    assert replace(CARDS["h100-sxm"], attention="fa3").attention_efficiency > CARDS["h100-sxm"].attention_efficiency
+    for device, want in (("NVIDIA GeForce RTX 4090", "rtx4090"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+                         ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA GeForce RTX 4070 Ti SUPER", "rtx4070ti-super"),
+                         ("NVIDIA GeForce RTX 5060 Ti", "rtx5060ti-16gb"), ("NVIDIA H20", "h20")):
+        assert match_card(device, 17 << 30).name == want and match_card(device, 17 << 30).vram_bytes == 17 << 30
+    assert match_card("NVIDIA GeForce GTX 1080") is None
+
+
+def _sdxl_checkpoint(path: Path) -> Path:
+    """An SDXL-shaped checkpoint (ComfyUI's key layout, tiny widths): UNet levels with a downsample, attention at
+    the inner level, an upsample; a CLIP text model; an AutoencoderKL decoder."""
+    s = {}
+    u = "model.diffusion_model."
+    s[u + "input_blocks.0.0.weight"] = (32, 4, 3, 3)
+    s[u + "input_blocks.1.0.in_layers.2.weight"] = (32, 32, 3, 3)
+    s[u + "input_blocks.2.0.op.weight"] = (32, 32, 3, 3)
+    s[u + "input_blocks.3.0.in_layers.2.weight"] = (64, 32, 3, 3)
+    for x in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_q", "attn2.to_k", "attn2.to_v"):
+        s[u + f"input_blocks.3.1.transformer_blocks.0.{x}.weight"] = (64, 64 if not x.startswith("attn2.to_") or
+                                                                     x == "attn2.to_q" else 80)
+    s[u + "middle_block.0.in_layers.2.weight"] = (64, 64, 3, 3)
+    s[u + "output_blocks.0.0.in_layers.2.weight"] = (64, 128, 3, 3)
+    s[u + "output_blocks.0.1.conv.weight"] = (64, 64, 3, 3)
+    s[u + "output_blocks.1.0.in_layers.2.weight"] = (32, 96, 3, 3)
+    s[u + "out.2.weight"] = (4, 32, 3, 3)
+    t = "conditioner.embedders.0.transformer.text_model."
+    for i in range(2):
+        for x in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            s[t + f"encoder.layers.{i}.self_attn.{x}.weight"] = (80, 80)
+        s[t + f"encoder.layers.{i}.mlp.fc1.weight"] = (320, 80)
+    s["first_stage_model.decoder.conv_in.weight"] = (512, 4, 3, 3)
+    s["first_stage_model.decoder.conv_out.weight"] = (3, 128, 3, 3)
+    return write_safetensors(path, s, "F16")
+
+
+def test_sdxl_checkpoint_workflow(tmp_path):
+    _sdxl_checkpoint(tmp_path / "checkpoints" / "sdxl.safetensors")
+    graph = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sdxl.safetensors"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a cat"}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": ""}},
+        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
+        "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "positive": ["2", 0], "negative": ["3", 0],
+                                                   "latent_image": ["4", 0], "steps": 25, "cfg": 7.0, "seed": 1}},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
+    }
+    d = plan_workflow(graph, finder(tmp_path), "rtx3060-12gb", 16 << 30).to_dict()
+    roles = {m["role"]: m for m in d["models"]}
+    assert set(roles) == {"diffusion", "text_encoder", "vae"}
+    assert roles["diffusion"]["family"] == "unet" and roles["diffusion"]["calls"] == 25
+    assert roles["text_encoder"]["calls"] == 2 and roles["vae"]["calls"] == 1
+    assert d["run"]["samplers"][0]["image_tokens"] == 128 * 128 and d["run"]["complete"]
+    # a 1024x1024 decode: ComfyUI's own estimate of its memory (2178 x 64 x latent pixels x 2 bytes)
+    assert roles["vae"]["activation_bytes"] == 2178 * 64 * 128 * 128 * 2
