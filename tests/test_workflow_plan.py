@@ -230,6 +230,7 @@ def test_two_experts_lora_chain_headers_only(tmp_path):
     assert len(loras) == 2 and all(m["host_bytes"] == m["file_bytes"] > 0 for m in loras)
     decode = d["run"]["decodes"][0]
     assert decode["tiled"] and not decode["fell_back"]
+    assert all("ComfyUI manages it" in " ".join(m["notes"]) for m in experts)  # UNETLoader, no Offload Model
     # the RAM of everything at once counts both experts and the LoRAs
     assert d["ram"]["needed_bytes"] >= sum(m["host_bytes"] for m in experts + loras)
 

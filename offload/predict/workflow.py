@@ -16,7 +16,7 @@ activations), activations, host RAM, disk, time per call and the resident time p
 (whether the weights plus the activations fit the card at all, and how much that needs); every preset's figures.
 The run (`run`): the text encodes, each sampler's steps x forwards (CFG other than 1: cond and uncond in one
 batch of two, as ComfyUI's sampler runs them), the VAE decodes (tiled or not; ComfyUI retries an untiled decode
-that runs out of memory tiled), the total, the peak VRAM of the phases, and the RAM of everything loaded at once
+that runs out of memory tiled), the total, the peak VRAM of the phases (with the CUDA context), and the RAM of everything loaded at once
 against `ram_bytes` (what would go to the disk tier). Nothing is loaded: `model_files` reads headers only.
 """
 from __future__ import annotations
@@ -270,7 +270,8 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
     for d in facts.decodes:
         key = d["vae"] if d["vae"] in descs else f"{d['vae']}:vae"
         desc = descs.get(key)
-        s = facts.samplers[-1] if facts.samplers else None
+        s = next((x for x in facts.samplers if x.node == d.get("sampler")), facts.samplers[-1] if facts.samplers
+                 else None)
         if desc is None or s is None:
             continue
         width, height, frames = s.width or 1024, s.height or 1024, s.frames or 1
@@ -314,8 +315,14 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
             plan.presets = {"comfyui": {"fits": True, "vram_bytes": 0, "activation_bytes": 0,
                                         "host_bytes": plan.file_bytes, "disk_bytes": 0, "ms_per_call": None,
                                         "resident_ms_per_call": None}}
+    for key, plan in models.items():
+        ref = facts.loaders.get(key) or facts.loaders.get(key.split(":")[0])
+        if ref is not None and plan.role in ("diffusion", "text_encoder") and plan.found \
+                and ref.inputs.get("offloaded_by_pack") is False:
+            plan.notes.append(f"loaded by ComfyUI's {ref.class_type} with no Offload Model / Offload CLIP after it: "
+                              f"ComfyUI manages it; the figures are the pack's {plan.preset} preset's")
     total = sum(p["ms"] for p in phases if p.get("ms") is not None)
-    peaks = [p["vram_bytes"] for p in phases if p.get("vram_bytes") is not None]
+    peaks = [p["vram_bytes"] + CONTEXT_BYTES for p in phases if p.get("vram_bytes") is not None]
     fits = all(models[p["model"]].chosen.get("fits", True) for p in phases if p["model"] in models)
     return {"phases": phases, "samplers": samplers_out, "decodes": decodes, "total_ms": total,
             "peak_vram_bytes": max(peaks) if peaks else 0, "fits": fits,

@@ -107,7 +107,7 @@ def format_plan(plan: WorkflowPlan) -> str:
         if p["phase"] in ("text encode", "vae decode", "tts generate"):
             lines.append(f"  {p['phase']} ({p['model']}): {p['calls']} call(s), {_secs(p['ms'])}")
     lines.append(f"  total {_secs(run['total_ms'])}{'' if run['complete'] else ' (some phases not costed)'}; "
-                 f"peak VRAM {_gib(run['peak_vram_bytes'])} GiB; "
+                 f"peak VRAM {_gib(run['peak_vram_bytes'])} GiB (with the CUDA context); "
                  f"{'fits' if run['fits'] else 'does NOT fit with the presets chosen'}")
     ram = d["ram"]
     lines.append(f"host RAM: {_gib(ram['needed_bytes'])} GiB for everything loaded at once, {_gib(ram['free_bytes'])} "

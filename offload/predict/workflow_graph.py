@@ -207,13 +207,16 @@ class _Graph:
 
 def _preset_from_path(api: dict[str, dict[str, Any]], path: list[str], loaders: dict[str, LoaderRef],
                       offload_type: str) -> None:
-    """An Offload Model / Offload CLIP node between a loader and its user sets the loader's preset."""
-    for nid in path:
-        if api[nid]["class_type"] == offload_type and isinstance(api[nid]["inputs"].get("preset"), str):
-            for key, ref in loaders.items():
-                if ref.node == path[-1] and "preset" not in ref.inputs:
-                    ref.inputs["preset"] = api[nid]["inputs"]["preset"]
-            return
+    """An Offload Model / Offload CLIP node between a loader and its user sets the loader's preset; a core loader
+    with none is marked as loaded by ComfyUI itself (`offloaded_by_pack` False)."""
+    offload = next((nid for nid in path if api[nid]["class_type"] == offload_type
+                    and isinstance(api[nid]["inputs"].get("preset"), str)), None)
+    for ref in loaders.values():
+        if ref.node != path[-1]:
+            continue
+        if offload is not None and "preset" not in ref.inputs:
+            ref.inputs["preset"] = api[offload]["inputs"]["preset"]
+        ref.inputs.setdefault("offloaded_by_pack", offload is not None or ref.class_type.startswith("Offload"))
 
 
 def _role(node: dict[str, Any]) -> str | None:
@@ -260,7 +263,9 @@ def read_graph(graph: dict[str, Any]) -> GraphFacts:
             path = g.trace(nid, ("vae",), lambda n: _role(n) in ("vae", "checkpoint"))
             ins = node["inputs"]
             found = len(path) > 1 and _role(api[path[-1]]) in ("vae", "checkpoint")
+            up = g.trace(nid, ("samples", "latent", "latent_image"), lambda n: n["class_type"] in SAMPLERS)
             decodes.append({"node": nid, "vae": path[-1] if found else None,
+                            "sampler": up[-1] if len(up) > 1 and api[up[-1]]["class_type"] in SAMPLERS else None,
                              "tiled": node["class_type"] == "VAEDecodeTiled",
                              "tile": int(_num(ins.get("tile_size"), 512)),
                              "temporal": int(_num(ins.get("temporal_size"), 64))})
