@@ -67,6 +67,7 @@ def write_gguf(path: Path, shapes: dict[str, tuple], ggml_type: int = 12) -> Pat
         offset += math.prod(shape) * 144 // 256 if gtype == 12 else math.prod(shape) * 4
         offset += -offset % 32
     head = b"GGUF" + struct.pack("<IQQ", 3, len(shapes), 1) + kv + infos
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as fh:
         fh.write(head)
         fh.truncate(len(head) + (-len(head) % 32) + offset)
@@ -163,7 +164,9 @@ def test_every_example_workflow_plans(models, workflow):
         assert s["forwards_per_step"] == 2 and s["image_tokens"] == 9 * 30 * 52
         assert [p["phase"] for p in d["run"]["phases"]] == ["text encode", "sampling", "vae decode"]
     else:
-        assert d["models"][0]["role"] == "tts" or d["models"][0]["family"] == "unknown"
+        tts = [m for m in d["models"] if m["role"] == "tts"]
+        assert len(tts) == 1 and tts[0]["family"] == "csm" and tts[0]["calls"] > 0  # the folder's model_type
+        assert [p["phase"] for p in d["run"]["phases"]] == ["tts generate"]
 
 
 def _api_two_experts(high: str, low: str, loader: str = "UNETLoader", lora: bool = False) -> dict:
@@ -453,3 +456,53 @@ def test_sdxl_checkpoint_workflow(tmp_path):
     assert d["run"]["samplers"][0]["image_tokens"] == 128 * 128 and d["run"]["complete"]
     # a 1024x1024 decode: ComfyUI's own estimate of its memory (2178 x 64 x latent pixels x 2 bytes)
     assert roles["vae"]["activation_bytes"] == 2178 * 64 * 128 * 128 * 2
+
+
+def _keys(*names: str, shape: tuple = (64, 64)) -> dict[str, tuple]:
+    return {n: shape for n in names}
+
+
+# per family, the keys comfy/model_detection.py tells it by, plus one block (ComfyUI's layout)
+FAMILY_KEYS = {
+    "flux2": _keys("double_blocks.0.img_attn.norm.key_norm.scale", "double_stream_modulation_img.lin.weight",
+                   "img_in.weight", "double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight"),
+    "chroma": _keys("double_blocks.0.img_attn.norm.key_norm.scale", "distilled_guidance_layer.norms.0.scale",
+                    "img_in.weight", "double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight"),
+    "qwen_image": _keys("txt_norm.weight", "transformer_blocks.0.img_mod.1.weight", "img_in.weight"),
+    "hunyuan_video_1.5": _keys("txt_in.individual_token_refiner.blocks.0.norm1.weight", "cond_type_embedding.weight",
+                               "double_blocks.0.img_attn_qkv.weight"),
+    "ltxav": _keys("adaln_single.emb.timestep_embedder.linear_1.bias", "audio_adaln_single.linear.weight",
+                   "transformer_blocks.0.attn1.to_q.weight", "transformer_blocks.0.attn2.to_k.weight"),
+    "cogvideox": _keys("blocks.0.norm1.linear.weight", "blocks.0.attn1.to_q.weight"),
+    "z_image": {**_keys("noise_refiner.0.attention.k_norm.weight", "layers.0.attention.qkv.weight"),
+                "cap_embedder.1.weight": (3840, 2560)},
+    "lumina2": {**_keys("noise_refiner.0.attention.k_norm.weight", "layers.0.attention.qkv.weight"),
+                "cap_embedder.1.weight": (2304, 2304)},
+    "sd3": _keys("joint_blocks.0.x_block.attn.qkv.weight", "joint_blocks.0.context_block.attn.qkv.weight"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_KEYS))
+def test_families_by_their_keys(tmp_path, family):
+    """Each family a user runs is told by its keys and planned from a UNETLoader (a GGUF file for one of them)."""
+    from offload.predict.model_kinds import describe
+
+    shapes = {"model.diffusion_model." + k: v for k, v in FAMILY_KEYS[family].items()}
+    desc = describe({k: TensorInfo(v, "bfloat16", 2 * math.prod(v)) for k, v in shapes.items()})
+    assert desc.role == "diffusion" and desc.family == family and desc.blocks
+    gguf = family == "qwen_image"
+    name = f"{family}.gguf" if gguf else f"{family}.safetensors"
+    if gguf:
+        write_gguf(tmp_path / "diffusion_models" / name, FAMILY_KEYS[family])
+    else:
+        write_safetensors(tmp_path / "diffusion_models" / name, shapes)
+    graph = {"1": {"class_type": "UnetLoaderGGUF" if gguf else "UNETLoader", "inputs": {"unet_name": name}},
+             "2": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 768, "height": 512, "length": 93,
+                                                                       "batch_size": 1}},
+             "3": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "latent_image": ["2", 0], "steps": 8,
+                                                        "cfg": 1.0}}}
+    d = plan_workflow(graph, finder(tmp_path), "rtx5090", 64 << 30).to_dict()
+    sampler = d["run"]["samplers"][0]
+    assert sampler["ms"] > 0 and sampler["image_tokens"] > 0
+    rule_broken = any("frames" in n for n in d["notes"])
+    assert rule_broken == (family == "ltxav")  # 93 = 4x23+1 but not 8k+1

@@ -180,6 +180,8 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
             del models[key]
             continue
         descs[key] = _describe(plan, infos, ref.folder)
+        if ref.role == "tts":
+            plan.family = plan.label = _tts_family(path) or plan.family
     run = _plan_run(facts, models, descs, card_obj, names, ram_bytes, notes)
     ram = _ram(models, descs, ram_bytes)
     if ram["disk_bytes"]:
@@ -199,6 +201,21 @@ def _read(path: str, role: str) -> dict[str, TensorInfo]:
             raise ModelFileError(f"{path}: no .safetensors file in the model folder")
         return infos
     return read_tensor_infos(path)
+
+
+def _tts_family(folder: str) -> str | None:
+    """A TTS model folder's model_type from its config.json (read only when small: a config, not weights)."""
+    import json
+
+    path = os.path.join(folder, "config.json")
+    try:
+        if os.path.getsize(path) > 1 << 20:
+            return None
+        with open(path, encoding="utf-8") as fh:
+            kind = json.load(fh).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def _describe(plan: ModelPlan, infos: dict[str, TensorInfo], folder: str) -> ModelDesc:
