@@ -404,7 +404,8 @@ def test_cards_table():
     from dataclasses import replace
     assert replace(CARDS["h100-sxm"], attention="fa3").attention_efficiency > CARDS["h100-sxm"].attention_efficiency
     for device, want in (("NVIDIA GeForce RTX 4090", "rtx4090"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
-                         ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA GeForce RTX 4070 Ti SUPER", "rtx4070ti-super"),
+                         ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+                         ("NVIDIA GeForce RTX 4070 Ti SUPER", "rtx4070ti-super"),
                          ("NVIDIA GeForce RTX 5060 Ti", "rtx5060ti-16gb"), ("NVIDIA H20", "h20")):
         assert match_card(device, 17 << 30).name == want and match_card(device, 17 << 30).vram_bytes == 17 << 30
     assert match_card("NVIDIA GeForce GTX 1080") is None
