@@ -507,3 +507,13 @@ def test_families_by_their_keys(tmp_path, family):
     assert sampler["ms"] > 0 and sampler["image_tokens"] > 0
     rule_broken = any("frames" in n for n in d["notes"])
     assert rule_broken == (family == "ltxav")  # 93 = 4x23+1 but not 8k+1
+
+
+def test_bypassed_lora_passes_through(tmp_path):
+    """A bypassed node (UI mode 4) passes its input through: the model is still traced, the LoRA not applied."""
+    _wan22_models(tmp_path)
+    graph = _api_two_experts("high.safetensors", "low.safetensors", lora=True)
+    graph["14"]["mode"] = 4
+    d = plan_workflow(graph, finder(tmp_path), "rtx4090", 64 << 30).to_dict()
+    high = d["run"]["samplers"][0]
+    assert high["model"] == "1" and high["loras"] == ["a.safetensors"]

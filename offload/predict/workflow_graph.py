@@ -233,12 +233,18 @@ def _num(value: Any, default: float) -> float:
 
 def read_graph(graph: dict[str, Any]) -> GraphFacts:
     """The loaders, samplers, text encodes, decodes and TTS runs of a workflow (API or UI JSON)."""
-    api = {k: v for k, v in to_api(graph).items() if v.get("mode", 0) not in _MUTED}
+    # a muted node (mode 2) is gone; a bypassed one (mode 4) passes its inputs through: kept for tracing, never run
+    api = {k: v for k, v in to_api(graph).items() if v.get("mode", 0) != 2}
     g = _Graph(api)
     loaders: dict[str, LoaderRef] = {}
     notes: list[str] = []
+    definitions = graph.get("definitions") if isinstance(graph, dict) else None
+    if isinstance(definitions, dict) and definitions.get("subgraphs"):
+        notes.append("the workflow has subgraphs: nodes inside them are not planned (convert them to nodes first)")
     for nid, node in api.items():
         ctype = node["class_type"]
+        if node.get("mode", 0) in _MUTED:
+            continue
         for widget, folder, role in LOADERS.get(ctype, ()):
             name = node["inputs"].get(widget)
             if isinstance(name, str) and name:
@@ -246,7 +252,7 @@ def read_graph(graph: dict[str, Any]) -> GraphFacts:
                 loaders[key] = LoaderRef(nid, ctype, role, folder, name, dict(node["inputs"]))
     is_model_loader = lambda n: _role(n) in ("diffusion", "checkpoint")  # noqa: E731
     samplers = [_sampler(g, nid, node, is_model_loader) for nid, node in api.items()
-                if node["class_type"] in SAMPLERS]
+                if node["class_type"] in SAMPLERS and node.get("mode", 0) not in _MUTED]
     for s in samplers:
         if s.model_loader is not None:
             _preset_from_path(api, s.path, loaders, "OffloadModel")
@@ -303,7 +309,8 @@ def _sampler(g: _Graph, nid: str, node: dict[str, Any], is_model_loader: Any) ->
         steps = max(0, end - start)
     path = g.trace(model_from, ("model",), is_model_loader)
     loader = path[-1] if len(path) > 1 and is_model_loader(g.api[path[-1]]) else None
-    loras = [p for p in reversed(path) if _role(g.api[p]) == "lora"]  # in the order they apply
+    loras = [p for p in reversed(path) if _role(g.api[p]) == "lora"  # in the order they apply; bypassed ones not
+             and g.api[p].get("mode", 0) not in _MUTED]
     ref = SamplerRef(nid, node["class_type"], steps, total, _num(ins.get("cfg"), 1.0), loader, loras, path,
                      denoise=_num(ins.get("denoise"), 1.0))
     lat = g.trace(nid, ("latent_image", "samples", "latent", "latent_image"),
