@@ -517,3 +517,19 @@ def test_bypassed_lora_passes_through(tmp_path):
     d = plan_workflow(graph, finder(tmp_path), "rtx4090", 64 << 30).to_dict()
     high = d["run"]["samplers"][0]
     assert high["model"] == "1" and high["loras"] == ["a.safetensors"]
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1 << 40, 0)), "corrupt"),
+    (lambda p: p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 1, 0)), "truncated"),
+    (lambda p: p.write_bytes(b"GGML" + b"\0" * 20), "not a GGUF file"),
+    (lambda p: p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _gguf_string("k")
+                             + struct.pack("<IIQ", 9, 4, 1 << 40)), "corrupt"),
+])
+def test_bad_gguf_headers_are_refused(tmp_path, make, needle):
+    from offload.predict.model_files import ModelFileError
+
+    path = tmp_path / "bad.gguf"
+    make(path)
+    with pytest.raises(ModelFileError, match=needle):
+        read_tensor_infos(path)

@@ -36,6 +36,7 @@ _MAX_TENSORS = 1 << 20  # more tensors than any model has: a corrupt count, refu
 _MAX_KV = 1 << 20
 _MAX_STRING = 64 << 20  # one metadata string (a tokenizer's merges list is one array of many short strings)
 _MAX_DIMS = 8
+_MAX_ARRAY = 1 << 24  # items of one metadata array (a tokenizer's vocabulary is ~260k)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def _skip_value(fh: BinaryIO, vtype: int, path: Path) -> None:
         _string(fh, path)
     elif vtype == 9:
         etype, count = struct.unpack("<IQ", _need(fh, 12, path))
-        if count > _MAX_STRING:
+        if count > _MAX_ARRAY:
             raise ModelFileError(f"{path}: GGUF array of {count} items: corrupt header")
         if etype in _SCALAR:
             fh.seek(_SCALAR[etype] * count, os.SEEK_CUR)

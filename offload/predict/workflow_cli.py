@@ -24,14 +24,34 @@ FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "unet_gguf": ("diff
            "clip": ("clip", "text_encoders"), "vae": ("vae",), "loras": ("loras",), "tts": ("tts",)}
 
 
+MAX_WORKFLOW_BYTES = 64 << 20  # a workflow's JSON (graphs with thousands of nodes are a few MB)
+
+
+def read_workflow(path: str | os.PathLike) -> Any:
+    """A workflow file's JSON: a regular file of at most MAX_WORKFLOW_BYTES (ValueError naming it otherwise)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        if not p.is_file():
+            raise ValueError(f"{p}: not a regular file")
+        if st.st_size > MAX_WORKFLOW_BYTES:
+            raise ValueError(f"{p}: {st.st_size} bytes is more than a workflow's JSON holds "
+                             f"({MAX_WORKFLOW_BYTES >> 20} MB at most)")
+        return json.loads(p.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"{p}: cannot read: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{p}: not JSON: {exc}") from None
+
+
 def is_workflow(path: str | os.PathLike) -> bool:
     """Whether `path` is a ComfyUI workflow (UI JSON with a nodes list, or API JSON of class_type nodes)."""
     p = Path(path)
     if p.suffix.lower() != ".json" or not p.is_file() or p.name == "config.json":
         return False
     try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
+        data = read_workflow(p)
+    except ValueError:
         return False
     if not isinstance(data, dict):
         return False
@@ -120,7 +140,7 @@ def format_plan(plan: WorkflowPlan) -> str:
 def run(args: argparse.Namespace, card: Any, ram: int | None, out: Callable[[str], None] = print) -> int:
     """Plan the workflow file `args.model` and print the table (or JSON)."""
     path = Path(args.model)
-    graph = json.loads(path.read_text())
+    graph = read_workflow(path)
     roots = [Path(d).expanduser() for d in (args.models_dir or [])] or [path.parent / "models", Path("models")]
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
     plan = plan_workflow(graph, models_dir_finder(roots), card, ram, presets=presets)
