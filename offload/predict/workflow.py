@@ -17,7 +17,8 @@ activations), activations, host RAM, disk, time per call and the resident time p
 The run (`run`): the text encodes, each sampler's steps x forwards (CFG other than 1: cond and uncond in one
 batch of two, as ComfyUI's sampler runs them), the VAE decodes (tiled or not; ComfyUI retries an untiled decode
 that runs out of memory tiled), the total, the peak VRAM of the phases (with the CUDA context), and the RAM of
-everything loaded at once against `ram_bytes` (what would go to the disk tier). Nothing is loaded: `model_files` reads headers only.
+everything loaded at once against `ram_bytes` (what would go to the disk tier). Nothing is loaded: `model_files`
+reads headers only.
 """
 from __future__ import annotations
 
