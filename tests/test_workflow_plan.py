@@ -21,7 +21,7 @@ from offload.__main__ import main
 from offload.predict import plan_workflow
 from offload.predict.model_files import read_tensor_infos
 from offload.predict.model_files import TensorInfo
-from offload.predict.published import ROWS, flux_shapes, predict_row, wan_shapes
+from offload.predict.published import ROWS, flux_shapes, predict_row, shapes_for, wan_shapes
 from offload.predict.workflow_graph import read_graph, to_api
 
 sys.path.insert(0, str(Path(__file__).parent / "comfyui"))
@@ -533,3 +533,24 @@ def test_bad_gguf_headers_are_refused(tmp_path, make, needle):
     make(path)
     with pytest.raises(ModelFileError, match=needle):
         read_tensor_infos(path)
+
+
+def test_cond_and_uncond_split_when_the_pair_does_not_fit(tmp_path):
+    """Wan 14B at 720p on a 12 GB card: the batch of two's activations do not fit, one sample's do; ComfyUI then
+    runs cond and uncond one after the other, and so does the plan (two calls a step, batch one)."""
+    shapes = {"model.diffusion_model." + k: v.shape for k, v in shapes_for("wan2.1-t2v-14b").items()}
+    write_safetensors(tmp_path / "diffusion_models" / "wan14.safetensors", shapes)
+    graph = {"1": {"class_type": "OffloadDiffusionModelLoader", "inputs": {"unet_name": "wan14.safetensors",
+                                                                          "preset": "budget"}},
+             "2": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 1280, "height": 720, "length": 33,
+                                                                       "batch_size": 1}},
+             "3": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "latent_image": ["2", 0], "steps": 4,
+                                                        "cfg": 5.0}}}
+    d = plan_workflow(graph, finder(tmp_path), "rtx3060-12gb", 64 << 30).to_dict()
+    s = d["run"]["samplers"][0]
+    m = next(m for m in d["models"] if m["role"] == "diffusion")
+    assert s["forwards_per_step"] == 2 and not s["cond_uncond_batched"] and m["calls"] == 8 and m["fits"]
+    assert s["ms_per_step"] == pytest.approx(2 * m["ms_per_call"])
+    graph["2"]["inputs"].update(width=480, height=320)  # small enough for the pair
+    d = plan_workflow(graph, finder(tmp_path), "rtx3060-12gb", 64 << 30).to_dict()
+    assert d["run"]["samplers"][0]["cond_uncond_batched"] and d["models"][0]["calls"] == 4

@@ -272,17 +272,30 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
             notes.append(f"sampler {s.node}: {rule}")
             entry["frame_rule"] = rule
         guided = abs(s.cfg - 1.0) > 1e-6
-        batch = s.batch * (2 if guided else 1)
-        tok = Tokens(fam.image_tokens(width, height, frames), fam.text_tokens, batch)
-        _plan_model(plan, desc, diffusion_analysis(desc, tok), card, names, ram_bytes, not plan.name.endswith(".gguf"))
-        plan.calls += s.steps
+        tok = Tokens(fam.image_tokens(width, height, frames), fam.text_tokens, s.batch * (2 if guided else 1))
+        disk_ok = not plan.name.endswith(".gguf")
+        _plan_model(plan, desc, diffusion_analysis(desc, tok), card, names, ram_bytes, disk_ok)
+        calls_per_step = 1
+        if guided and not plan.chosen.get("fits", True):
+            # ComfyUI's sampler batches cond and uncond only when free memory allows (calc_cond_batch): else they
+            # run one after the other at the latent's own batch
+            single = Tokens(tok.image, tok.text, s.batch)
+            trial = ModelPlan(plan.key, plan.role, plan.name, plan.path, True, preset=plan.preset)
+            _plan_model(trial, desc, diffusion_analysis(desc, single), card, names, ram_bytes, disk_ok)
+            if trial.chosen.get("fits"):
+                plan.presets, plan.without_offloading, tok, calls_per_step = (trial.presets, trial.without_offloading,
+                                                                              single, 2)
+                plan.notes.append("cond and uncond do not fit as one batch of two: they run one after the other "
+                                  "(as ComfyUI's sampler does when memory is short)")
+        plan.calls += s.steps * calls_per_step
         ms = plan.chosen.get("ms_per_call")
+        step_ms = ms * calls_per_step if ms is not None else None
         entry.update({"image_tokens": tok.image, "text_tokens": tok.text, "forwards_per_step": 2 if guided else 1,
-                      "cond_uncond_batched": guided, "ms_per_step": ms,
-                      "ms": ms * s.steps if ms is not None else None,
-                      "resident_ms": plan.chosen.get("resident_ms_per_call", 0.0) * s.steps,
+                      "cond_uncond_batched": guided and calls_per_step == 1, "ms_per_step": step_ms,
+                      "ms": step_ms * s.steps if step_ms is not None else None,
+                      "resident_ms": plan.chosen.get("resident_ms_per_call", 0.0) * s.steps * calls_per_step,
                       "loras": [models[k].name for k in s.loras if k in models]})
-        phases.append({"phase": "sampling", "model": key, "calls": s.steps, "ms": entry["ms"],
+        phases.append({"phase": "sampling", "model": key, "calls": s.steps * calls_per_step, "ms": entry["ms"],
                        "vram_bytes": plan.chosen.get("vram_bytes")})
     decodes = []
     for d in facts.decodes:

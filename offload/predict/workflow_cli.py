@@ -117,7 +117,8 @@ def format_plan(plan: WorkflowPlan) -> str:
             lines.append(f"  sampler {s['sampler']}: {s.get('note', '')}")
             continue
         frames = f", {s['frames']} frames" if s["frames"] else ""
-        batched = ", cond+uncond batched" if s["cond_uncond_batched"] else ""
+        batched = (", cond+uncond batched" if s["cond_uncond_batched"] else
+                   ", cond then uncond" if s["forwards_per_step"] == 2 else "")
         loras = f"; LoRAs {', '.join(s['loras'])}" if s["loras"] else ""
         lines.append(f"  sampler {s['sampler']}: {s['steps']} steps x {s['forwards_per_step']} forward(s) "
                      f"(CFG {s['cfg']:g}{batched}) at {s['width']}x{s['height']}{frames} ({s['image_tokens']} "
