@@ -357,7 +357,9 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
     fits = all(models[p["model"]].chosen.get("fits", True) for p in phases if p["model"] in models)
     return {"phases": phases, "samplers": samplers_out, "decodes": decodes, "total_ms": total,
             "peak_vram_bytes": max(peaks) if peaks else 0, "fits": fits,
-            "complete": all(p.get("ms") is not None for p in phases)}
+            "complete": all(p.get("ms") is not None for p in phases) and all("note" not in x or "assumed" in x["note"]
+                                                                              for x in samplers_out)
+            and all(m.found for m in models.values())}
 
 
 def _ram(models: dict[str, ModelPlan], descs: dict[str, ModelDesc], ram_bytes: int) -> dict[str, Any]:

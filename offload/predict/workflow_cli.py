@@ -127,9 +127,12 @@ def format_plan(plan: WorkflowPlan) -> str:
     for p in run["phases"]:
         if p["phase"] in ("text encode", "vae decode", "tts generate"):
             lines.append(f"  {p['phase']} ({p['model']}): {p['calls']} call(s), {_secs(p['ms'])}")
-    lines.append(f"  total {_secs(run['total_ms'])}{'' if run['complete'] else ' (some phases not costed)'}; "
-                 f"peak VRAM {_gib(run['peak_vram_bytes'])} GiB (with the CUDA context); "
-                 f"{'fits' if run['fits'] else 'does NOT fit with the presets chosen'}")
+    if run["complete"]:
+        lines.append(f"  total {_secs(run['total_ms'])}; peak VRAM {_gib(run['peak_vram_bytes'])} GiB (with the CUDA "
+                     f"context); {'fits' if run['fits'] else 'does NOT fit with the presets chosen'}")
+    else:
+        lines.append(f"  INCOMPLETE: {sum(not m['found'] for m in d['models'])} model file(s) not found or not read; "
+                     f"what was costed takes {_secs(run['total_ms'])}, peak VRAM {_gib(run['peak_vram_bytes'])} GiB")
     ram = d["ram"]
     lines.append(f"host RAM: {_gib(ram['needed_bytes'])} GiB for everything loaded at once, {_gib(ram['free_bytes'])} "
                  f"GiB free" + (f"; {_gib(ram['disk_bytes'])} GiB to the disk tier" if ram["disk_bytes"] else "")
@@ -145,6 +148,9 @@ def run(args: argparse.Namespace, card: Any, ram: int | None, out: Callable[[str
     roots = [Path(d).expanduser() for d in (args.models_dir or [])] or [path.parent / "models", Path("models")]
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
     plan = plan_workflow(graph, models_dir_finder(roots), card, ram, presets=presets)
+    if any(not m.found for m in plan.models):
+        plan.notes.append(f"model files were looked for under {', '.join(str(r) for r in roots)} (ComfyUI's layout); "
+                          f"pass --models-dir with your ComfyUI models folder")
     if args.json:
         out(json.dumps(plan.to_dict(), indent=1))
     else:
