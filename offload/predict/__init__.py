@@ -15,7 +15,7 @@ everything below. Nothing in the engine imports it; `offload/__init__` and `__ma
 Used from outside: `predict`, `Prediction`, `predict_configs`, `predict_profile`, `profile_model`, `unit_sizes`,
 `analyse_on_meta` (re-exported here, as `offload.predict` named them before the move), `cards.Card`,
 `cards.get_card`, `plan_cli.main`, `plan_workflow`, `WorkflowPlan`, `ModelPlan`, `WorkflowError`,
-`card_from_figures`, `cards.CARDS`.
+`card_from_figures`, `cards.CARDS`, `cards.match_card` (the table's card for a CUDA device name).
 """
 from .prediction import (CONTEXT_BYTES, DEFAULT_DISK_GBPS, BlockPrediction, Prediction, analyse_on_meta,  # noqa: F401
                          predict, predict_configs, predict_profile, profile_model, unit_sizes)

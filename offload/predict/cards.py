@@ -183,3 +183,31 @@ def get_card(card: "str | Card") -> Card:
             return sized[0]
     raise ValueError(f"unknown card {card!r}; known cards: {', '.join(CARDS)} (or 'measure', or "
                      f"offload.Card(name, vram_bytes, h2d_gbps, tflops) for another one)")
+
+
+def match_card(device_name: str, vram_bytes: int | None = None) -> Card | None:
+    """The table's card for a device name as CUDA reports it ("NVIDIA GeForce RTX 4090", "NVIDIA H100 80GB HBM3",
+    "NVIDIA A100-SXM4-40GB"), with the device's own memory when given; None when the table has no such card."""
+    name = device_name.lower().replace("nvidia", "").replace("geforce", "")
+    words = re.findall(r"[a-z]*\d+[a-z]*", name)
+    model = next((w for w in words if re.fullmatch(r"(rtx)?\d{4}[a-z]*|[ahlb]\d{1,3}[a-z]*", w)), None)
+    if model is None:
+        return None
+    model = model if not model.isdigit() else "rtx" + model
+    if re.search(r"\d{4}\s*ti\b", name):
+        model += "ti"
+    if model in ("rtx4070", "rtx4080", "rtx4070ti") and "super" in name:
+        model = {"rtx4080": "rtx4080-super", "rtx4070ti": "rtx4070ti-super"}.get(model, model)
+    if model == "rtx4070ti" and "super" not in name:
+        model = "rtx4070ti-super"  # the nearest in the table
+    if model == "rtx4090" and re.search(r"4090\s*d\b", name):
+        model = "rtx4090d"
+    candidates = [c for n, c in CARDS.items() if n == model or n.startswith(model + "-")]
+    if model == "h100":
+        candidates = [CARDS["h100-pcie" if "pcie" in name else "h100-sxm"]]
+    if not candidates:
+        return None
+    if vram_bytes:
+        best = min(candidates, key=lambda c: abs(c.vram_bytes - vram_bytes))
+        return replace(best, vram_bytes=int(vram_bytes))
+    return candidates[0]

@@ -17,6 +17,10 @@ from typing import BinaryIO
 # safetensors dtype -> bytes per element
 ST_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
             "I8": 1, "U8": 1, "BOOL": 1, "C64": 8, "U16": 2, "U32": 4, "U64": 8}
+# torch dtype name (as SafetensorsFile gives it) -> safetensors dtype name
+ST_NAMES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
+            "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+            "bool": "BOOL", "complex64": "C64", "uint16": "U16", "uint32": "U32", "uint64": "U64"}
 # ggml type id -> (name, elements per block, bytes per block): ggml/include/ggml.h's enum ggml_type and ggml.c's
 # type_traits table (blck_size, type_size)
 GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
@@ -32,6 +36,7 @@ _MAX_TENSORS = 1 << 20  # more tensors than any model has: a corrupt count, refu
 _MAX_KV = 1 << 20
 _MAX_STRING = 64 << 20  # one metadata string (a tokenizer's merges list is one array of many short strings)
 _MAX_DIMS = 8
+_MAX_ARRAY = 1 << 24  # items of one metadata array (a tokenizer's vocabulary is ~260k)
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ def _skip_value(fh: BinaryIO, vtype: int, path: Path) -> None:
         _string(fh, path)
     elif vtype == 9:
         etype, count = struct.unpack("<IQ", _need(fh, 12, path))
-        if count > _MAX_STRING:
+        if count > _MAX_ARRAY:
             raise ModelFileError(f"{path}: GGUF array of {count} items: corrupt header")
         if etype in _SCALAR:
             fh.seek(_SCALAR[etype] * count, os.SEEK_CUR)

@@ -22,7 +22,7 @@ def _t(*shape: int) -> TensorInfo:
     return TensorInfo(tuple(shape), "bfloat16", n)
 
 
-def _wan(dim: int, ffn: int, layers: int, i2v: bool) -> dict[str, TensorInfo]:
+def wan_shapes(dim: int, ffn: int, layers: int, i2v: bool) -> dict[str, TensorInfo]:
     s = {"patch_embedding.weight": _t(dim, 36 if i2v else 16, 1, 2, 2), "text_embedding.0.weight": _t(dim, 4096),
          "text_embedding.2.weight": _t(dim, dim), "time_embedding.0.weight": _t(dim, 256),
          "time_embedding.2.weight": _t(dim, dim), "time_projection.1.weight": _t(6 * dim, dim),
@@ -56,7 +56,7 @@ def _double(p: str, h: int, mlp: int, mod: str) -> dict[str, TensorInfo]:
     return s
 
 
-def _flux_like(h: int, double: int, single: int, mod: str = "lin") -> dict[str, TensorInfo]:
+def flux_shapes(h: int, double: int, single: int, mod: str = "lin") -> dict[str, TensorInfo]:
     mlp = 4 * h
     s = {"img_in.weight": _t(h, 64), "txt_in.weight": _t(h, 4096), "vector_in.in_layer.weight": _t(h, 768),
          "time_in.in_layer.weight": _t(h, 256), "guidance_in.in_layer.weight": _t(h, 256),
@@ -72,7 +72,7 @@ def _flux_like(h: int, double: int, single: int, mod: str = "lin") -> dict[str, 
 
 def _hunyuan_video() -> dict[str, TensorInfo]:
     h = 3072
-    s = {k: v for k, v in _flux_like(h, 20, 40, "linear").items() if not k.startswith(("img_in", "txt_in"))}
+    s = {k: v for k, v in flux_shapes(h, 20, 40, "linear").items() if not k.startswith(("img_in", "txt_in"))}
     s.update({"img_in.proj.weight": _t(h, 16, 1, 2, 2), "txt_in.input_embedder.weight": _t(h, 4096)})
     for i in range(2):
         p = f"txt_in.individual_token_refiner.blocks.{i}."
@@ -95,11 +95,11 @@ def _cogvideox(dim: int, layers: int) -> dict[str, TensorInfo]:
 
 
 MODELS = {
-    "wan2.1-i2v-14b": lambda: _wan(5120, 13824, 40, True),
-    "wan2.1-t2v-14b": lambda: _wan(5120, 13824, 40, False),
-    "wan2.1-t2v-1.3b": lambda: _wan(1536, 8960, 30, False),
+    "wan2.1-i2v-14b": lambda: wan_shapes(5120, 13824, 40, True),
+    "wan2.1-t2v-14b": lambda: wan_shapes(5120, 13824, 40, False),
+    "wan2.1-t2v-1.3b": lambda: wan_shapes(1536, 8960, 30, False),
     "hunyuan-video": _hunyuan_video,
-    "flux.1-dev": lambda: _flux_like(3072, 19, 38),
+    "flux.1-dev": lambda: flux_shapes(3072, 19, 38),
     "cogvideox-2b": lambda: _cogvideox(1920, 30),
     "cogvideox-5b": lambda: _cogvideox(3072, 42),
     "cogvideox1.5-5b": lambda: _cogvideox(3072, 42),

@@ -16,8 +16,9 @@ activations), activations, host RAM, disk, time per call and the resident time p
 (whether the weights plus the activations fit the card at all, and how much that needs); every preset's figures.
 The run (`run`): the text encodes, each sampler's steps x forwards (CFG other than 1: cond and uncond in one
 batch of two, as ComfyUI's sampler runs them), the VAE decodes (tiled or not; ComfyUI retries an untiled decode
-that runs out of memory tiled), the total, the peak VRAM of the phases, and the RAM of everything loaded at once
-against `ram_bytes` (what would go to the disk tier). Nothing is loaded: `model_files` reads headers only.
+that runs out of memory tiled), the total, the peak VRAM of the phases (with the CUDA context), and the RAM of
+everything loaded at once against `ram_bytes` (what would go to the disk tier). Nothing is loaded: `model_files`
+reads headers only.
 """
 from __future__ import annotations
 
@@ -180,6 +181,8 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
             del models[key]
             continue
         descs[key] = _describe(plan, infos, ref.folder)
+        if ref.role == "tts":
+            plan.family = plan.label = _tts_family(path) or plan.family
     run = _plan_run(facts, models, descs, card_obj, names, ram_bytes, notes)
     ram = _ram(models, descs, ram_bytes)
     if ram["disk_bytes"]:
@@ -199,6 +202,21 @@ def _read(path: str, role: str) -> dict[str, TensorInfo]:
             raise ModelFileError(f"{path}: no .safetensors file in the model folder")
         return infos
     return read_tensor_infos(path)
+
+
+def _tts_family(folder: str) -> str | None:
+    """A TTS model folder's model_type from its config.json (read only when small: a config, not weights)."""
+    import json
+
+    path = os.path.join(folder, "config.json")
+    try:
+        if os.path.getsize(path) > 1 << 20:
+            return None
+        with open(path, encoding="utf-8") as fh:
+            kind = json.load(fh).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def _describe(plan: ModelPlan, infos: dict[str, TensorInfo], folder: str) -> ModelDesc:
@@ -254,23 +272,37 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
             notes.append(f"sampler {s.node}: {rule}")
             entry["frame_rule"] = rule
         guided = abs(s.cfg - 1.0) > 1e-6
-        batch = s.batch * (2 if guided else 1)
-        tok = Tokens(fam.image_tokens(width, height, frames), fam.text_tokens, batch)
-        _plan_model(plan, desc, diffusion_analysis(desc, tok), card, names, ram_bytes, not plan.name.endswith(".gguf"))
-        plan.calls += s.steps
+        tok = Tokens(fam.image_tokens(width, height, frames), fam.text_tokens, s.batch * (2 if guided else 1))
+        disk_ok = not plan.name.endswith(".gguf")
+        _plan_model(plan, desc, diffusion_analysis(desc, tok), card, names, ram_bytes, disk_ok)
+        calls_per_step = 1
+        if guided and not plan.chosen.get("fits", True):
+            # ComfyUI's sampler batches cond and uncond only when free memory allows (calc_cond_batch): else they
+            # run one after the other at the latent's own batch
+            single = Tokens(tok.image, tok.text, s.batch)
+            trial = ModelPlan(plan.key, plan.role, plan.name, plan.path, True, preset=plan.preset)
+            _plan_model(trial, desc, diffusion_analysis(desc, single), card, names, ram_bytes, disk_ok)
+            if trial.chosen.get("fits"):
+                plan.presets, plan.without_offloading, tok, calls_per_step = (trial.presets, trial.without_offloading,
+                                                                              single, 2)
+                plan.notes.append("cond and uncond do not fit as one batch of two: they run one after the other "
+                                  "(as ComfyUI's sampler does when memory is short)")
+        plan.calls += s.steps * calls_per_step
         ms = plan.chosen.get("ms_per_call")
+        step_ms = ms * calls_per_step if ms is not None else None
         entry.update({"image_tokens": tok.image, "text_tokens": tok.text, "forwards_per_step": 2 if guided else 1,
-                      "cond_uncond_batched": guided, "ms_per_step": ms,
-                      "ms": ms * s.steps if ms is not None else None,
-                      "resident_ms": plan.chosen.get("resident_ms_per_call", 0.0) * s.steps,
+                      "cond_uncond_batched": guided and calls_per_step == 1, "ms_per_step": step_ms,
+                      "ms": step_ms * s.steps if step_ms is not None else None,
+                      "resident_ms": plan.chosen.get("resident_ms_per_call", 0.0) * s.steps * calls_per_step,
                       "loras": [models[k].name for k in s.loras if k in models]})
-        phases.append({"phase": "sampling", "model": key, "calls": s.steps, "ms": entry["ms"],
+        phases.append({"phase": "sampling", "model": key, "calls": s.steps * calls_per_step, "ms": entry["ms"],
                        "vram_bytes": plan.chosen.get("vram_bytes")})
     decodes = []
     for d in facts.decodes:
         key = d["vae"] if d["vae"] in descs else f"{d['vae']}:vae"
         desc = descs.get(key)
-        s = facts.samplers[-1] if facts.samplers else None
+        s = next((x for x in facts.samplers if x.node == d.get("sampler")), facts.samplers[-1] if facts.samplers
+                 else None)
         if desc is None or s is None:
             continue
         width, height, frames = s.width or 1024, s.height or 1024, s.frames or 1
@@ -291,8 +323,9 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
         plan.without_offloading = {"fits": vram <= room, "needs_bytes": vram, "weights_bytes": desc.nbytes,
                                    "activation_bytes": cost.peak_bytes, "card_bytes": room, "ms_per_call": ms}
         if fell_back:
-            plan.notes.append(f"an untiled decode needs {(desc.nbytes + vae_decode_cost(desc.vae or 'kl', width, height, frames, s.batch).peak_bytes) / GIB:.1f} GiB: "  # noqa: E501
-                              "ComfyUI retries it tiled when it runs out of memory (planned tiled)")
+            untiled = desc.nbytes + vae_decode_cost(desc.vae or "kl", width, height, frames, s.batch).peak_bytes
+            plan.notes.append(f"an untiled decode needs {untiled / GIB:.1f} GiB: ComfyUI retries it tiled when it "
+                              f"runs out of memory (planned tiled)")
         decodes.append({"node": d["node"], "vae": key, "kind": cost.kind, "tiled": cost.tiled, "fell_back": fell_back,
                         "ms": ms, "vram_bytes": vram})
         phases.append({"phase": "vae decode", "model": key, "calls": 1, "ms": ms, "vram_bytes": vram})
@@ -313,12 +346,20 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
             plan.presets = {"comfyui": {"fits": True, "vram_bytes": 0, "activation_bytes": 0,
                                         "host_bytes": plan.file_bytes, "disk_bytes": 0, "ms_per_call": None,
                                         "resident_ms_per_call": None}}
+    for key, plan in models.items():
+        ref = facts.loaders.get(key) or facts.loaders.get(key.split(":")[0])
+        if ref is not None and plan.role in ("diffusion", "text_encoder") and plan.found \
+                and ref.inputs.get("offloaded_by_pack") is False:
+            plan.notes.append(f"loaded by ComfyUI's {ref.class_type} with no Offload Model / Offload CLIP after it: "
+                              f"ComfyUI manages it; the figures are the pack's {plan.preset} preset's")
     total = sum(p["ms"] for p in phases if p.get("ms") is not None)
-    peaks = [p["vram_bytes"] for p in phases if p.get("vram_bytes") is not None]
+    peaks = [p["vram_bytes"] + CONTEXT_BYTES for p in phases if p.get("vram_bytes") is not None]
     fits = all(models[p["model"]].chosen.get("fits", True) for p in phases if p["model"] in models)
     return {"phases": phases, "samplers": samplers_out, "decodes": decodes, "total_ms": total,
             "peak_vram_bytes": max(peaks) if peaks else 0, "fits": fits,
-            "complete": all(p.get("ms") is not None for p in phases)}
+            "complete": all(p.get("ms") is not None for p in phases) and all("note" not in x or "assumed" in x["note"]
+                                                                              for x in samplers_out)
+            and all(m.found for m in models.values())}
 
 
 def _ram(models: dict[str, ModelPlan], descs: dict[str, ModelDesc], ram_bytes: int) -> dict[str, Any]:

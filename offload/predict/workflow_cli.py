@@ -24,14 +24,34 @@ FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "unet_gguf": ("diff
            "clip": ("clip", "text_encoders"), "vae": ("vae",), "loras": ("loras",), "tts": ("tts",)}
 
 
+MAX_WORKFLOW_BYTES = 64 << 20  # a workflow's JSON (graphs with thousands of nodes are a few MB)
+
+
+def read_workflow(path: str | os.PathLike) -> Any:
+    """A workflow file's JSON: a regular file of at most MAX_WORKFLOW_BYTES (ValueError naming it otherwise)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        if not p.is_file():
+            raise ValueError(f"{p}: not a regular file")
+        if st.st_size > MAX_WORKFLOW_BYTES:
+            raise ValueError(f"{p}: {st.st_size} bytes is more than a workflow's JSON holds "
+                             f"({MAX_WORKFLOW_BYTES >> 20} MB at most)")
+        return json.loads(p.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"{p}: cannot read: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{p}: not JSON: {exc}") from None
+
+
 def is_workflow(path: str | os.PathLike) -> bool:
     """Whether `path` is a ComfyUI workflow (UI JSON with a nodes list, or API JSON of class_type nodes)."""
     p = Path(path)
     if p.suffix.lower() != ".json" or not p.is_file() or p.name == "config.json":
         return False
     try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
+        data = read_workflow(p)
+    except ValueError:
         return False
     if not isinstance(data, dict):
         return False
@@ -97,7 +117,8 @@ def format_plan(plan: WorkflowPlan) -> str:
             lines.append(f"  sampler {s['sampler']}: {s.get('note', '')}")
             continue
         frames = f", {s['frames']} frames" if s["frames"] else ""
-        batched = ", cond+uncond batched" if s["cond_uncond_batched"] else ""
+        batched = (", cond+uncond batched" if s["cond_uncond_batched"] else
+                   ", cond then uncond" if s["forwards_per_step"] == 2 else "")
         loras = f"; LoRAs {', '.join(s['loras'])}" if s["loras"] else ""
         lines.append(f"  sampler {s['sampler']}: {s['steps']} steps x {s['forwards_per_step']} forward(s) "
                      f"(CFG {s['cfg']:g}{batched}) at {s['width']}x{s['height']}{frames} ({s['image_tokens']} "
@@ -106,9 +127,12 @@ def format_plan(plan: WorkflowPlan) -> str:
     for p in run["phases"]:
         if p["phase"] in ("text encode", "vae decode", "tts generate"):
             lines.append(f"  {p['phase']} ({p['model']}): {p['calls']} call(s), {_secs(p['ms'])}")
-    lines.append(f"  total {_secs(run['total_ms'])}{'' if run['complete'] else ' (some phases not costed)'}; "
-                 f"peak VRAM {_gib(run['peak_vram_bytes'])} GiB; "
-                 f"{'fits' if run['fits'] else 'does NOT fit with the presets chosen'}")
+    if run["complete"]:
+        lines.append(f"  total {_secs(run['total_ms'])}; peak VRAM {_gib(run['peak_vram_bytes'])} GiB (with the CUDA "
+                     f"context); {'fits' if run['fits'] else 'does NOT fit with the presets chosen'}")
+    else:
+        lines.append(f"  INCOMPLETE: {sum(not m['found'] for m in d['models'])} model file(s) not found or not read; "
+                     f"what was costed takes {_secs(run['total_ms'])}, peak VRAM {_gib(run['peak_vram_bytes'])} GiB")
     ram = d["ram"]
     lines.append(f"host RAM: {_gib(ram['needed_bytes'])} GiB for everything loaded at once, {_gib(ram['free_bytes'])} "
                  f"GiB free" + (f"; {_gib(ram['disk_bytes'])} GiB to the disk tier" if ram["disk_bytes"] else "")
@@ -120,10 +144,13 @@ def format_plan(plan: WorkflowPlan) -> str:
 def run(args: argparse.Namespace, card: Any, ram: int | None, out: Callable[[str], None] = print) -> int:
     """Plan the workflow file `args.model` and print the table (or JSON)."""
     path = Path(args.model)
-    graph = json.loads(path.read_text())
+    graph = read_workflow(path)
     roots = [Path(d).expanduser() for d in (args.models_dir or [])] or [path.parent / "models", Path("models")]
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
     plan = plan_workflow(graph, models_dir_finder(roots), card, ram, presets=presets)
+    if any(not m.found for m in plan.models):
+        plan.notes.append(f"model files were looked for under {', '.join(str(r) for r in roots)} (ComfyUI's layout); "
+                          f"pass --models-dir with your ComfyUI models folder")
     if args.json:
         out(json.dumps(plan.to_dict(), indent=1))
     else:

@@ -207,13 +207,16 @@ class _Graph:
 
 def _preset_from_path(api: dict[str, dict[str, Any]], path: list[str], loaders: dict[str, LoaderRef],
                       offload_type: str) -> None:
-    """An Offload Model / Offload CLIP node between a loader and its user sets the loader's preset."""
-    for nid in path:
-        if api[nid]["class_type"] == offload_type and isinstance(api[nid]["inputs"].get("preset"), str):
-            for key, ref in loaders.items():
-                if ref.node == path[-1] and "preset" not in ref.inputs:
-                    ref.inputs["preset"] = api[nid]["inputs"]["preset"]
-            return
+    """An Offload Model / Offload CLIP node between a loader and its user sets the loader's preset; a core loader
+    with none is marked as loaded by ComfyUI itself (`offloaded_by_pack` False)."""
+    offload = next((nid for nid in path if api[nid]["class_type"] == offload_type
+                    and isinstance(api[nid]["inputs"].get("preset"), str)), None)
+    for ref in loaders.values():
+        if ref.node != path[-1]:
+            continue
+        if offload is not None and "preset" not in ref.inputs:
+            ref.inputs["preset"] = api[offload]["inputs"]["preset"]
+        ref.inputs.setdefault("offloaded_by_pack", offload is not None or ref.class_type.startswith("Offload"))
 
 
 def _role(node: dict[str, Any]) -> str | None:
@@ -230,12 +233,18 @@ def _num(value: Any, default: float) -> float:
 
 def read_graph(graph: dict[str, Any]) -> GraphFacts:
     """The loaders, samplers, text encodes, decodes and TTS runs of a workflow (API or UI JSON)."""
-    api = {k: v for k, v in to_api(graph).items() if v.get("mode", 0) not in _MUTED}
+    # a muted node (mode 2) is gone; a bypassed one (mode 4) passes its inputs through: kept for tracing, never run
+    api = {k: v for k, v in to_api(graph).items() if v.get("mode", 0) != 2}
     g = _Graph(api)
     loaders: dict[str, LoaderRef] = {}
     notes: list[str] = []
+    definitions = graph.get("definitions") if isinstance(graph, dict) else None
+    if isinstance(definitions, dict) and definitions.get("subgraphs"):
+        notes.append("the workflow has subgraphs: nodes inside them are not planned (convert them to nodes first)")
     for nid, node in api.items():
         ctype = node["class_type"]
+        if node.get("mode", 0) in _MUTED:
+            continue
         for widget, folder, role in LOADERS.get(ctype, ()):
             name = node["inputs"].get(widget)
             if isinstance(name, str) and name:
@@ -243,7 +252,7 @@ def read_graph(graph: dict[str, Any]) -> GraphFacts:
                 loaders[key] = LoaderRef(nid, ctype, role, folder, name, dict(node["inputs"]))
     is_model_loader = lambda n: _role(n) in ("diffusion", "checkpoint")  # noqa: E731
     samplers = [_sampler(g, nid, node, is_model_loader) for nid, node in api.items()
-                if node["class_type"] in SAMPLERS]
+                if node["class_type"] in SAMPLERS and node.get("mode", 0) not in _MUTED]
     for s in samplers:
         if s.model_loader is not None:
             _preset_from_path(api, s.path, loaders, "OffloadModel")
@@ -260,7 +269,9 @@ def read_graph(graph: dict[str, Any]) -> GraphFacts:
             path = g.trace(nid, ("vae",), lambda n: _role(n) in ("vae", "checkpoint"))
             ins = node["inputs"]
             found = len(path) > 1 and _role(api[path[-1]]) in ("vae", "checkpoint")
+            up = g.trace(nid, ("samples", "latent", "latent_image"), lambda n: n["class_type"] in SAMPLERS)
             decodes.append({"node": nid, "vae": path[-1] if found else None,
+                            "sampler": up[-1] if len(up) > 1 and api[up[-1]]["class_type"] in SAMPLERS else None,
                              "tiled": node["class_type"] == "VAEDecodeTiled",
                              "tile": int(_num(ins.get("tile_size"), 512)),
                              "temporal": int(_num(ins.get("temporal_size"), 64))})
@@ -298,7 +309,8 @@ def _sampler(g: _Graph, nid: str, node: dict[str, Any], is_model_loader: Any) ->
         steps = max(0, end - start)
     path = g.trace(model_from, ("model",), is_model_loader)
     loader = path[-1] if len(path) > 1 and is_model_loader(g.api[path[-1]]) else None
-    loras = [p for p in reversed(path) if _role(g.api[p]) == "lora"]  # in the order they apply
+    loras = [p for p in reversed(path) if _role(g.api[p]) == "lora"  # in the order they apply; bypassed ones not
+             and g.api[p].get("mode", 0) not in _MUTED]
     ref = SamplerRef(nid, node["class_type"], steps, total, _num(ins.get("cfg"), 1.0), loader, loras, path,
                      denoise=_num(ins.get("denoise"), 1.0))
     lat = g.trace(nid, ("latent_image", "samples", "latent", "latent_image"),
