@@ -1,0 +1,476 @@
+"""One read-only host copy of a model's blocks for every process that offloads the same file.
+
+ComfyUI-Distributed runs a master and one worker per GPU on one machine, each offloading the same model; with a
+copy each, four local workers need four times the model's host RAM. Processes offloading the same file (the same
+path, size and modification time) with the same layout (every unit's tensors: offsets, dtypes, shapes, strides)
+share ONE copy instead: a named segment under /dev/shm (`SharedHostCopy`), which the first process fills unit by
+unit while it stages (`place`) and the others map once it is complete.
+
+- Naming: `layer-offload-<sha256 of the file's identity and the layout>`; created with O_EXCL, so exactly one
+  process fills it. A header (magic, the full key, the size, per unit its offset and which leaves were read from
+  the file) is written last; a segment whose header does not match is ignored (the process stages its own copy).
+- A joining process compares the bytes it holds (a model loaded in RAM) with the segment's before it drops its
+  own; a leaf it does not hold (on the meta device, read from the file) joins only where the filler read that very
+  leaf from the file. A unit that differs stays private to the process: a shared copy never changes an output.
+- Mapped twice: a private copy-on-write mapping the unit's parameters view between forwards (a write lands in this
+  process's own pages, never in the others'), and a read-only shared one the device copies from, pinned where the
+  backend can register host memory (`Backend.register_host`, asked of the pin gate). A unit written in place stops
+  copying from the shared view at once (`SharedSource` compares version counters) and gets a private RAM master at
+  the next pass start (`HostTiers.privatize`: copy-on-write at unit granularity).
+- Cleanup: every process holds a shared `flock` on the segment while it maps it (the filler an exclusive one until
+  the header is written); the last one to let go (detach, garbage collection, exit) takes the lock exclusively
+  and unlinks the segment. A segment left by a killed process is removed by the next process that creates one.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import sys
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..model.layout import TensorLayout
+
+log = logging.getLogger(__name__)
+
+SEGMENT_DIR = Path("/dev/shm")
+PREFIX = "layer-offload-"
+MAGIC = b"LOSHARE1"
+PAGE = mmap.PAGESIZE
+_HEAD = struct.Struct("<8sQQ")  # magic, ready (0 | 1), length of the JSON that follows
+STALE_AFTER_S = 60.0  # an unlocked segment older than this is a leftover of a killed process
+
+
+def available() -> bool:
+    """Whether this machine can hold a shared host copy (Linux's /dev/shm, writable)."""
+    return sys.platform.startswith("linux") and SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK)
+
+
+def _round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+def file_identity(path: str | os.PathLike) -> list[Any]:
+    """What names the model's file for sharing: its resolved path, size and modification time (of every file in a
+    packed folder)."""
+    p = Path(path).resolve()
+    files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
+    return [str(p)] + [[q.name, q.stat().st_size, q.stat().st_mtime_ns] for q in files]
+
+
+def layout_key(layouts: list[TensorLayout], names: list[str]) -> list[Any]:
+    """Every unit's layout as plain values: the same bytes land at the same offsets only when these are equal."""
+    return [[name, layout.nbytes, [[leaf.offset, leaf.nbytes, str(leaf.dtype), list(leaf.shape),
+                                    list(leaf.stride) if leaf.stride is not None else None]
+                                   for leaf in layout.leaves]]
+            for name, layout in zip(names, layouts)]
+
+
+def segment_key(identity: list[Any], layouts: list[TensorLayout], names: list[str]) -> str:
+    return hashlib.sha256(json.dumps([identity, layout_key(layouts, names)]).encode()).hexdigest()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _release(fd: int, path: str, ino: int) -> None:
+    """Let go of a segment; unlink it when no other process holds it (the last one out cleans up)."""
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    try:
+        probe = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        if os.fstat(probe).st_ino != ino:
+            return  # another segment under the same name now (ours was unlinked and made again)
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+        log.debug("removed the shared host copy %s (no process maps it any more)", path)
+    except OSError:  # BlockingIOError: another process still maps it
+        pass
+    finally:
+        os.close(probe)
+
+
+def _map(path: Path, nbytes: int, access: int) -> mmap.mmap:
+    """A mapping of the segment through a descriptor of its own: mmap keeps a duplicate of the descriptor it is
+    given, and a duplicate of the locked one would hold the lock for as long as any tensor views the mapping."""
+    fd = os.open(path, os.O_RDWR if access == mmap.ACCESS_WRITE else os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, nbytes, access=access)
+    finally:
+        os.close(fd)
+
+
+def sweep_stale(directory: Path = SEGMENT_DIR, older_than_s: float = STALE_AFTER_S) -> int:
+    """Remove segments no process holds that are older than `older_than_s` (left by a killed process); returns how
+    many went."""
+    removed = 0
+    now = time.time()
+    for path in directory.glob(PREFIX + "*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < older_than_s:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d shared host cop(ies) left in %s by processes that did not exit cleanly", removed,
+                 directory)
+    return removed
+
+
+class SharedUnit:
+    """Where one unit lies in this process's mappings: `host` views the private copy-on-write mapping (what the
+    modules see); `pinned_view` the registered read-only shared mapping (what the device copies from), or None.
+    The version counters at placement tell whether this process wrote the unit since (`written`)."""
+
+    def __init__(self, index: int, host: torch.Tensor, pinned_view: torch.Tensor | None, copy: "SharedHostCopy",
+                 layout: TensorLayout) -> None:
+        self.index = index
+        self.host = host
+        self.pinned_view = pinned_view
+        self.copy = copy
+        self.layout = layout
+        self._marks = self._versions()
+
+    @property
+    def pinned(self) -> bool:
+        return self.pinned_view is not None
+
+    def _versions(self) -> tuple[int, int]:
+        return self.host._version, self.layout.version()
+
+    def written(self) -> bool:
+        """Whether this process wrote the unit since it was placed: through its parameters (version counters), or
+        the engine into its host views (buffers written back, a device copy caught up)."""
+        return self._versions() != self._marks
+
+    def has_private_pages(self) -> bool:
+        """Whether a write this process made reached the unit's pages in a way no version counter saw (through
+        `.data`): a page of the copy-on-write mapping turned private (/proc/self/pagemap)."""
+        return private_pages(self.host.data_ptr(), self.host.numel())
+
+    def drop_private_pages(self) -> None:
+        """Give back the pages a write made private in this process (after the unit got a RAM master of its own)."""
+        self.copy.drop_private_pages(self.index)
+
+
+def private_pages(address: int, nbytes: int) -> bool:
+    """Whether any present page of [address, address + nbytes) is private anonymous memory (a copy-on-write copy):
+    /proc/self/pagemap's bit 61 is clear for those (readable without privileges; False where it cannot be read)."""
+    if nbytes <= 0:
+        return False
+    first, last = address // PAGE, (address + nbytes - 1) // PAGE
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            data = f.read((last - first + 1) * 8)
+    except OSError:
+        return False
+    for (entry,) in struct.iter_unpack("<Q", data):
+        if entry >> 63 & 1 and not entry >> 61 & 1:
+            return True
+    return False
+
+
+class SharedHostCopy:
+    """The segment one model's shared units live in, as this process maps it (see the module docstring)."""
+
+    def __init__(self, path: Path, fd: int, filler: bool, key: str, offsets: dict[int, int],
+                 sizes: dict[int, int], total: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.filler = filler
+        self.key = key
+        self.offsets = offsets  # unit index -> byte offset in the segment
+        self.sizes = sizes
+        self.total = total
+        self.file_leaves: dict[int, list[int]] = {}  # filled units -> leaves read from the file (the header's)
+        self.placed: list[int] = []
+        self.refused = 0
+        self._fill: mmap.mmap | None = _map(path, total, mmap.ACCESS_WRITE) if filler else None
+        self._private: mmap.mmap | None = _map(path, total, mmap.ACCESS_COPY)
+        self._shared: mmap.mmap | None = _map(path, total, mmap.ACCESS_READ)
+        self._unregister: Callable[[], None] | None = None
+        self._pinned_flat: torch.Tensor | None = None
+        self._closer = weakref.finalize(self, _release, fd, str(path), os.fstat(fd).st_ino)
+
+    # opening ------------------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, file_path: str | os.PathLike, layouts: list[TensorLayout], names: list[str],
+             wanted: set[int] | frozenset[int], directory: Path = SEGMENT_DIR) -> "SharedHostCopy | None":
+        """This process's mapping of the segment for these units, filling it when none exists; None (logged) where
+        none can be had (each process then stages its own copy)."""
+        if not wanted:
+            return None
+        try:
+            key = segment_key(file_identity(file_path), layouts, names)
+        except OSError as exc:
+            log.info("no shared host copy: cannot read %s (%s)", file_path, exc)
+            return None
+        offsets, sizes, pos = {}, {}, 0
+        for i, layout in enumerate(layouts):  # every unit has its place, so processes with other tiers agree
+            offsets[i], sizes[i] = pos, layout.nbytes
+            pos += _round_up(layout.nbytes)
+        # the header is written last: room for it with every unit filled and every leaf read from the file
+        head = _round_up(_HEAD.size + len(cls._header_json(key, offsets, sizes, layouts, full=True))
+                         + 32 * len(offsets) + 256)
+        offsets = {i: head + off for i, off in offsets.items()}
+        total = max(head + pos, PAGE)
+        path = directory / (PREFIX + key[:40])
+        for _ in range(3):  # a segment the last process unlinked while we opened it: look again
+            try:
+                copy = cls._join(path, key, offsets, sizes, total)
+                if copy is not None:
+                    return copy
+                return cls._create(path, key, offsets, sizes, total, directory)
+            except FileExistsError:
+                continue  # another process created it between our look and our create: join it
+            except _Retry:
+                continue
+            except OSError as exc:
+                log.warning("no shared host copy of %s (%s: %s); this process stages its own", file_path,
+                            type(exc).__name__, exc)
+                return None
+        return None
+
+    @staticmethod
+    def _header_json(key: str, offsets: dict[int, int], sizes: dict[int, int], layouts: list[TensorLayout],
+                     file_leaves: dict[int, list[int]] | None = None, full: bool = False) -> bytes:
+        units = []
+        for i in offsets:
+            leaves = list(range(len(layouts[i].leaves))) if full else (file_leaves or {}).get(i)
+            units.append({"offset": offsets[i], "nbytes": sizes[i], "filled": full or i in (file_leaves or {}),
+                          "file_leaves": leaves or []})
+        return json.dumps({"key": key, "units": units}).encode()
+
+    @classmethod
+    def _create(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int], total: int,
+                directory: Path) -> "SharedHostCopy":
+        sweep_stale(directory)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # joiners wait until the header says it is complete
+            os.ftruncate(fd, total)  # tmpfs: pages exist once written
+            copy = cls(path, fd, True, key, offsets, sizes, total)
+        except BaseException:
+            os.unlink(path)
+            os.close(fd)
+            raise
+        log.info("filling the shared host copy %s (%.1f MB) for other processes offloading the same file", path,
+                 total / 2 ** 20)
+        return copy
+
+    @classmethod
+    def _join(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int],
+              total: int) -> "SharedHostCopy | None":
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the filler still fills it
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise _Retry()
+            header = cls._read_header(fd, key, offsets, sizes, total)
+            if header is not None:
+                copy = cls(path, fd, False, key, offsets, sizes, total)
+        except BaseException:
+            os.close(fd)
+            raise
+        if header is None:
+            os.close(fd)
+            cls._take_over(path)  # raises: look again, or stage a private copy
+        copy.file_leaves = header
+        log.info("mapping the shared host copy %s another process filled (%d unit(s))", path, len(header))
+        return copy
+
+    @staticmethod
+    def _read_header(fd: int, key: str, offsets: dict[int, int], sizes: dict[int, int],
+                     total: int) -> dict[int, list[int]] | None:
+        """The filled units and their file-read leaves, or None for a segment that is not this model's copy or
+        was never completed."""
+        try:
+            if os.fstat(fd).st_size != total:
+                return None
+            magic, ready, n = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
+            if magic != MAGIC or not ready or n > min(offsets.values(), default=total):
+                return None
+            header = json.loads(os.pread(fd, n, _HEAD.size))
+            units = header["units"]
+            if header["key"] != key or len(units) != len(offsets):
+                return None
+            out = {}
+            for i, u in zip(offsets, units):
+                if u["offset"] != offsets[i] or u["nbytes"] != sizes[i]:
+                    return None
+                if u["filled"]:
+                    out[i] = [int(k) for k in u["file_leaves"]]
+            return out
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return None
+
+    @staticmethod
+    def _take_over(path: Path) -> None:
+        """A segment under our name that does not hold this model's copy: removed when nobody holds it (its filler
+        died half way), else left alone."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            raise _Retry() from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            raise _Retry()
+        except BlockingIOError:
+            log.warning("%s is not a complete shared host copy of this model and is in use; this process stages its "
+                        "own copy", path)
+            raise OSError("segment in use with another header") from None
+        finally:
+            os.close(fd)
+
+    # staging ------------------------------------------------------------------------------------------------------
+    def place(self, i: int, layout: TensorLayout, read_leaf: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+        """Unit i's bytes in the segment, as this process's private mapping of them (None: keep a private copy).
+        The filler copies the unit's tensors in (`read_leaf(k)` reads leaf k from the file for meta leaves); a
+        joiner checks that the segment holds the bytes it holds."""
+        off, n = self.offsets[i], self.sizes[i]
+        if self.filler:
+            dst = self._frombuffer(self._fill, off, n)
+            from_file = []
+            with torch.no_grad():
+                for k, (view, src) in enumerate(zip(layout.leaf_views(dst), layout.sources())):
+                    if src.is_meta or layout.leaves[k].meta:
+                        src = read_leaf(k)
+                        from_file.append(k)
+                    view.copy_(src)
+                    del src
+            self.file_leaves[i] = from_file
+        else:
+            if i not in self.file_leaves:
+                return None  # the filler kept this unit out of RAM (disk tier): it was not filled
+            theirs = set(self.file_leaves[i])
+            seg = self._frombuffer(self._shared, off, n)
+            with torch.no_grad():
+                for k, (view, src) in enumerate(zip(layout.leaf_views(seg), layout.sources())):
+                    if src.is_meta or layout.leaves[k].meta:
+                        ok = k in theirs  # read from the very file by the filler too
+                    else:
+                        ok = torch.equal(_bytes_of(view), _bytes_of(src))
+                    del src
+                    if not ok:
+                        self.refused += 1
+                        return None
+        self.placed.append(i)
+        return self._frombuffer(self._private, off, n)
+
+    def finish(self, backend: Any, pin: bool) -> None:
+        """Staging is over: the filler publishes the header and lets joiners in; where the device has pinned memory,
+        the shared mapping is registered for it (through the pin gate)."""
+        if self.filler and self._fill is not None:
+            body = self._header_json(self.key, self.offsets, self.sizes, [], self.file_leaves)
+            self._fill[_HEAD.size:_HEAD.size + len(body)] = body
+            self._fill[:_HEAD.size] = _HEAD.pack(MAGIC, 1, len(body))
+            self._fill.close()
+            self._fill = None
+            os.utime(self.fd)  # young: no other process's sweep takes it for a leftover while the lock changes
+            fcntl.flock(self.fd, fcntl.LOCK_SH)  # joiners may map it now
+        if self.refused:
+            log.warning("%d unit(s) hold other bytes than the shared host copy of the same file (changed after "
+                        "loading?); they keep a private copy in this process", self.refused)
+        if pin and self.placed and getattr(backend, "supports_pinned_host", False):
+            flat = self._frombuffer(self._shared, 0, self.total)
+            self._unregister = backend.register_host(flat)
+            if self._unregister is not None:
+                self._pinned_flat = flat
+
+    def pinned_view(self, i: int) -> torch.Tensor | None:
+        """Unit i in the registered shared mapping (what the device copies from), or None when it is not pinned."""
+        if self._pinned_flat is None:
+            return None
+        return self._pinned_flat[self.offsets[i]:self.offsets[i] + self.sizes[i]]
+
+    def unit(self, i: int, host: torch.Tensor, layout: TensorLayout) -> SharedUnit:
+        return SharedUnit(i, host, self.pinned_view(i), self, layout)
+
+    @staticmethod
+    def _frombuffer(m: mmap.mmap | None, off: int, n: int) -> torch.Tensor:
+        """A tensor of its own (its own version counter) over bytes [off, off + n) of a mapping."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the read-only mapping: torch warns it is not writable
+            return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=off)
+
+    def drop_private_pages(self, i: int) -> None:
+        if self._private is not None and hasattr(self._private, "madvise"):
+            with contextlib.suppress(OSError, ValueError):
+                self._private.madvise(mmap.MADV_DONTNEED, self.offsets[i], _round_up(self.sizes[i]))
+
+    # the end --------------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of the segment (unlinked when no other process maps it); views still alive keep their pages."""
+        if self._fill is not None:  # a staging that failed half way: nobody else may map a half-filled copy
+            self._fill.close()
+            self._fill = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
+        self._pinned_flat = None
+        for m in (self._private, self._shared):
+            with contextlib.suppress(BufferError):  # tensors still view it: the mapping goes with them
+                m.close()
+        self._private = self._shared = None
+        self._closer()
+
+
+class _Retry(Exception):
+    """The segment went away (or was a dead filler's) while we opened it: look again."""
+
+
+class SharedSource:
+    """A shared unit copied to the device from the registered (pinned) shared mapping while this process has not
+    written it; from its own copy-on-write view once it has (pageable, until `HostTiers.privatize` gives the unit
+    a RAM master of its own at the next pass start)."""
+
+    reads = 0
+    read_ms = 0.0
+    tier = "pinned"
+
+    def __init__(self, unit: SharedUnit, backend: Any) -> None:
+        self.unit = unit
+        self.host = unit.host
+        self.nbytes = unit.host.numel()
+        self.backend = backend
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        src = self.host if self.unit.written() else self.unit.pinned_view
+        return self.backend.copy_h2d(dst[:self.nbytes], src, after)
