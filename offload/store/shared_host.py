@@ -85,8 +85,12 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _release(fd: int, path: str, ino: int) -> None:
+def _release(fd: int, path: str, ino: int, unregisters: list[Callable[[], None]]) -> None:
     """Let go of a segment; unlink it when no other process holds it (the last one out cleans up)."""
+    for unregister in unregisters:
+        with contextlib.suppress(Exception):
+            unregister()
+    unregisters.clear()
     with contextlib.suppress(OSError):
         os.close(fd)
     try:
@@ -213,9 +217,10 @@ class SharedHostCopy:
         self._fill: mmap.mmap | None = _map(path, total, mmap.ACCESS_WRITE) if filler else None
         self._private: mmap.mmap | None = _map(path, total, mmap.ACCESS_COPY)
         self._shared: mmap.mmap | None = _map(path, total, mmap.ACCESS_READ)
-        self._unregister: Callable[[], None] | None = None
-        self._pinned_flat: torch.Tensor | None = None
-        self._closer = weakref.finalize(self, _release, fd, str(path), os.fstat(fd).st_ino)
+        self._unregisters: list[Callable[[], None]] = []
+        self._pinned: dict[int, torch.Tensor] = {}  # unit -> its registered view in the shared mapping
+        # a model dropped without detach() lets go too (device registrations first, while the mappings exist)
+        self._closer = weakref.finalize(self, _release, fd, str(path), os.fstat(fd).st_ino, self._unregisters)
 
     # opening ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -362,6 +367,14 @@ class SharedHostCopy:
         joiner checks that the segment holds the bytes it holds."""
         off, n = self.offsets[i], self.sizes[i]
         if self.filler:
+            try:  # the pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS while copying into the mapping
+                os.posix_fallocate(self.fd, off, _round_up(n))
+            except OSError as exc:
+                if not self.refused:
+                    log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
+                                "RAM (a container's /dev/shm may be small: docker run --shm-size)", SEGMENT_DIR, exc)
+                self.refused += 1
+                return None
             dst = self._frombuffer(self._fill, off, n)
             from_file = []
             with torch.no_grad():
@@ -390,9 +403,9 @@ class SharedHostCopy:
         self.placed.append(i)
         return self._frombuffer(self._private, off, n)
 
-    def finish(self, backend: Any, pin: bool) -> None:
-        """Staging is over: the filler publishes the header and lets joiners in; where the device has pinned memory,
-        the shared mapping is registered for it (through the pin gate)."""
+    def finish(self, backend: Any, pinned: set[int] | frozenset[int]) -> None:
+        """Staging is over: the filler publishes the header and lets joiners in; the units planned `pinned` are
+        registered for this process's device in the shared mapping (each asked of the pin gate), where it can."""
         if self.filler and self._fill is not None:
             body = self._header_json(self.key, self.offsets, self.sizes, [], self.file_leaves)
             self._fill[_HEAD.size:_HEAD.size + len(body)] = body
@@ -401,20 +414,23 @@ class SharedHostCopy:
             self._fill = None
             os.utime(self.fd)  # young: no other process's sweep takes it for a leftover while the lock changes
             fcntl.flock(self.fd, fcntl.LOCK_SH)  # joiners may map it now
-        if self.refused:
+        if self.refused and not self.filler:
             log.warning("%d unit(s) hold other bytes than the shared host copy of the same file (changed after "
                         "loading?); they keep a private copy in this process", self.refused)
-        if pin and self.placed and getattr(backend, "supports_pinned_host", False):
-            flat = self._frombuffer(self._shared, 0, self.total)
-            self._unregister = backend.register_host(flat)
-            if self._unregister is not None:
-                self._pinned_flat = flat
+        if not getattr(backend, "supports_pinned_host", False):
+            return
+        for i in self.placed:
+            if i in pinned and self._shared is not None:
+                view = self._frombuffer(self._shared, self.offsets[i], self.sizes[i])
+                unregister = backend.register_host(view)
+                if unregister is None:
+                    break  # refused (the pin gate, the driver): the rest are copied from pageable memory too
+                self._unregisters.append(unregister)
+                self._pinned[i] = view
 
     def pinned_view(self, i: int) -> torch.Tensor | None:
         """Unit i in the registered shared mapping (what the device copies from), or None when it is not pinned."""
-        if self._pinned_flat is None:
-            return None
-        return self._pinned_flat[self.offsets[i]:self.offsets[i] + self.sizes[i]]
+        return self._pinned.get(i)
 
     def unit(self, i: int, host: torch.Tensor, layout: TensorLayout) -> SharedUnit:
         return SharedUnit(i, host, self.pinned_view(i), self, layout)
@@ -441,15 +457,12 @@ class SharedHostCopy:
             self._fill = None
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-        if self._unregister is not None:
-            self._unregister()
-            self._unregister = None
-        self._pinned_flat = None
+        self._closer()  # device registrations, then the lock; the last process out unlinks
+        self._pinned.clear()
         for m in (self._private, self._shared):
-            with contextlib.suppress(BufferError):  # tensors still view it: the mapping goes with them
+            with contextlib.suppress(BufferError, AttributeError):  # tensors still view it: it goes with them
                 m.close()
         self._private = self._shared = None
-        self._closer()
 
 
 class _Retry(Exception):

@@ -402,7 +402,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             if progress:
                 progress(i + 1, total)
         if copy is not None:
-            copy.finish(backend, pin)
+            copy.finish(backend, {i for i in shared if pin and tiers.get(i) == "pinned"})
             for k, m in enumerate(masters):  # the copy is pinned (registered) now, or not
                 if m.shared is not None:
                     unit = copy.unit(m.shared.index, m.host, m.layout)
