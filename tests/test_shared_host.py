@@ -190,6 +190,47 @@ def test_a_process_that_loaded_other_weights_keeps_its_own_copy(tmp_path):
     assert not segment.exists()
 
 
+def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypatch):
+    """The filler fails after some blocks went into the copy: the model is as it was (ordinary tensors, same
+    outputs), the half-filled segment is gone, and the next offload fills a complete one."""
+    from offload import OffloadConfig, VramBudget, offload_module
+    from offload.backends import get_backend
+
+    torch.manual_seed(0)
+    model = worker.build()
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(model.state_dict(), str(path))
+    x = worker.inputs()
+    with torch.no_grad():
+        want = model(x)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), sim_capacity_bytes=(1 << 30) + 7)
+    backend = get_backend(cfg)
+    before = set(shared_host.SEGMENT_DIR.glob(shared_host.PREFIX + "*"))
+    placed = []
+    real_place = shared_host.SharedHostCopy.place
+
+    def failing_place(self, i, *args):
+        if len(placed) == 5:
+            raise MemoryError("injected")
+        placed.append(i)
+        return real_place(self, i, *args)
+
+    monkeypatch.setattr(shared_host.SharedHostCopy, "place", failing_place)
+    with pytest.raises(MemoryError):
+        offload_module(model, cfg, budget=VramBudget(256 << 20))
+    monkeypatch.undo()
+    assert set(shared_host.SEGMENT_DIR.glob(shared_host.PREFIX + "*")) <= before
+    assert not hasattr(model, "_layer_offload_handle")
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    h = offload_module(model, cfg, budget=VramBudget(256 << 20))
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    assert all(b.shared for b in h.report().blocks)
+    h.detach()
+    assert backend.used_bytes == 0
+
+
 def _layouts(n: int = 2):
     from offload.model.layout import plan_layout, unit_tensors
 
