@@ -231,6 +231,42 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
     assert backend.used_bytes == 0
 
 
+def test_ram_given_back_frees_the_copy_only_when_nobody_else_maps_it(tmp_path):
+    """Under RAM pressure (ComfyUI's partially_unload_ram) blocks move to the disk tier. A block of the shared copy
+    frees RAM only when no other process maps the copy: then its pages in the segment go (and a later process stages
+    it on its own); while another one maps it, nothing is moved (nothing would be freed)."""
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    torch.manual_seed(0)
+    first, second = worker.build(), worker.build()
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(first.state_dict(), str(path))
+    second.load_state_dict(first.state_dict())
+    x = worker.inputs()
+    with torch.no_grad():
+        want = first(x)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path))
+    h1 = offload_module(first, cfg, budget=VramBudget(256 << 20))
+    h2 = offload_module(second, cfg, budget=VramBudget(256 << 20))  # maps the copy (as another process would)
+    segment = h1.streamer.staged.shared.path
+    held = os.stat(segment).st_blocks * 512
+    assert held >= MODEL_BYTES
+    assert h1.release_host_memory(1 << 40) == 0 and all(b.shared for b in h1.report().blocks)
+    h2.detach()
+    freed = h1.release_host_memory(1 << 40)  # alone now
+    assert freed > MODEL_BYTES // 2
+    assert os.stat(segment).st_blocks * 512 <= held - freed
+    with torch.no_grad():
+        assert torch.equal(first(x), want)  # streamed from the file now
+    third = worker.build("meta")
+    h3 = offload_module(third, cfg, budget=VramBudget(256 << 20))  # the blocks given back are its own now
+    with torch.no_grad():
+        assert torch.equal(third(x), want)
+    h3.detach()
+    h1.detach()
+    assert not segment.exists()
+
+
 def _layouts(n: int = 2):
     from offload.model.layout import plan_layout, unit_tensors
 

@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import mmap
 import os
 import struct
-import sys
-import time
 import warnings
 import weakref
 from pathlib import Path
@@ -41,108 +38,17 @@ from typing import Any, Callable
 import torch
 
 from ..model.layout import TensorLayout
+from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, available, file_identity,  # noqa: F401
+                          map_segment, private_pages, punch_hole, release, round_up, segment_key, sweep_stale)
 
 log = logging.getLogger(__name__)
 
-SEGMENT_DIR = Path("/dev/shm")
-PREFIX = "layer-offload-"
 MAGIC = b"LOSHARE1"
-PAGE = mmap.PAGESIZE
 _HEAD = struct.Struct("<8sQQ")  # magic, ready (0 | 1), length of the JSON that follows
-STALE_AFTER_S = 60.0  # an unlocked segment older than this is a leftover of a killed process
-
-
-def available() -> bool:
-    """Whether this machine can hold a shared host copy (Linux's /dev/shm, writable)."""
-    return sys.platform.startswith("linux") and SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK)
-
-
-def _round_up(n: int, to: int = PAGE) -> int:
-    return (n + to - 1) // to * to
-
-
-def file_identity(path: str | os.PathLike) -> list[Any]:
-    """What names the model's file for sharing: its resolved path, size and modification time (of every file in a
-    packed folder)."""
-    p = Path(path).resolve()
-    files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
-    return [str(p)] + [[q.name, q.stat().st_size, q.stat().st_mtime_ns] for q in files]
-
-
-def layout_key(layouts: list[TensorLayout], names: list[str]) -> list[Any]:
-    """Every unit's layout as plain values: the same bytes land at the same offsets only when these are equal."""
-    return [[name, layout.nbytes, [[leaf.offset, leaf.nbytes, str(leaf.dtype), list(leaf.shape),
-                                    list(leaf.stride) if leaf.stride is not None else None]
-                                   for leaf in layout.leaves]]
-            for name, layout in zip(names, layouts)]
-
-
-def segment_key(identity: list[Any], layouts: list[TensorLayout], names: list[str]) -> str:
-    return hashlib.sha256(json.dumps([identity, layout_key(layouts, names)]).encode()).hexdigest()
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _release(fd: int, path: str, ino: int, unregisters: list[Callable[[], None]]) -> None:
-    """Let go of a segment; unlink it when no other process holds it (the last one out cleans up)."""
-    for unregister in unregisters:
-        with contextlib.suppress(Exception):
-            unregister()
-    unregisters.clear()
-    with contextlib.suppress(OSError):
-        os.close(fd)
-    try:
-        probe = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        if os.fstat(probe).st_ino != ino:
-            return  # another segment under the same name now (ours was unlinked and made again)
-        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.unlink(path)
-        log.debug("removed the shared host copy %s (no process maps it any more)", path)
-    except OSError:  # BlockingIOError: another process still maps it
-        pass
-    finally:
-        os.close(probe)
-
-
-def _map(path: Path, nbytes: int, access: int) -> mmap.mmap:
-    """A mapping of the segment through a descriptor of its own: mmap keeps a duplicate of the descriptor it is
-    given, and a duplicate of the locked one would hold the lock for as long as any tensor views the mapping."""
-    fd = os.open(path, os.O_RDWR if access == mmap.ACCESS_WRITE else os.O_RDONLY)
-    try:
-        return mmap.mmap(fd, nbytes, access=access)
-    finally:
-        os.close(fd)
-
-
-def sweep_stale(directory: Path = SEGMENT_DIR, older_than_s: float = STALE_AFTER_S) -> int:
-    """Remove segments no process holds that are older than `older_than_s` (left by a killed process); returns how
-    many went."""
-    removed = 0
-    now = time.time()
-    for path in directory.glob(PREFIX + "*"):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            if now - os.fstat(fd).st_mtime < older_than_s:
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    if removed:
-        log.info("removed %d shared host cop(ies) left in %s by processes that did not exit cleanly", removed,
-                 directory)
-    return removed
 
 
 class SharedUnit:
@@ -181,24 +87,6 @@ class SharedUnit:
         self.copy.drop_private_pages(self.index)
 
 
-def private_pages(address: int, nbytes: int) -> bool:
-    """Whether any present page of [address, address + nbytes) is private anonymous memory (a copy-on-write copy):
-    /proc/self/pagemap's bit 61 is clear for those (readable without privileges; False where it cannot be read)."""
-    if nbytes <= 0:
-        return False
-    first, last = address // PAGE, (address + nbytes - 1) // PAGE
-    try:
-        with open("/proc/self/pagemap", "rb") as f:
-            f.seek(first * 8)
-            data = f.read((last - first + 1) * 8)
-    except OSError:
-        return False
-    for (entry,) in struct.iter_unpack("<Q", data):
-        if entry >> 63 & 1 and not entry >> 61 & 1:
-            return True
-    return False
-
-
 class SharedHostCopy:
     """The segment one model's shared units live in, as this process maps it (see the module docstring)."""
 
@@ -214,13 +102,13 @@ class SharedHostCopy:
         self.file_leaves: dict[int, list[int]] = {}  # filled units -> leaves read from the file (the header's)
         self.placed: list[int] = []
         self.refused = 0
-        self._fill: mmap.mmap | None = _map(path, total, mmap.ACCESS_WRITE) if filler else None
-        self._private: mmap.mmap | None = _map(path, total, mmap.ACCESS_COPY)
-        self._shared: mmap.mmap | None = _map(path, total, mmap.ACCESS_READ)
+        self._fill: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_WRITE) if filler else None
+        self._private: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_COPY)
+        self._shared: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_READ)
         self._unregisters: list[Callable[[], None]] = []
         self._pinned: dict[int, torch.Tensor] = {}  # unit -> its registered view in the shared mapping
         # a model dropped without detach() lets go too (device registrations first, while the mappings exist)
-        self._closer = weakref.finalize(self, _release, fd, str(path), os.fstat(fd).st_ino, self._unregisters)
+        self._closer = weakref.finalize(self, release, fd, str(path), os.fstat(fd).st_ino, self._unregisters)
 
     # opening ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -238,9 +126,9 @@ class SharedHostCopy:
         offsets, sizes, pos = {}, {}, 0
         for i, layout in enumerate(layouts):  # every unit has its place, so processes with other tiers agree
             offsets[i], sizes[i] = pos, layout.nbytes
-            pos += _round_up(layout.nbytes)
+            pos += round_up(layout.nbytes)
         # the header is written last: room for it with every unit filled and every leaf read from the file
-        head = _round_up(_HEAD.size + len(cls._header_json(key, offsets, sizes, layouts, full=True))
+        head = round_up(_HEAD.size + len(cls._header_json(key, offsets, sizes, layouts, full=True))
                          + 32 * len(offsets) + 256)
         offsets = {i: head + off for i, off in offsets.items()}
         total = max(head + pos, PAGE)
@@ -368,7 +256,7 @@ class SharedHostCopy:
         off, n = self.offsets[i], self.sizes[i]
         if self.filler:
             try:  # the pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS while copying into the mapping
-                os.posix_fallocate(self.fd, off, _round_up(n))
+                os.posix_fallocate(self.fd, off, round_up(n))
             except OSError as exc:
                 if not self.refused:
                     log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
@@ -444,10 +332,43 @@ class SharedHostCopy:
             warnings.simplefilter("ignore", UserWarning)  # the read-only mapping: torch warns it is not writable
             return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=off)
 
+    def alone(self) -> bool:
+        """Whether no other process (nor another model of this one) maps the copy now."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            return False
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)  # back to shared (a failed conversion gave it up)
+
+    def give_back(self, i: int) -> bool:
+        """Free unit i's pages in the segment, when no other process maps it (the unit left this process's RAM for
+        the disk tier under RAM pressure); False where another process still maps the copy (nothing is freed)."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only when no other process holds it
+        except OSError:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)  # a failed conversion gave up the shared lock: take it again
+            return False
+        try:
+            self.file_leaves.pop(i, None)  # a later process stages this unit on its own
+            body = self._header_json(self.key, self.offsets, self.sizes, [], self.file_leaves)
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                os.pwrite(fd, body, _HEAD.size)
+                os.pwrite(fd, _HEAD.pack(MAGIC, 1, len(body)), 0)
+                punch_hole(fd, self.offsets[i], round_up(self.sizes[i]))
+            finally:
+                os.close(fd)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+        self.drop_private_pages(i)
+        return True
+
     def drop_private_pages(self, i: int) -> None:
         if self._private is not None and hasattr(self._private, "madvise"):
             with contextlib.suppress(OSError, ValueError):
-                self._private.madvise(mmap.MADV_DONTNEED, self.offsets[i], _round_up(self.sizes[i]))
+                self._private.madvise(mmap.MADV_DONTNEED, self.offsets[i], round_up(self.sizes[i]))
 
     # the end --------------------------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -108,7 +108,8 @@ class HostTiers:
 
     def release_host_memory(self, nbytes: int, order: list[int]) -> int:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
-        model's file holds their exact bytes (checked); returns the bytes freed, net of any bounce buffers the disk
+        model's file holds their exact bytes (checked; a block of the host copy shared between processes only while
+        no other process maps the copy: otherwise letting go of it frees nothing); returns the bytes freed, net of any bounce buffers the disk
         tier needed (0 without a file). The caller holds the pass lock."""
         staged = self.staged
         file = staged.file
@@ -128,6 +129,9 @@ class HostTiers:
         for u in candidates:
             if freed - cost >= nbytes:
                 break
+            shared = u.master.shared
+            if shared is not None and not shared.copy.alone():
+                continue
             keys = file_keys_holding(file, u.staged.layout, staged.key_of, refused=refused)
             if keys is None or not all(file.aligned(k) for k in keys):
                 continue
@@ -138,7 +142,8 @@ class HostTiers:
             u.staged.source = self.sources[u.index] = DiskSource(file, keys, u.staged.layout.leaves, u.nbytes,
                                                                   staged.reader)
             u.mark = u.staged.layout.version()
-            freed += u.nbytes
+            if shared is None or shared.copy.give_back(shared.index):
+                freed += u.nbytes
         if refused:
             log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
                         f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
