@@ -337,7 +337,7 @@ def test_a_write_stops_copies_from_the_pinned_view_at_once(tmp_path):
 
     copy = shared_host.SharedHostCopy.open(path, layouts, ["0"], {0}, tmp_path)
     try:
-        host = copy.place(0, layouts[0], lambda k: None)
+        host = copy.place(0, layouts[0], lambda k, flat, view: None)
         layouts[0].build(host, master=True).apply()
         copy.finish(Pinning(), {0})
         assert registered == [layouts[0].nbytes]

@@ -249,10 +249,11 @@ class SharedHostCopy:
             os.close(fd)
 
     # staging ------------------------------------------------------------------------------------------------------
-    def place(self, i: int, layout: TensorLayout, read_leaf: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+    def place(self, i: int, layout: TensorLayout,
+              read_leaf: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor | None:
         """Unit i's bytes in the segment, as this process's private mapping of them (None: keep a private copy).
-        The filler copies the unit's tensors in (`read_leaf(k)` reads leaf k from the file for meta leaves); a
-        joiner checks that the segment holds the bytes it holds."""
+        The filler copies the unit's tensors in (`read_leaf(k, unit_bytes, leaf_view)` reads leaf k of a meta
+        leaf from the file); a joiner checks that the segment holds the bytes it holds."""
         off, n = self.offsets[i], self.sizes[i]
         if self.filler:
             try:  # the pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS while copying into the mapping
@@ -268,10 +269,12 @@ class SharedHostCopy:
             with torch.no_grad():
                 for k, (view, src) in enumerate(zip(layout.leaf_views(dst), layout.sources())):
                     if src.is_meta or layout.leaves[k].meta:
-                        src = read_leaf(k)
+                        del src
+                        read_leaf(k, dst, view)  # straight into the segment where it can
                         from_file.append(k)
-                    view.copy_(src)
-                    del src
+                    else:
+                        view.copy_(src)
+                        del src
             self.file_leaves[i] = from_file
         else:
             if i not in self.file_leaves:

@@ -84,7 +84,13 @@ class StagingBuffer:
                   keys: list[str] | None = None) -> "StagingBuffer | None":
         """The unit's master in the host copy shared between processes (offload/store/shared_host.py), the modules
         pointed at this process's view of it; None when the copy cannot hold it (the caller stages it in RAM)."""
-        host = copy.place(index, layout, lambda k: file.read_tensor(keys[k]))
+        def read_leaf(k: int, flat: torch.Tensor, view: torch.Tensor) -> None:
+            if layout.leaves[k].stride is None:  # row-major: one positioned read into the segment, no temporary
+                file.read_into(flat, [(keys[k], layout.leaves[k].offset)])
+            else:
+                view.copy_(file.read_tensor(keys[k]))
+
+        host = copy.place(index, layout, read_leaf)
         if host is None:
             return None
         views = layout.leaf_views(host)
