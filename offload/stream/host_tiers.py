@@ -84,6 +84,7 @@ class HostTiers:
         u.staged.master = StagingBuffer(layout, host, pinned, binding)
         u.staged.source = self.sources[u.index] = make_ram_source(u.staged.master, self.backend, self.staged.reader)
         u.mark = layout.version()
+        quiesce(self.staged, self.backend)  # no read or copy may still use the pages about to be given back
         old.shared.drop_private_pages()
         log.info("%s was written in this process: it keeps a private copy; the other processes sharing its host copy "
                  "keep the original bytes", u.staged.name)
@@ -109,8 +110,8 @@ class HostTiers:
     def release_host_memory(self, nbytes: int, order: list[int]) -> int:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
         model's file holds their exact bytes (checked; a block of the host copy shared between processes only while
-        no other process maps the copy: otherwise letting go of it frees nothing); returns the bytes freed, net of any bounce buffers the disk
-        tier needed (0 without a file). The caller holds the pass lock."""
+        no other process maps the copy: otherwise letting go of it frees nothing); returns the bytes freed, net of
+        any bounce buffers the disk tier needed (0 without a file). The caller holds the pass lock."""
         staged = self.staged
         file = staged.file
         if file is None or nbytes <= 0:
