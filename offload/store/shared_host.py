@@ -24,7 +24,6 @@ unit while it stages (`place`) and the others map once it is complete.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import mmap
@@ -38,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ..model.layout import TensorLayout
-from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, available, file_identity,  # noqa: F401
+from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, available, fcntl, file_identity,  # noqa: F401
                           map_segment, private_pages, punch_hole, release, round_up, segment_key, sweep_stale)
 
 log = logging.getLogger(__name__)
@@ -370,7 +369,7 @@ class SharedHostCopy:
 
     def drop_private_pages(self, i: int) -> None:
         if self._private is not None and hasattr(self._private, "madvise"):
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
                 self._private.madvise(mmap.MADV_DONTNEED, self.offsets[i], round_up(self.sizes[i]))
 
     # the end --------------------------------------------------------------------------------------------------------

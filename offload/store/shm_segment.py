@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import hashlib
 import json
 import logging
@@ -23,6 +22,11 @@ from typing import Any, Callable
 
 from ..model.layout import TensorLayout
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, no /dev/shm (available() is False; nothing below is called)
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 SEGMENT_DIR = Path("/dev/shm")
@@ -33,7 +37,8 @@ STALE_AFTER_S = 60.0  # an unlocked segment older than this is a leftover of a k
 
 def available() -> bool:
     """Whether this machine can hold a shared host copy (Linux's /dev/shm, writable)."""
-    return sys.platform.startswith("linux") and SEGMENT_DIR.is_dir() and os.access(SEGMENT_DIR, os.W_OK)
+    return (fcntl is not None and sys.platform.startswith("linux") and SEGMENT_DIR.is_dir()
+            and os.access(SEGMENT_DIR, os.W_OK))
 
 
 def round_up(n: int, to: int = PAGE) -> int:
