@@ -267,6 +267,39 @@ def test_ram_given_back_frees_the_copy_only_when_nobody_else_maps_it(tmp_path):
     assert not segment.exists()
 
 
+def test_a_write_through_data_is_found_by_its_pages(tmp_path):
+    """A write through `.data` (no version counter sees it) announced with `handle.refresh()`: the block whose pages
+    turned private in this mapping gets a private copy; another mapping of the copy keeps the original bytes."""
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    torch.manual_seed(0)
+    first, second = worker.build(), worker.build()
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(first.state_dict(), str(path))
+    second.load_state_dict(first.state_dict())
+    x = worker.inputs()
+    with torch.no_grad():
+        want = first(x)
+        reference = worker.build()
+        reference.load_state_dict(first.state_dict())
+        reference[2].weight.mul_(3)
+        written = reference(x)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path))
+    h1 = offload_module(first, cfg, budget=VramBudget(256 << 20))
+    h2 = offload_module(second, cfg, budget=VramBudget(256 << 20))
+    try:
+        first[2].weight.data.mul_(3)
+        h1.refresh()
+        assert [b.shared for b in h1.report().blocks] == [i != 2 for i in range(worker.BLOCKS)]
+        with torch.no_grad():
+            assert torch.equal(first(x), written)
+            assert torch.equal(second(x), want)
+        assert all(b.shared for b in h2.report().blocks)
+    finally:
+        h1.detach()
+        h2.detach()
+
+
 def _layouts(n: int = 2):
     from offload.model.layout import plan_layout, unit_tensors
 
