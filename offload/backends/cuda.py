@@ -1,6 +1,7 @@
 """CUDA (and ROCm through torch's HIP build): a copy stream, timing events, pinned host memory."""
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any, Callable
 
@@ -13,6 +14,21 @@ log = logging.getLogger(__name__)
 
 _HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every context
 _HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads it (a read-only shared mapping)
+
+
+def _clear_last_error(cudart: Any) -> None:
+    """A runtime call that failed leaves its error as the thread's last error, which torch's next kernel-launch
+    check would raise as if that kernel had failed: read it back (resetting it) where the runtime can be reached."""
+    get = getattr(cudart, "cudaGetLastError", None)
+    try:
+        if get is None:  # torch's bindings lack it: the very runtime torch loaded, by its path
+            with open("/proc/self/maps") as maps:
+                path = next((line.split()[-1] for line in maps if "libcudart" in line), None)
+            get = ctypes.CDLL(path).cudaGetLastError if path else None
+        if get is not None:
+            get()
+    except (OSError, AttributeError):
+        pass
 
 
 class CudaCopyEvent:
@@ -80,6 +96,7 @@ class CudaBackend(Backend):
         def register() -> torch.Tensor:
             err = cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
             if int(err) != 0:
+                _clear_last_error(cudart)
                 raise RuntimeError(f"cudaHostRegister failed ({int(err)})")
             return buf
 
