@@ -390,3 +390,33 @@ def test_a_write_stops_copies_from_the_pinned_view_at_once(tmp_path):
         del copies[:]
         copy.close()
     assert registered == []  # unregistered when let go
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_copy_is_pinned_read_only_and_a_write_stays_private(tmp_path):
+    """On a GPU the shared mapping is registered (cudaHostRegister, read-only) for the blocks the plan pins: copies
+    come from it; a block written in place gets a private (pinned) master at the next forward; outputs are bitwise
+    the resident model's."""
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    torch.manual_seed(0)
+    model = worker.build()
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(model.state_dict(), str(path))
+    x = worker.inputs()
+    with torch.no_grad():
+        want = model.cuda()(x.cuda()).cpu()
+        model[2].weight.mul_(3)
+        written = model(x.cuda()).cpu()
+    offloaded = worker.build("meta")
+    h = offload_module(offloaded, OffloadConfig.from_preset("budget", device="cuda", disk_path=str(path)),
+                       budget=VramBudget(256 << 20))
+    try:
+        assert h.host_memory()["pinned"] >= MODEL_BYTES and h.host_memory()["shared"] == MODEL_BYTES
+        with torch.no_grad():
+            assert torch.equal(offloaded(x.cuda()).cpu(), want)
+            offloaded[2].weight.mul_(3)
+            assert torch.equal(offloaded(x.cuda()).cpu(), written)
+        assert [b.shared for b in h.report().blocks] == [i != 2 for i in range(worker.BLOCKS)]
+    finally:
+        h.detach()
