@@ -89,6 +89,8 @@ class SharedUnit:
 class SharedHostCopy:
     """The segment one model's shared units live in, as this process maps it (see the module docstring)."""
 
+    said_full = False  # the warning that /dev/shm is full was given (once per process)
+
     def __init__(self, path: Path, fd: int, filler: bool, key: str, offsets: dict[int, int],
                  sizes: dict[int, int], total: int) -> None:
         self.path = path
@@ -258,7 +260,8 @@ class SharedHostCopy:
             try:  # the pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS while copying into the mapping
                 os.posix_fallocate(self.fd, off, round_up(n))
             except OSError as exc:
-                if not self.refused:
+                if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
+                    SharedHostCopy.said_full = True
                     log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
                                 "RAM (a container's /dev/shm may be small: docker run --shm-size)", SEGMENT_DIR, exc)
                 self.refused += 1
