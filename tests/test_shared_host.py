@@ -300,6 +300,42 @@ def test_a_write_through_data_is_found_by_its_pages(tmp_path):
         h2.detach()
 
 
+def test_a_full_dev_shm_leaves_the_rest_private(tmp_path, monkeypatch):
+    """/dev/shm runs out of room (a container's 64 MB): the blocks that did not fit stay in the process's own RAM,
+    reserved up front so the copy never dies of SIGBUS; outputs are the same."""
+    import errno
+
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    torch.manual_seed(0)
+    model = worker.build()
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(model.state_dict(), str(path))
+    x = worker.inputs()
+    with torch.no_grad():
+        want = model(x)
+    calls = []
+
+    def fallocate(fd, offset, length):
+        calls.append(offset)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    real = os.posix_fallocate
+    monkeypatch.setattr(shared_host.os, "posix_fallocate", fallocate)
+    h = offload_module(model, OffloadConfig.from_preset("budget", device="sim", disk_path=str(path)),
+                       budget=VramBudget(256 << 20))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        rep = h.report()
+        assert [b.shared for b in rep.blocks] == [i < 3 for i in range(worker.BLOCKS)]
+        assert rep.host_shared_bytes == 3 * MODEL_BYTES // worker.BLOCKS
+    finally:
+        h.detach()
+
+
 def _layouts(n: int = 2):
     from offload.model.layout import plan_layout, unit_tensors
 
