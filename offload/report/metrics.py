@@ -125,8 +125,8 @@ def summarize(d: dict[str, Any]) -> str:
     runs = (f"  last runs: {d['forwards']} forward(s), {d['total_bytes_streamed'] / mb:.1f} MB streamed, "
             f"overlap {d['overlap_ratio']:.2f}, {d['effective_gbps']:.2f} GB/s, stall {d['stall_ms']:.1f} ms")
     if d.get("host_shared_bytes"):
-        head += (f"; host RAM {d.get('host_private_bytes', 0) / mb:.1f} MB its own, {d['host_shared_bytes'] / mb:.1f} MB "
-                 f"in the copy shared with other processes")
+        head += (f"; host RAM {d.get('host_private_bytes', 0) / mb:.1f} MB its own, "
+                 f"{d['host_shared_bytes'] / mb:.1f} MB in the copy shared with other processes")
     if d.get("backward_bytes_streamed"):
         runs += (f"; backward {d['backward_bytes_streamed'] / mb:.1f} MB of it, blocks held "
                  f"{d.get('backward_ms', 0.0):.1f} ms")
