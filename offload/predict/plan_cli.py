@@ -18,11 +18,13 @@ import json
 import logging
 import math
 import re
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from .plan_inputs import (check_model_size, finite_in, int_in, parse_bytes,  # noqa: F401 (parse_bytes: used outside)
+                          read_config, read_safetensors_header)
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +52,6 @@ class ModelSpec:
 
 
 # ------------------------------------------------------------------------------------------------ reading a file
-def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
-    """The header of a .safetensors file (names, dtypes, shapes, offsets), read without its data."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-        (length,) = struct.unpack("<Q", raw)
-        if length <= 0 or length > 200 << 20:
-            raise ValueError(f"{path} is not a safetensors file (header length {length})")
-        header = json.loads(fh.read(length))
-    header.pop("__metadata__", None)
-    return header
-
-
 def _strip(keys: dict[str, Any]) -> dict[str, Any]:
     for prefix in _PREFIXES:
         if any(k.startswith(prefix + "blocks.") or k.startswith(prefix + "double_blocks.") or
@@ -183,12 +171,7 @@ def spec_from_config(path: Path) -> ModelSpec:
     """A diffusers (`_class_name`) or transformers (`architectures` / `model_type`) config.json."""
     if path.is_dir():
         path = path / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path} as a config.json: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: a config.json holds a JSON object")
+    config = read_config(path)  # a small regular JSON file only (CorruptFileError, a ValueError, otherwise)
     dtype = {"float16": "fp16", "float32": "fp32"}.get(str(config.get("torch_dtype") or config.get("dtype")), "bf16")
     if "_class_name" in config:
         cls = config["_class_name"]
@@ -209,9 +192,9 @@ def load_spec(path: str | Path) -> ModelSpec:
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{p} does not exist; give a config.json, a model folder or a .safetensors file")
-    if p.suffix == ".safetensors":
-        return spec_from_comfy_file(p)
-    return spec_from_config(p)
+    spec = spec_from_comfy_file(p) if p.suffix == ".safetensors" else spec_from_config(p)
+    check_model_size(spec.config, spec.source)  # a model larger than any released one is refused before it is built
+    return spec
 
 
 # ------------------------------------------------------------------------------------------ model and inputs
@@ -337,18 +320,6 @@ def make_inputs(spec: ModelSpec, model: Any, size: InputSize, device: Any = "met
 
 
 # ---------------------------------------------------------------------------------------------- the command
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*(gib|gb|g|mib|mb|m)?\s*$", re.I)
-
-
-def parse_bytes(text: str) -> int:
-    """'32GB', '32 GiB', '12g', '512MB' -> bytes (GB and GiB both mean 2**30 here, as a card's '12 GB' does)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a size; write e.g. 32GB or 512MB")
-    unit = (m.group(2) or "gb").lower()
-    return int(float(m.group(1)) * (GIB if unit.startswith("g") else 1 << 20))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `python -m offload plan`."""
     from .cards import CARDS
@@ -359,16 +330,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--card", default="rtx4090", help=f"the GPU: {', '.join(CARDS)} (default rtx4090)")
     parser.add_argument("--vram", default=None, help="override the card's memory, e.g. 16GB")
     parser.add_argument("--ram", default=None, help="host RAM the model may use, e.g. 32GB (default: not limited)")
-    parser.add_argument("--frames", type=int, default=81, help="video frames (video models; default 81)")
-    parser.add_argument("--height", type=int, default=None, help="image/video height in pixels (default 1024; "
+    parser.add_argument("--frames", type=int_in("--frames", 1, 10_001), default=81, help="video frames (video models; default 81)")
+    parser.add_argument("--height", type=int_in("--height", 16, 32_768), default=None, help="image/video height in pixels (default 1024; "
                                                                   "video 480)")
-    parser.add_argument("--width", type=int, default=None, help="width in pixels (default 1024; video 832)")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per forward (language models; default 1: "
+    parser.add_argument("--width", type=int_in("--width", 16, 32_768), default=None, help="width in pixels (default 1024; video 832)")
+    parser.add_argument("--tokens", type=int_in("--tokens", 1, 1 << 20), default=None, help="tokens per forward (language models; default 1: "
                                                                   "one decode step)")
-    parser.add_argument("--text-tokens", type=int, default=TEXT_TOKENS, help="text-encoder tokens a diffusion "
+    parser.add_argument("--text-tokens", type=int_in("--text-tokens", 1, 1 << 16), default=TEXT_TOKENS, help="text-encoder tokens a diffusion "
                                                                               f"model sees (default {TEXT_TOKENS})")
-    parser.add_argument("--batch", type=int, default=1, help="batch (2 for classifier-free guidance in one batch)")
-    parser.add_argument("--steps", type=int, default=None, help="also print the time of this many sampling steps")
+    parser.add_argument("--batch", type=int_in("--batch", 1, 256), default=1, help="batch (2 for classifier-free guidance in one batch)")
+    parser.add_argument("--steps", type=int_in("--steps", 1, 100_000), default=None, help="also print the time of this many sampling steps")
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets (default: all)")
     parser.add_argument("--disk", action="store_true", help="the model file may serve blocks RAM cannot hold "
                                                             "(the disk tier; presets that allow it)")
@@ -396,8 +367,12 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     if unknown:
         raise ValueError(f"unknown preset(s) {unknown}; valid presets: {', '.join(PRESETS)}")
     ram = parse_bytes(args.ram) if args.ram else None
-    model = build_meta_model(spec)
-    fargs, fkwargs, tokens = make_inputs(spec, model, size)
+    try:  # the config is untrusted: a value of the wrong type fails inside diffusers / transformers
+        model = build_meta_model(spec)
+        fargs, fkwargs, tokens = make_inputs(spec, model, size)
+    except (TypeError, KeyError, AttributeError, IndexError, RuntimeError, ZeroDivisionError, OverflowError) as exc:
+        raise ValueError(f"{spec.source}: {spec.class_name} cannot be built from this config "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
     configs = {p: OffloadConfig.from_preset(p, device="sim") for p in presets}
     preds = predict_configs(model, fargs, fkwargs, configs, card, ram_bytes=ram, disk_tier=args.disk,
                             layout_bytes=(spec.block_bytes, spec.rest_bytes) if spec.block_bytes else None)
@@ -445,6 +420,7 @@ def main(args: argparse.Namespace) -> int:
     """`python -m offload plan`: bad input is a message naming what to change, exit code 2."""
     try:
         return run(args)
-    except ValueError as exc:
-        print(f"python -m offload plan: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, OverflowError) as exc:  # CorruptFileError is a ValueError
+        print(f"python -m offload plan: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+              file=sys.stderr)
         return 2

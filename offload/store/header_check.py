@@ -5,8 +5,8 @@ packed indexes, model configs), and the only way those files are opened.
   before anything is opened (opening a FIFO blocks forever), and the descriptor is checked again after opening.
 - `read_json_file` / `parse_json`: a size cap checked before reading (headers and indexes at most 100 MB, as the
   safetensors library allows; configs far less), reads in bounded chunks, JSON nesting at most `MAX_JSON_DEPTH`,
-  integers at most `MAX_INT_DIGITS` digits, no NaN/Infinity, no duplicate keys: no RecursionError, ValueError or
-  OverflowError from a crafted file reaches the caller, only a CorruptFileError naming the file.
+  at most `MAX_JSON_ITEMS` values, integers at most `MAX_INT_DIGITS` digits, no NaN/Infinity: no RecursionError,
+  ValueError or OverflowError from a crafted file reaches the caller, only a CorruptFileError naming the file.
 - `check_tensor` / `check_no_overlap`: a tensor entry's dtype known, shape entries whole numbers >= 0 whose product
   fits, its byte span >= 0, inside the file and exactly shape x dtype long; spans of one file do not overlap.
 - `read_safetensors_header`: all of the above for a safetensors file's header, as `FileTensor`s.
@@ -30,6 +30,7 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own cap (MAX_HEADER_SIZE); packed
 MAX_CONFIG_BYTES = 16 << 20  # a config.json / model index is kilobytes; anything larger is not one
 MAX_JSON_DEPTH = 64  # a safetensors header nests 3 deep, a packed index 4, a model config rarely 6
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits: no byte offset or dimension needs more
+MAX_JSON_ITEMS = 1_000_000  # keys + values: ~110k tensors in one header (real files: a few thousand)
 MAX_BYTES = 1 << 62  # no span, shape product or file size past this is real (int64 arithmetic stays exact)
 READ_CHUNK = 1 << 20  # a header is read in chunks of this size: memory grows with what arrives, not what is claimed
 
@@ -121,12 +122,6 @@ class _Refused(Exception):
     pass
 
 
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise _Refused(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
-    return int(text)
-
-
 def _finite_float(text: str) -> float:
     if len(text) > 64:
         raise _Refused(f"a number written in {len(text)} characters")
@@ -140,40 +135,45 @@ def _no_constant(text: str) -> Any:
     raise _Refused(f"{text} (not a number JSON allows)")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _Refused(f"the key {dup[:200]!r} appears twice in one object")
-    return out
-
-
 _ESCAPE = re.compile(rb"\\.", re.S)
 _STRING = re.compile(rb'"[^"]*"')
 _PAIR = re.compile(rb"\[\]|\{\}")
 _NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def json_depth_ok(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether JSON text nests at most `limit` deep (strings skipped), found without recursion: the brackets alone,
-    innermost pairs removed `limit` times. Unbalanced text passes here and fails to parse."""
-    brackets = _STRING.sub(b"", _ESCAPE.sub(b"", raw)).translate(None, _NOT_BRACKET)
-    for _ in range(limit):
+_LONG_INT = re.compile(rb"(?<![.0-9eE+-])-?[0-9]{%d,}(?![.0-9eE])" % (MAX_INT_DIGITS + 1))
+
+
+def json_shape_refusal(raw: bytes) -> str | None:
+    """Why JSON text is refused before it is parsed (None: parse it), found with C-speed regex passes and no
+    recursion: strings skipped, nesting deeper than `MAX_JSON_DEPTH` (innermost bracket pairs removed that many
+    times), more than `MAX_JSON_ITEMS` values (what the parsed objects cost grows with), or an integer of more than
+    `MAX_INT_DIGITS` digits. Unbalanced text passes here and fails to parse."""
+    outside = _STRING.sub(b"", _ESCAPE.sub(b"", raw))
+    items = outside.count(b",") + outside.count(b":")
+    if items > MAX_JSON_ITEMS:
+        return f"{items} values (at most {MAX_JSON_ITEMS})"
+    long_int = _LONG_INT.search(outside)
+    if long_int:
+        return f"an integer of {len(long_int.group().lstrip(b'-'))} digits (at most {MAX_INT_DIGITS})"
+    brackets = outside.translate(None, _NOT_BRACKET)
+    del outside
+    for _ in range(MAX_JSON_DEPTH):
         shorter = _PAIR.sub(b"", brackets)
         if shorter == brackets:
-            return True
+            return None
         brackets = shorter
-    return _PAIR.search(brackets) is None
+    return f"nesting deeper than {MAX_JSON_DEPTH} levels" if _PAIR.search(brackets) else None
 
 
 def parse_json(raw: bytes, path: str | os.PathLike, what: str) -> Any:
-    """JSON text from an untrusted file, with depth and number limits; CorruptFileError naming the file."""
-    if not json_depth_ok(raw):
-        raise CorruptFileError(f"{path}: {what} nests deeper than {MAX_JSON_DEPTH} levels; not a real {what}")
+    """JSON text (UTF-8) from an untrusted file, with depth, size and number limits; CorruptFileError naming the
+    file. Duplicate keys: the last one counts, as in the safetensors library."""
+    why = json_shape_refusal(raw)
+    if why:
+        raise CorruptFileError(f"{path}: {what} holds {why}; not a real {what}")
     try:
-        return json.loads(raw, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant,
-                          object_pairs_hook=_unique_keys)
+        return json.loads(raw.decode("utf-8"), parse_float=_finite_float, parse_constant=_no_constant)
     except _Refused as exc:
         raise CorruptFileError(f"{path}: {what} holds {exc}") from None
     except (ValueError, RecursionError, MemoryError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
