@@ -164,7 +164,7 @@ def open_weights(path: str | os.PathLike) -> SafetensorsFile | PackedWeights:
     """A model's weights for the disk tier: a packed folder (see the module docstring) or a safetensors file."""
     p = Path(path)
     if p.is_dir() or p.name == INDEX:
-        if not is_packed(p):
+        if not os.path.lexists(p / INDEX if p.is_dir() else p):  # present but not a file: refused when it is read
             raise CorruptFileError(f"{p}: a folder without {INDEX} is not a packed model (python -m offload pack)")
         return PackedWeights(p)
     return SafetensorsFile(p)
