@@ -63,6 +63,11 @@ SAFETENSORS_CASES: dict[str, tuple[Any, str]] = {
     "negative-dim": (safetensors_bytes(_with(a=_entry(shape=(-4,)))), "shape entry"),
     "negative-dims-and-span": (safetensors_bytes(_with(a=_entry(shape=(-2, 2), offsets=(16, 0)))), "shape entry"),
     "negative-span": (safetensors_bytes(_with(a=_entry(offsets=(-16, 0)))), "start offset"),
+    # the old pack laid blocks.0.c out at byte -512 of a 512-byte unit and read its 1024 bytes there: a heap overflow
+    "negative-span-in-a-block": (safetensors_bytes({
+        "blocks.0.a": _entry("F32", (-256,), (1024, 0)), "blocks.0.b": _entry("F32", (4,), (0, 16)),
+        "blocks.0.c": _entry("F32", (256,), (16, 1040)), "blocks.1.a": _entry("F32", (4,), (1040, 1056)),
+        "blocks.1.b": _entry("F32", (4,), (1056, 1072))}, data=bytes(2048)), "shape entry"),
     "huge-shape": (safetensors_bytes(_with(a=_entry(shape=(1 << 40, 1 << 40)))), "more elements"),
     "shape-beyond-int64": (safetensors_bytes(_with(a=_entry(shape=(10 ** 19,)))), "shape entry"),
     "shape-beyond-uint64": (safetensors_bytes(_with(a=_entry(shape=(1 << 70,)))), "digits"),

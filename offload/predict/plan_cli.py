@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .plan_inputs import (check_model_size, finite_in, int_in, parse_bytes,  # noqa: F401 (parse_bytes: used outside)
-                          read_config, read_safetensors_header)
+from .plan_inputs import (check_model_size, int_in, parse_bytes, read_config,  # noqa: F401 (parse_bytes: used outside)
+                          read_safetensors_header)
 
 log = logging.getLogger(__name__)
 
@@ -330,16 +330,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--card", default="rtx4090", help=f"the GPU: {', '.join(CARDS)} (default rtx4090)")
     parser.add_argument("--vram", default=None, help="override the card's memory, e.g. 16GB")
     parser.add_argument("--ram", default=None, help="host RAM the model may use, e.g. 32GB (default: not limited)")
-    parser.add_argument("--frames", type=int_in("--frames", 1, 10_001), default=81, help="video frames (video models; default 81)")
-    parser.add_argument("--height", type=int_in("--height", 16, 32_768), default=None, help="image/video height in pixels (default 1024; "
-                                                                  "video 480)")
-    parser.add_argument("--width", type=int_in("--width", 16, 32_768), default=None, help="width in pixels (default 1024; video 832)")
-    parser.add_argument("--tokens", type=int_in("--tokens", 1, 1 << 20), default=None, help="tokens per forward (language models; default 1: "
-                                                                  "one decode step)")
-    parser.add_argument("--text-tokens", type=int_in("--text-tokens", 1, 1 << 16), default=TEXT_TOKENS, help="text-encoder tokens a diffusion "
-                                                                              f"model sees (default {TEXT_TOKENS})")
-    parser.add_argument("--batch", type=int_in("--batch", 1, 256), default=1, help="batch (2 for classifier-free guidance in one batch)")
-    parser.add_argument("--steps", type=int_in("--steps", 1, 100_000), default=None, help="also print the time of this many sampling steps")
+    ints = {"--frames": (1, 10_001), "--height": (16, 32_768), "--width": (16, 32_768), "--tokens": (1, 1 << 20),
+            "--text-tokens": (1, 1 << 16), "--batch": (1, 256), "--steps": (1, 100_000)}  # bounded: no huge inputs
+    parser.add_argument("--frames", type=int_in("--frames", *ints["--frames"]), default=81,
+                        help="video frames (video models; default 81)")
+    parser.add_argument("--height", type=int_in("--height", *ints["--height"]), default=None,
+                        help="image/video height in pixels (default 1024; video 480)")
+    parser.add_argument("--width", type=int_in("--width", *ints["--width"]), default=None,
+                        help="width in pixels (default 1024; video 832)")
+    parser.add_argument("--tokens", type=int_in("--tokens", *ints["--tokens"]), default=None,
+                        help="tokens per forward (language models; default 1: one decode step)")
+    parser.add_argument("--text-tokens", type=int_in("--text-tokens", *ints["--text-tokens"]), default=TEXT_TOKENS,
+                        help=f"text-encoder tokens a diffusion model sees (default {TEXT_TOKENS})")
+    parser.add_argument("--batch", type=int_in("--batch", *ints["--batch"]), default=1,
+                        help="batch (2 for classifier-free guidance in one batch)")
+    parser.add_argument("--steps", type=int_in("--steps", *ints["--steps"]), default=None,
+                        help="also print the time of this many sampling steps")
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets (default: all)")
     parser.add_argument("--disk", action="store_true", help="the model file may serve blocks RAM cannot hold "
                                                             "(the disk tier; presets that allow it)")

@@ -6,7 +6,6 @@ built until the machine runs out of memory), and command-line numbers in range.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -95,19 +94,5 @@ def int_in(flag: str, lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-def finite_in(flag: str, lo: float, hi: float) -> Callable[[str], float]:
-    """An argparse type: a finite number in (lo, hi], else a one-line usage error naming the flag."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text) if len(text) <= 40 else math.nan
-        except ValueError:
-            value = math.nan
-        if not (math.isfinite(value) and lo < value <= hi):
-            raise argparse.ArgumentTypeError(f"{flag} takes a number above {lo:g} and at most {hi:g}, got "
-                                             f"{text[:40]!r}")
-        return value
-    return parse
-
-
-__all__ = ["CorruptFileError", "check_model_size", "finite_in", "int_in", "parse_bytes", "read_config",
+__all__ = ["CorruptFileError", "check_model_size", "int_in", "parse_bytes", "read_config",
            "read_safetensors_header"]

@@ -23,12 +23,9 @@ from typing import Any
 import torch
 
 from ..model.layout import Leaf
-from .header_check import DTYPES, CorruptFileError, FileTensor, open_regular, read_safetensors_header
+from .header_check import CorruptFileError, FileTensor, open_regular, read_safetensors_header  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-_DTYPES = DTYPES  # the safetensors dtype names the engine reads (header_check.DTYPES)
-
 
 _IOV_MAX = 1024  # iovecs one preadv takes (Linux IOV_MAX)
 _GAP_MAX = 1 << 16  # file ranges at most this far apart are read by one positioned read

@@ -6,7 +6,8 @@ supported transformers `model_type` to its module. Adding a model is a new modul
 
 Layer: an application of the engine, above the entry points; imports model/ (fp8), store/ (the file reader) and
 generate/ (the paged KV cache); only the ComfyUI nodes import it.
-Used from outside: `family_for`, `FAMILIES`, `model_type_of`, `config_readable`, `find_model_folders`, `common.TTSFamily`, `common.check_codec_folder`.
+Used from outside: `family_for`, `FAMILIES`, `model_type_of`, `config_readable`, `find_model_folders`,
+`common.TTSFamily`, `common.check_codec_folder`.
 """
 from __future__ import annotations
 
