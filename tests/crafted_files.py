@@ -95,6 +95,7 @@ SAFETENSORS_CASES: dict[str, tuple[Any, str]] = {
     "entry-not-an-object": (safetensors_bytes(_with(a=5)), "not an object"),
     "header-a-list": (safetensors_bytes([1, 2]), "not a JSON object"),
     "header-a-string": (safetensors_bytes("x"), "not a JSON object"),
+    "header-a-list-of-objects": (safetensors_bytes(raw=b' {"a": 1}, {}'), "not valid JSON"),
     "metadata-a-list": (safetensors_bytes(_with(__metadata__=[1])), "__metadata__"),
     "nested-100000": (safetensors_bytes(raw=b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), "nesting"),
     "nested-metadata-200": (safetensors_bytes(raw=_nested(200)), "nesting"),
@@ -110,18 +111,20 @@ SAFETENSORS_CASES: dict[str, tuple[Any, str]] = {
 }
 
 
-def _sparse_header(claimed: int, file_size: int) -> Callable[[Path], None]:
-    """A sparse file whose header claims `claimed` bytes of (zero) header: nothing on disk, all of it readable."""
+def _sparse_header(claimed: int, file_size: int, start: bytes = b"") -> Callable[[Path], None]:
+    """A sparse file whose header claims `claimed` bytes of header (`start`, then zeros): nothing on disk, all of it
+    readable."""
     def write(path: Path) -> None:
         with open(path, "wb") as f:
-            f.write(struct.pack("<Q", claimed))
+            f.write(struct.pack("<Q", claimed) + start)
             f.truncate(file_size)
     return write
 
 
 SPARSE_CASES: dict[str, tuple[Any, str]] = {
     "sparse-1gib-header": (_sparse_header(1 << 30, (1 << 30) + 4096), "limit"),
-    "sparse-99mb-header-of-zeros": (_sparse_header(99_000_000, 100_000_000), "not valid JSON"),
+    "sparse-99mb-header-of-zeros": (_sparse_header(99_000_000, 100_000_000), "not a JSON object"),
+    "sparse-99mb-header-brace-then-zeros": (_sparse_header(99_000_000, 100_000_000, b" {"), "not valid JSON"),
 }
 
 
@@ -316,7 +319,7 @@ CONFIG_CASES: dict[str, tuple[Any, str, str]] = {  # name -> (writer, file name,
 
 
 # ------------------------------------------------------------------------------------------------ readers
-def _outcome(fn: Callable[[], Any], seconds: int = 30) -> dict[str, Any]:
+def _outcome(fn: Callable[[], Any], seconds: int = 90) -> dict[str, Any]:
     """Run one read: refused (the error's type and message), accepted, or hung (the alarm)."""
     class Hung(Exception):
         pass

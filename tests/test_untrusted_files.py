@@ -244,7 +244,8 @@ def test_json_limits_are_found_without_parsing():
     assert "nesting" in json_shape_refusal(b"[" * 65 + b"]" * 65)
     assert json_shape_refusal(b"[" * 64 + b"]" * 64) is None
     assert "digits" in json_shape_refusal(b'{"a": ' + b"1" * 21 + b"}")
-    assert json_shape_refusal(b'{"a": 1.000000000000000000000001}') is None  # a long fraction is a float
+    assert json_shape_refusal(b'{"a": 1.0000000000000002, "b": 1e-25}') is None  # what json.dumps writes
+    assert "digits" in json_shape_refusal(b'{"a": 0.' + b"0" * 5000 + b"1}")
 
 
 def _main(argv: list[str]) -> tuple[int, str]:

@@ -141,21 +141,21 @@ _PAIR = re.compile(rb"\[\]|\{\}")
 _NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-_LONG_INT = re.compile(rb"(?<![.0-9eE+-])-?[0-9]{%d,}(?![.0-9eE])" % (MAX_INT_DIGITS + 1))
+_LONG_NUMBER = re.compile(rb"[0-9]{%d,}" % (MAX_INT_DIGITS + 1))  # no lookaround: one cheap test per byte
 
 
 def json_shape_refusal(raw: bytes) -> str | None:
     """Why JSON text is refused before it is parsed (None: parse it), found with C-speed regex passes and no
     recursion: strings skipped, nesting deeper than `MAX_JSON_DEPTH` (innermost bracket pairs removed that many
-    times), more than `MAX_JSON_ITEMS` values (what the parsed objects cost grows with), or an integer of more than
-    `MAX_INT_DIGITS` digits. Unbalanced text passes here and fails to parse."""
+    times), more than `MAX_JSON_ITEMS` values (what the parsed objects cost grows with), or a number with more than
+    `MAX_INT_DIGITS` digits in a row. Unbalanced text passes here and fails to parse."""
     outside = _STRING.sub(b"", _ESCAPE.sub(b"", raw))
     items = outside.count(b",") + outside.count(b":")
     if items > MAX_JSON_ITEMS:
         return f"{items} values (at most {MAX_JSON_ITEMS})"
-    long_int = _LONG_INT.search(outside)
-    if long_int:
-        return f"an integer of {len(long_int.group().lstrip(b'-'))} digits (at most {MAX_INT_DIGITS})"
+    long_number = _LONG_NUMBER.search(outside)
+    if long_number:  # json.dumps writes at most 17 significant digits of a float, and no real int needs 21
+        return f"a number of {len(long_number.group())} digits in a row (at most {MAX_INT_DIGITS})"
     brackets = outside.translate(None, _NOT_BRACKET)
     del outside
     for _ in range(MAX_JSON_DEPTH):
@@ -226,9 +226,9 @@ def check_dtype(name: Any, path: str | os.PathLike, where: str) -> torch.dtype:
 
 
 def check_shape(shape: Any, path: str | os.PathLike, where: str) -> tuple[int, ...]:
-    """A shape: a list of at most 16 whole numbers >= 0 whose product fits `MAX_BYTES`."""
-    if not isinstance(shape, list) or len(shape) > 16:
-        raise CorruptFileError(f"{path}: {where}: shape {_show(shape)} is not a list of at most 16 dimensions")
+    """A shape: a list of at most 32 whole numbers >= 0 whose product fits `MAX_BYTES`."""
+    if not isinstance(shape, list) or len(shape) > 32:
+        raise CorruptFileError(f"{path}: {where}: shape {_show(shape)} is not a list of at most 32 dimensions")
     dims = tuple(whole(d, path, where, "a shape entry") for d in shape)
     numel = 1
     for d in dims:
@@ -283,7 +283,12 @@ def read_safetensors_header(fd: int, path: str | os.PathLike, size: int) -> tupl
     if n > MAX_HEADER_BYTES:
         raise CorruptFileError(f"{path}: the safetensors header claims {n} bytes, more than the {MAX_HEADER_BYTES}-byte"
                                f" limit (the safetensors library's); not a model file")
-    header = parse_json(read_at(fd, 8, n, path, what), path, what)
+    raw = read_at(fd, 8, n, path, what)
+    if raw.lstrip(b" \t\r\n")[:1] != b"{":  # cheap, before any pass over the text
+        raise CorruptFileError(f"{path}: the safetensors header is not a JSON object (it starts with "
+                               f"{raw[:16]!r})")
+    header = parse_json(raw, path, what)
+    del raw
     return check_safetensors_header(header, path, 8 + n, size)
 
 

@@ -113,9 +113,12 @@ class SafetensorsFile:
     def _fail(self, why: str) -> CorruptFileError:
         return CorruptFileError(f"{self.path}: truncated or corrupt safetensors file ({why})")
 
+    metadata: dict = {}  # the header's __metadata__ (validated: an object)
+
     def _read_header(self, size: int) -> dict[str, FileTensor]:
         """The header's tensors, validated by `header_check` (size cap, JSON limits, dtypes, shapes, spans)."""
-        return read_safetensors_header(self._fd, self.path, size)[0]
+        tensors, self.metadata = read_safetensors_header(self._fd, self.path, size)
+        return tensors
 
     # identity -------------------------------------------------------------------
     def _stat(self) -> tuple[int, int]:
