@@ -297,7 +297,31 @@ def _sparse(size: int) -> Callable[[Path], None]:
     return write
 
 
+def _gguf_str(text: str) -> bytes:
+    return struct.pack("<Q", len(text.encode())) + text.encode()
+
+
+def _gguf(tensors: list[tuple[str, tuple[int, ...], int, int]], kv: bytes = b"", n_kv: int = 0,
+          data: int = 1 << 16) -> Callable[[Path], None]:
+    """A GGUF v3 file (the layout tests/test_workflow_plan.py writes, after the GGUF spec): key/values, then
+    (name, ggml dims, ggml type, data offset) per tensor, the data a sparse hole of `data` bytes."""
+    def write(path: Path) -> None:
+        infos = b"".join(_gguf_str(n) + struct.pack("<I", len(d)) + struct.pack(f"<{len(d)}Q", *d) +
+                         struct.pack("<IQ", t, o) for n, d, t, o in tensors)
+        head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), n_kv) + kv + infos
+        with open(path, "wb") as f:
+            f.write(head)
+            f.truncate(len(head) + data)
+    return write
+
+
+_NESTED_GGUF_KV = _gguf_str("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 100_000 + struct.pack("<IQ", 4, 0)
 CONFIG_CASES: dict[str, tuple[Any, str, str]] = {  # name -> (writer, file name, words)
+    "gguf-nested-arrays": (_gguf([], _NESTED_GGUF_KV, 1), "model.gguf", "nested deeper"),
+    "gguf-tensor-past-the-file": (_gguf([("w", (256, 256), 0, 1 << 40)]), "model.gguf", "does not fit"),
+    "gguf-huge-dims": (_gguf([("w", (1 << 40, 1 << 40), 0, 0)]), "model.gguf", "does not fit"),
+    "gguf-overlapping-tensors": (_gguf([("a", (64, 64), 0, 0), ("b", (64, 64), 0, 1024)]), "model.gguf", "overlaps"),
+    "gguf-fifo": (_fifo, "model.gguf", "FIFO"),
     "config-million-layers": (_config(_LLAMA | {"num_hidden_layers": 10 ** 6}), "config.json", "than any released"),
     "config-huge-hidden": (_config(_LLAMA | {"hidden_size": 1 << 30}), "config.json", "than any released"),
     "config-negative-layers": (_config(_LLAMA | {"num_hidden_layers": -3}), "config.json", "negative"),

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from ..store.header_check import CorruptFileError, name_of, read_json_object, safetensors_tensors
+from ..store.header_check import CorruptFileError, read_json_object
 
 GIB = 1 << 30
 MAX_LAYERS = 1024  # the deepest released models have ~200 layers (blocks of a diffusion transformer: ~60)
@@ -27,19 +27,16 @@ _LIMITS = ((_LAYERS, MAX_LAYERS, "layers"), (_WIDTH, MAX_WIDTH, "width"), (_HEAD
            (_EXPERTS, MAX_EXPERTS, "experts"), (re.compile(r"vocab_size$"), MAX_VOCAB, "vocabulary"))
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
-    """The validated header of a .safetensors file (names, dtypes, shapes, offsets), read without its data."""
-    return {k: {"dtype": name_of(t.dtype), "shape": list(t.shape), "data_offsets": [t.start, t.end]}
-            for k, t in safetensors_tensors(path).items()}
-
-
 def read_config(path: Path) -> dict[str, Any]:
     """A config.json: a regular file of at most a few MB holding a JSON object (a .gguf or any large or
     non-regular file is refused by size or type before it is read)."""
-    if path.suffix.lower() == ".gguf":
-        raise ValueError(f"{path}: a GGUF file; this command reads a config.json (diffusers or transformers) or a "
-                         f".safetensors model file; give the config.json of the model the GGUF was made from")
+    if path.suffix.lower() == ".gguf":  # read as a model file (its header) by the file plan, never as JSON
+        raise ValueError(f"{path}: a GGUF file is not a config.json")
     return read_json_object(path, "config.json")
+
+
+class ModelBoundsError(ValueError):
+    """A config (or a model file's names and shapes) describing a model larger than any released one."""
 
 
 def check_model_size(config: dict[str, Any], source: str) -> None:
@@ -57,9 +54,9 @@ def check_model_size(config: dict[str, Any], source: str) -> None:
             for pattern, limit, what in _LIMITS:
                 if pattern.search(key):
                     if node < 0:
-                        raise ValueError(f"{source}: {where} is {node}; a model size cannot be negative")
+                        raise ModelBoundsError(f"{source}: {where} is {node}; a model size cannot be negative")
                     if node > limit:
-                        raise ValueError(f"{source}: {where} is {node}, more {what} than any released model "
+                        raise ModelBoundsError(f"{source}: {where} is {node}, more {what} than any released model "
                                          f"(at most {limit} here); the config looks corrupt or crafted")
 
     visit(config, "")
@@ -94,5 +91,4 @@ def int_in(flag: str, lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
-__all__ = ["CorruptFileError", "check_model_size", "int_in", "parse_bytes", "read_config",
-           "read_safetensors_header"]
+__all__ = ["CorruptFileError", "ModelBoundsError", "check_model_size", "int_in", "parse_bytes", "read_config"]
