@@ -7,6 +7,7 @@ checkpoints/, text_encoders/ or clip/, vae/, loras/, tts/).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from pathlib import Path
