@@ -20,7 +20,7 @@ MASK[0, 0] = 1
 
 def sim_config(**kw: Any) -> OffloadConfig:
     kw.setdefault("sim_capacity_bytes", (64 << 20) + 4096 * next(_caps) + 1)
-    return OffloadConfig.from_preset("budget", device="sim", **kw)
+    return OffloadConfig(device="sim", **kw)
 
 
 VARIANTS = {
@@ -63,17 +63,16 @@ def run(model: Any, variant: str, inputs: dict | None = None, new_tokens: int = 
 def offloaded(model: Any, mixed: bool, name: str) -> tuple[Any, Any, VramBudget]:
     """The model offloaded (streamed, or mixed: part resident) under a budget that is the weights' own need, so the
     KV pages have no room and leave the device; its KV pager (pages of 2 tokens)."""
-    fraction = 0.5 if mixed else 0.0
-    probe = offload_module(model, sim_config(vram_fraction=fraction), budget=VramBudget(None), name=name)
-    weights = probe.budget_for(0)
+    probe = offload_module(model, sim_config(vram_fraction=0.0, prefetch=1), budget=VramBudget(None), name=name)
+    units = len(probe.report().blocks)
+    weights = probe.budget_for(max(1, units // 3) if mixed else 0)
     probe.detach()
     budget = VramBudget(weights, origin="test")
-    handle = offload_module(model, sim_config(vram_fraction=fraction), budget=budget, name=name)
-    if mixed:
-        tiers = {b.tier for b in handle.report().blocks}
-        assert "vram" in tiers and tiers != {"vram"}, tiers
-    else:
-        assert all(b.tier != "vram" for b in handle.report().blocks)
+    cfg = (sim_config(vram_budget_bytes=weights, prefetch=1, vram_fraction=1.0) if mixed
+           else sim_config(vram_fraction=0.0, prefetch=1))
+    handle = offload_module(model, cfg, budget=budget, name=name)
+    resident = len(handle.streamer.resident_set)
+    assert (0 < resident < units) if mixed else resident == 0, handle.plan_summary()
     return handle, handle.kv_pager(page_tokens=2), budget
 
 
