@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterator
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicCache, DynamicLayer,
                                       get_layer_types_and_kwargs)
 
+from . import kv_pages
 from .kv_layers import new_layer, page_cache
-from .kv_pages import KVPager, KVPages
+from .kv_pages import KVPages
 
 __all__ = ["KVPager", "KVPages", "PagedKVCache", "paged_generation", "generation_cache", "generate_kwargs",
            "CACHE_KWARG", "decoder_layer_count"]
@@ -45,6 +46,15 @@ _CACHE_KWARGS = tuple(dict.fromkeys((CACHE_KWARG, "cache", "past_key_values")))
 def generate_kwargs(cache: "Cache") -> dict[str, "Cache"]:
     """`{name: cache}` for `model.generate(**...)` / a forward, under the name the installed transformers reads."""
     return {CACHE_KWARG: cache}
+
+
+class KVPager(kv_pages.KVPager):
+    """One model's KV pages under its budget (offload/generate/kv_pages.py), making transformers caches."""
+
+    def new_cache(self, num_layers: int | None = None, priority: int = 1, config: Any = None) -> "PagedKVCache":
+        """A transformers Cache whose attention layers live in this pager (`config`: the layers transformers' own
+        `DynamicCache(config=...)` would make; `priority` 0 for a CFG cache: evicted first)."""
+        return PagedKVCache(self, num_layers, priority, config=config)
 
 
 class PagedKVCache(DynamicCache):

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class KVPager:
-    """One model's KV pages on the device and in host memory; a member of the model's VramBudget."""
+    """One model's KV pages on the device and in host memory; a member of the model's VramBudget (the caches it
+    makes: offload/generate/kv_cache.py's subclass)."""
 
     def __init__(self, backend: Any, budget: Any, name: str, priority: int = 0, page_tokens: int = 64,
                  offload: bool = True) -> None:
@@ -56,13 +57,6 @@ class KVPager:
         self.stats = {"caches": 0, "offloads": 0, "restores": 0, "bytes_offloaded": 0, "bytes_restored": 0,
                       "prefetched": 0, "pages_freed": 0}
         budget.register(self)
-
-    def new_cache(self, num_layers: int | None = None, priority: int = 1, config: Any = None) -> Any:
-        """A transformers Cache whose attention layers live in this pager (`config`: the layers transformers' own
-        `DynamicCache(config=...)` would make; `priority` 0 for a CFG cache: evicted first)."""
-        from .kv_cache import PagedKVCache
-
-        return PagedKVCache(self, num_layers, priority, config=config)
 
     # layers ---------------------------------------------------------------------------
     def _add(self, layer: "KVPages") -> None:
