@@ -63,8 +63,12 @@ class MethodEntry:
         flag.by_method += 1
         try:
             output = self._fn(self._module, *args, **kwargs)
-        finally:
+        except BaseException:
             flag.by_method -= 1
+            flag.nested = 0
+            self._post(self._unit, args, None)  # the unit goes back (and a pass lock taken outside a pass with it)
+            raise
+        flag.by_method -= 1
         replaced = self._post(self._unit, args, output)
         return output if replaced is None else replaced
 
