@@ -125,9 +125,10 @@ DECODERS = [
     # KV sharing: the last two layers reuse the keys and values of earlier ones (DummyLayer in the cache)
     Tiny("gemma3n", _file("gemma3n"), _causal("Gemma3nForCausalLM", "Gemma3nTextConfig", sliding_window=SLIDE,
                                               num_kv_shared_layers=2, laurel_rank=4, altup_num_inputs=2,
-                                              layer_types=["sliding_attention", "full_attention"] * 2,
+                                              num_hidden_layers=6,
+                                              layer_types=["sliding_attention", "full_attention"] * 3,
                                               hidden_size_per_layer_input=8, vocab_size_per_layer_input=99,
-                                              activation_sparsity_pattern=[0.0] * 4, intermediate_size=[32] * 4),
+                                              activation_sparsity_pattern=[0.0] * 6, intermediate_size=[32] * 6),
          "hybrid"),
     Tiny("qwen3_next", _file("qwen3_next"), _causal("Qwen3NextForCausalLM", "Qwen3NextConfig", num_hidden_layers=6,
                                                     layer_types=["linear_attention", "full_attention"] * 3,
