@@ -354,10 +354,6 @@ class KVPages:
             v[:, :, :n].copy_(values)
             self.start, self.length = 0, n
 
-    def crop_to(self, n: int) -> None:
-        """Keep the first `n` live tokens."""
-        self.length = self.start + max(0, min(n, self.live))
-
     def free(self) -> None:
         """Give the pages back (transformers' reset)."""
         if self.device is not None:

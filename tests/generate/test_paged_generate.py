@@ -119,3 +119,22 @@ def test_encoder_decoder_gets_two_paged_caches():
     for sub, length in ((cache.self_attention_cache, 5), (cache.cross_attention_cache, 5)):
         assert all(type(layer).__name__ == "PagedDynamicLayer" for layer in sub.layers)
         assert all(layer.get_seq_length() == length for layer in sub.layers)
+
+
+def test_crop_rolls_the_pages_back_as_transformers_rolls_its_cache_back():
+    """`Cache.crop` (assisted decoding's rollback) slices each layer's keys and values: the pages follow."""
+    model = DECODERS[0].build()
+    ids = torch.tensor([[1, 5, 9, 13, 7, 3, 4]])
+    ref = transformers.DynamicCache(config=model.config)
+    pager = KVPager(get_backend(sim_config()), VramBudget(32 << 20), "llama", page_tokens=2)
+    paged = PagedKVCache(pager, config=model.config)
+    with torch.no_grad():
+        model(ids, **generate_kwargs(ref))
+        model(ids, **generate_kwargs(paged))
+        ref.crop(-3)
+        paged.crop(-3)
+        assert paged.get_seq_length() == ref.get_seq_length() == 4
+        step = torch.tensor([[8]])
+        assert torch.equal(model(step, **generate_kwargs(paged)).logits, model(step, **generate_kwargs(ref)).logits)
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+               for a, b in zip(paged.layers, ref.layers))
