@@ -356,13 +356,17 @@ def unit_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Ten
 
 
 def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> TensorLayout:
-    """Lay out distinct tensors (a tensor met twice is laid out once)."""
+    """Lay out distinct tensors (a tensor met twice is laid out once, except a non-persistent buffer aliasing
+    another: transformers' dynamic RoPE leaves `inv_freq` and `original_inv_freq` as one tensor after a reset, then
+    re-registers `inv_freq` alone in a later forward; a shared leaf would carry the new value into both)."""
     by_id: dict[int, Entry] = {}
     leaves: list[Leaf] = []
     offset = [0]
     entries: list[Entry] = []
     for sub, name, kind, t in tensors:
         entry = by_id.get(id(t))
+        if entry is not None and kind == "buffer" and name in sub._non_persistent_buffers_set:
+            entry = None
         if entry is None:
             recipe = _flatten(t, leaves, offset)
             plain_param = kind == "param" and not is_subclass_tensor(t)
