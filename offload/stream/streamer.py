@@ -104,7 +104,7 @@ class ModelStreamer:
         self._lock = PassLock(WeakHook(self, ModelStreamer._abandon_pass))
         self._root_calls = 0  # root-module forwards in progress on the owning thread (nested calls count)
         self._pass_owner: int | None = None
-        self._last_unit_outside_root: int | None = None
+        self._outside: set[int] = set()  # units entered in the pass now running outside a root forward
         self._refusal: TrainableWeightError | None = None  # this pass computes with a streamed weight requiring grad
         self._in_flags = [InFlag() for _ in self.units]  # unit i is in: its children's hooks have nothing to do
         self.hooks = ModelHooks()
@@ -188,7 +188,7 @@ class ModelStreamer:
         self._pass_owner = threading.get_ident()
         self._root_calls += 1
         if self._root_calls == 1:
-            self._last_unit_outside_root = None
+            self._outside.clear()
             self._begin_pass()  # if this raises, _root_post (always called) ends the pass and releases
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -228,7 +228,7 @@ class ModelStreamer:
             flag.on = False
         self._root_calls = 0
         self._pass_owner = None
-        self._last_unit_outside_root = None
+        self._outside.clear()
         if not self.order_learned:
             self._seen = []  # a partial pass is not the model's order
 
@@ -284,11 +284,21 @@ class ModelStreamer:
             after()
 
     def _enter_outside_root(self, index: int) -> None:
-        """A unit called without the root module (a text encoder entered through another method): a unit at or
-        before the last one seen starts a new pass, which gets the same safe point as a root forward."""
-        if self._last_unit_outside_root is None or index <= self._last_unit_outside_root:
+        """A unit called without the root module (a text encoder entered through another method, a VAE's
+        `decode`): a unit already entered in this pass starts a new one, with the same safe point as a root forward.
+        Not the order of registration: diffusers' VAE decoder registers `up_blocks` before `mid_block` and runs
+        `mid_block` first; the call order is learned from the passes themselves (`_seen`)."""
+        if not self._outside or index in self._outside:
+            self._outside.clear()
             self._begin_pass()
-        self._last_unit_outside_root = index
+        self._outside.add(index)
+
+    def _load_current(self) -> None:
+        """Placed again after the budget parked the model between two of its units: the plan for its share now."""
+        listener = self._listener()
+        if listener is not None:
+            listener.before_pass()
+        self.ensure_loaded()
 
     def _pre(self, index: int, module: nn.Module, args: Any, whole_unit: bool = True) -> None:
         if in_backward():
@@ -309,7 +319,7 @@ class ModelStreamer:
                     self._lock.release()
                 return
             if not self.placement.loaded:
-                self.ensure_loaded()
+                self._load_current()
             u = self.units[index]
             if u.resident_buf is not None:
                 self._resident_start[index] = (self.backend.record(), outside)
