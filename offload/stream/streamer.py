@@ -503,6 +503,7 @@ class ModelStreamer:
                 u.slot_bindings.clear()
                 u.staged.master = u.staged.source = self.sources[i] = None
             self.staged.rest.restore_ordinary()
+            self.writes.data.close()
             self.units.clear()  # the list the parts share
             self.sources.clear()
             self.staged.close()
