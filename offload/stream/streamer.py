@@ -31,7 +31,6 @@ from ..backends.base import Backend
 from ..model.model_changes import ModelChanges
 from ..plan.planner import DeviceMemoryError  # noqa: F401  (raised through the streamer: importable from here as before)
 from ..report.metrics import MetricsCollector
-from ..store.sources import resolve
 from ..store.staging import StagedModel
 from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
                        trainable_weight_error)
@@ -41,8 +40,9 @@ from .hooks import ModelHooks, WeakHook
 from .host_tiers import HostTiers
 from .outputs import unalias
 from .pass_lock import PassLock, module_call_frame
+from . import restage
 from .placement import DevicePlacement, UnitState
-from .prefetch import PrefetchWorker
+from .prefetch import PrefetchWorker, fetch_copied
 from .write_watch import WriteWatch
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,8 @@ class ModelStreamer:
                                     WeakHook(self, ModelStreamer._in_pass),
                                     WeakHook(self, ModelStreamer._engine_hook_ids))
         prepare_dynamo()  # a no-op until torch._dynamo is in use
+        restage.install()
+        self._epoch = restage.epoch()  # registrations (adapters added) looked at up to here
 
     # the placement's figures, read by the handle's report ------------------------------
     @property
@@ -237,6 +239,9 @@ class ModelStreamer:
         if self.active is not None:
             self._finish_active()
         prepare_dynamo()  # dynamo was imported since (a torch.compile): the hooks must be guarded and opaque
+        if self._epoch != restage.epoch():  # tensors were registered somewhere: adapters added to this model?
+            self._epoch = restage.epoch()
+            restage.restage(self)
         self.staged.check_sources()
         self.metrics.harvest()
         self.writes.reclaim()
@@ -342,25 +347,8 @@ class ModelStreamer:
             raise
 
     def _fetch(self, index: int) -> tuple[int, Any, Any]:
-        """The slot holding `index`'s bytes, once its copy is done; a failed copy is retried once into a fresh slot
-        (a transient error is invisible), a second failure raises. No slot is ever lost to the ring."""
-        for attempt in (1, 2):
-            slot, copy_event = self.worker.take(index)
-            try:
-                ready = self.backend.record()
-                copy_event = resolve(copy_event)
-                self.backend.wait(copy_event)
-                return slot, copy_event, ready
-            except Exception as exc:
-                self.worker.give_back(slot)  # the failed copy's slot is free again
-                if attempt == 2:
-                    raise
-                log.warning("copying %s to the device failed (%s); trying once more", self.units[index].staged.name,
-                            exc)
-            except BaseException:
-                self.worker.give_back(slot)
-                raise
-        raise AssertionError("unreachable")
+        """The slot holding `index`'s bytes, once its copy is done (see `prefetch.fetch_copied`)."""
+        return fetch_copied(self.worker, self.backend, index, self.units[index].staged.name)
 
     def _child_pre(self, index: int, module: nn.Module, args: Any) -> None:
         if in_backward():
