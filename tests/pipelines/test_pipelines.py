@@ -18,7 +18,10 @@ import torch.nn as nn
 import offload as lo
 from tests.host_master_guard import host_master_guard
 
-from .pipeline_builders import CASES, PipelineCase
+from .more_pipelines import MORE_CASES
+from .pipeline_builders import CASES as FIRST_CASES, PipelineCase
+
+CASES = FIRST_CASES + MORE_CASES
 
 torch.set_num_threads(1)
 # diffusers deprecates its own names (FluxPosEmbed) in code these tests do not own
