@@ -8,8 +8,10 @@ next pass start a model whose counter moved compares the tensors its modules hol
 the weights outside the blocks) whose set of tensors changed is laid out and staged again from the values it
 holds now: its adapters then stream with it (or stay resident with it), are on the device whenever it computes,
 and are written back, fused or not, like its own weights. The model is unloaded first (a resident copy written
-on the device catches its host master up) and re-planned for the new sizes. A `del` of an adapter
-(`delete_adapters`) moves no counter: its tensors keep streaming, unused, until the next registration or detach.
+on the device catches its host master up) and re-planned for the new sizes. Adapters added to train
+(new parameters requiring grad, found at the start of a forward with grad enabled) go with the weights outside the
+blocks instead, on the device for the whole run as trainable parameters are at offload time (`model/trainable.py`):
+a streamed weight cannot take gradients. A `del` of an adapter (`delete_adapters`) moves no counter: its tensors keep streaming, unused, until the next registration or detach.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..model.layout import TensorLayout, plan_layout, unit_tensors
+from ..model.trainable import TRAINABLE_DTYPES
 from ..store.staging import StagingBuffer, make_ram_source
 from .buffer_writes import BufferWatch
 from .data_watch import read_data, set_data
@@ -58,14 +61,20 @@ def _locations(layout: TensorLayout) -> set[Location]:
 
 def changed_parts(model: nn.Module, staged: Any) -> tuple[list[int], set[Location] | None]:
     """The units whose modules now hold other tensors than their layouts, and the rest's tensors now if they changed
-    (those of the model outside every unit, and the ones inside units the rest held already)."""
+    (those of the model outside every unit, the ones inside units the rest held already, and new trainable ones)."""
     rest_locs = _locations(staged.rest.layout)
     outside = {(id(m), a, k) for m, a, k, _ in unit_tensors(model)}
+    training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     changed: list[int] = []
     for u in staged.units:
-        live = {(id(m), a, k) for m, a, k, _ in unit_tensors(u.module)}
+        tensors = unit_tensors(u.module)
+        live = {(id(m), a, k) for m, a, k, _ in tensors}
+        known = _locations(u.master.layout)
+        if training:  # adapters added to train (a forward with grad): on the device with the rest, as at offload time
+            live -= {(id(m), a, k) for m, a, k, t in tensors if (id(m), a, k) not in known and k == "param"
+                     and t.requires_grad and t.dtype in TRAINABLE_DTYPES}
         outside -= live - rest_locs
-        if live - rest_locs != _locations(u.master.layout):
+        if live - rest_locs != known:
             changed.append(u.index)
     return changed, (outside if outside != rest_locs else None)
 
@@ -99,7 +108,8 @@ def restage(streamer: Any) -> bool:
     backend, pin = streamer.backend, streamer.pin_memory
     for i in units:
         u = streamer.units[i]
-        tensors = [t for t in unit_tensors(u.staged.module) if (id(t[0]), t[1], t[2]) not in rest_locs]
+        in_rest = rest_locs | (rest_live or set())
+        tensors = [t for t in unit_tensors(u.staged.module) if (id(t[0]), t[1], t[2]) not in in_rest]
         master = _fresh_master(tensors, u.staged.master, backend, pin)
         u.staged.master = master
         u.staged.source = streamer.sources[i] = make_ram_source(master, backend, staged.reader)
