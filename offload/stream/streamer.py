@@ -150,7 +150,7 @@ class ModelStreamer:
     # hooks ----------------------------------------------------------------------
     def _rest_pre(self, module: nn.Module, args: Any) -> None:
         if not self.placement.loaded and not in_backward():
-            self.ensure_loaded()
+            self._load_current()  # parked by the budget since (a VAE's conv_in runs before its first block)
 
     def remove_hooks(self) -> None:
         self.hooks.remove()

@@ -362,7 +362,7 @@ CASES: list[PipelineCase] = [
     PipelineCase("sd3", PEER + "stable_diffusion_3/test_pipeline_stable_diffusion_3.py", "StableDiffusion3Pipeline",
                  _sd3, _basic_inputs()),
     PipelineCase("pixart_sigma", PEER + "pixart_sigma/test_pixart.py", "PixArtSigmaPipeline", _pixart,
-                 _basic_inputs(use_resolution_binning=False)),
+                 _basic_inputs(use_resolution_binning=False), denoiser=None),  # no PeftAdapterMixin
     PipelineCase("aura_flow", PEER + "aura_flow/test_pipeline_aura_flow.py", "AuraFlowPipeline", _aura,
                  _basic_inputs(height=None, width=None)),
     PipelineCase("wan", PEER + "wan/test_wan.py", "WanPipeline", _wan, _video_inputs()),
