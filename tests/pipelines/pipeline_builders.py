@@ -357,7 +357,7 @@ def _lumina2() -> dict[str, Any]:
 CASES: list[PipelineCase] = [
     PipelineCase("flux", PEER + "flux/test_pipeline_flux.py", "FluxPipeline", _flux, _flux_inputs),
     PipelineCase("flux_kontext", PEER + "flux/test_pipeline_flux_kontext.py", "FluxKontextPipeline", _flux,
-                 _kontext_inputs, slow=True),
+                 _kontext_inputs),
     PipelineCase("chroma", PEER + "chroma/test_pipeline_chroma.py", "ChromaPipeline", _chroma, _chroma_inputs),
     PipelineCase("sd3", PEER + "stable_diffusion_3/test_pipeline_stable_diffusion_3.py", "StableDiffusion3Pipeline",
                  _sd3, _basic_inputs()),
