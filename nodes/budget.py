@@ -99,6 +99,9 @@ def parse_per_device(text: Any, input_name: str = "per_device") -> Dict[str, int
             raise ValueError("{}: the size {!r} of {} is not a number of GB (e.g. 10, 10GB, 512MB or 50%)".format(
                 input_name, size, device))
         value, unit = float(m.group(1)), (m.group(2) or "gb").lower()
+        if not math.isfinite(value) or value > 1 << 40:  # 400 nines is not a size (int(inf) would overflow)
+            raise ValueError("{}: the size {!r} of {} is not a number of GB a device has".format(
+                input_name, size[:40], device))
         device_total = int(device_memory(device)[1])
         nbytes = int(value / 100 * device_total) if unit == "%" else int(value * (GIB if unit.startswith("g")
                                                                                    else 1 << 20))
@@ -177,6 +180,12 @@ class OffloadVramBudget(io.ComfyNode):
     @classmethod
     def set_budget(cls, budget_gb: float, preset: str, per_device: str = "") -> Tuple[BudgetSpec]:
         """The node's work, as a tuple of its outputs."""
+        if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
+            raise ValueError("budget_gb must be a number, got {!r}".format(budget_gb))
+        try:
+            budget_gb = float(budget_gb)  # an integer beyond float range: OverflowError
+        except OverflowError:
+            budget_gb = math.inf
         if budget_gb != budget_gb or budget_gb < 0:  # NaN or negative
             raise ValueError("budget_gb must be >= 0, got {!r}".format(budget_gb))
         others = parse_per_device(per_device)

@@ -38,14 +38,21 @@ class RouteError(Exception):
 
 def _number(body: Dict[str, Any], key: str) -> float:
     value = body.get(key)
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
     if isinstance(value, str):
         try:
-            value = float(value)
+            value = float(value) if len(value) <= 40 else None
         except ValueError:
-            raise RouteError(400, "{} must be a number, got {!r}".format(key, body.get(key))) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RouteError(400, "{} must be a number, got {!r}".format(key, body.get(key)))
-    return float(value)
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RouteError(400, "{} must be a number, got {}".format(key, shown))
+    try:
+        value = float(value)  # an integer beyond float range: OverflowError
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise RouteError(400, "{} must be a finite number, got {}".format(key, shown))
+    return value
 
 
 def set_priority(body: Dict[str, Any]) -> Dict[str, Any]:
@@ -94,6 +101,8 @@ def handle_post(kind: str, body: Any) -> Tuple[int, Dict[str, Any]]:
         raise RouteError(404, "unknown control {!r}".format(kind))
     except RouteError as e:
         return e.status, {"ok": False, "error": str(e)}
+    except (ValueError, OverflowError) as e:  # a value out of any range the engine takes: the request is wrong
+        return 400, {"ok": False, "error": str(e)[:500]}
     except Exception as e:  # noqa: BLE001 - a message for the panel, never a traceback
         log.warning("Layer Offload: %s change failed: %s", kind, e)
         return 500, {"ok": False, "error": "{}: {}".format(type(e).__name__, e)}

@@ -42,6 +42,7 @@ PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
                            suits="4-8 GB, or models far larger than the card"),
 })
 DEFAULT_PRESET = "auto"
+SHARE_HOST_CHOICES = ("auto", "off")  # OffloadConfig.share_host
 
 
 def preset_tooltip() -> str:
@@ -103,6 +104,10 @@ class OffloadConfig:
     sim_latency_us: float = 0.0
     # several devices: the compute device first, then devices whose memory holds resident blocks (None: one device)
     devices: tuple[str, ...] | None = None
+    # several processes offloading the same file (ComfyUI-Distributed's local workers): "auto" holds the blocks kept
+    # in RAM in one read-only host copy they all map (the first fills it; a block a process writes becomes its own);
+    # "off": every process stages its own copy. Needs disk_path (the file names the copy) and Linux's /dev/shm.
+    share_host: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
@@ -126,6 +131,9 @@ class OffloadConfig:
             raise ValueError(f"vram_fraction must be within 0..1, got {self.vram_fraction!r}")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(_unknown_preset(self.preset))
+        if self.share_host not in SHARE_HOST_CHOICES:
+            raise ValueError(f"share_host must be one of {', '.join(map(repr, SHARE_HOST_CHOICES))}, got "
+                             f"{self.share_host!r}")
 
     def _check_devices(self) -> None:
         devices = self.devices

@@ -52,6 +52,8 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
             b.predicted_stall_ms, b.placement = unit.predicted_stall_ms, unit.reason
     for b, u in zip(blocks, s.units):
         b.device = u.home or device_name
+        b.shared = u.master is not None and u.master.shared is not None
+    host = s.host_memory()
     h2d, compute, stall, nbytes = s.metrics.totals()
     forwards = s.metrics.forwards
     return OffloadReport(
@@ -67,6 +69,7 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
         prefetch_hits=s.worker.prefetch_hits - base.prefetch_hits,
         predicted_step_ms=plan.predicted_step_ms if plan is not None else None,
         step_ms=(sum(b.compute_ms + b.stall_ms for b in blocks) / forwards) if forwards else None,
+        host_private_bytes=host["ram"] - host["shared"], host_shared_bytes=host["shared"],
         **fields)
 
 

@@ -22,6 +22,13 @@ class HostPlan:
     ram_bytes: int
     pinned_bytes: int
     bounce_bytes: int | None = None  # size of each bounce buffer under a RAM ceiling (None: the largest unit)
+    shared: frozenset[int] = frozenset()  # units whose RAM master is the host copy shared between processes
+
+
+def shared_units(tiers: dict[int, str], share: bool) -> frozenset[int]:
+    """The units held in the shared form: every unit kept in RAM (pinned or pageable) when the model's file names a
+    copy other processes can map (`HostFacts.share`); a disk-tier unit is read from the file as before."""
+    return frozenset(i for i, t in tiers.items() if t != "disk") if share else frozenset()
 
 
 def bounce_buffers(prefetch: int) -> int:

@@ -35,6 +35,7 @@ class BlockReport:
     predicted_stall_ms: float = 0.0
     placement: str = ""
     device: str = ""  # the device its resident copy lives on, or the compute device it streams to
+    shared: bool = False  # its host master is the copy shared with other processes offloading the same file
 
 
 TIERS = ("vram", "pinned", "pageable", "disk")
@@ -75,6 +76,10 @@ class OffloadReport:
     # (the blocks' compute plus stall per forward since the last reset; None before a forward)
     predicted_step_ms: float | None = None
     step_ms: float | None = None
+    # host RAM of the model: what this process holds on its own (blocks, non-block weights, bounce buffers), and the
+    # blocks in the copy shared with other processes offloading the same file (OffloadConfig.share_host)
+    host_private_bytes: int = 0
+    host_shared_bytes: int = 0
 
     @property
     def streamed_bytes(self) -> int:
@@ -119,6 +124,9 @@ def summarize(d: dict[str, Any]) -> str:
              f"device {d['device_bytes'] / mb:.1f} MB (peak {d['peak_device_bytes'] / mb:.1f} MB)")
     runs = (f"  last runs: {d['forwards']} forward(s), {d['total_bytes_streamed'] / mb:.1f} MB streamed, "
             f"overlap {d['overlap_ratio']:.2f}, {d['effective_gbps']:.2f} GB/s, stall {d['stall_ms']:.1f} ms")
+    if d.get("host_shared_bytes"):
+        head += (f"; host RAM {d.get('host_private_bytes', 0) / mb:.1f} MB its own, "
+                 f"{d['host_shared_bytes'] / mb:.1f} MB in the copy shared with other processes")
     if d.get("backward_bytes_streamed"):
         runs += (f"; backward {d['backward_bytes_streamed'] / mb:.1f} MB of it, blocks held "
                  f"{d.get('backward_ms', 0.0):.1f} ms")

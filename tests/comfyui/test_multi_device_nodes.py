@@ -105,7 +105,9 @@ def test_bad_devices_text_is_a_clear_error(env, text, needle):
     ("sim:1=1000GB", "larger than the device"),
     ("sim:1=1MB", "below the minimum"),
     ("sim:1=1, sim:1=2", "twice"),
-], ids=["not-a-number", "no-size", "compute", "unknown", "over-device", "tiny", "twice"])
+    ("sim:1=" + "9" * 400, "not a number of GB"),  # was an OverflowError (issue 35)
+    ("sim:1=" + "9" * 400 + "%", "not a number of GB"),
+], ids=["not-a-number", "no-size", "compute", "unknown", "over-device", "tiny", "twice", "400-nines", "400-nines-pct"])
 def test_bad_per_device_text_is_a_clear_error_and_changes_nothing(env, text, needle):
     budget = env["offload"].default_budget()
     second = env["offload"].default_budget("sim:1")
