@@ -235,6 +235,11 @@ class TensorLayout:
                     module._buffers[attr] = value
 
 
+# `param.data = value` through torch's own setter: `nn.Parameter.data` may be the engine's watching descriptor
+# (offload/stream/data_watch.py), which a swap of the engine's own must not go through
+_set_data = torch._C.TensorBase.data.__set__
+
+
 def own_version_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor over `t`'s very memory (storage, offset, shape, strides) with a version counter of its own: a view
     shares its base's counter, so an in-place write to one buffer of a unit would bump every leaf of the unit."""
@@ -307,7 +312,7 @@ class Binding:
 
     def apply(self) -> None:
         for param, value in self.data_swaps:
-            param.data = value
+            _set_data(param, value)
         for d, key, value in self.dict_sets:
             d[key] = value
 
