@@ -348,6 +348,6 @@ def test_report_schema(env):
 def test_post_answers_carry_the_same_report_shape(env):
     status, data = post(env, "priority", {"model": UNET, "priority": 0})
     assert status == 200
-    assert set(data["report"]) == {"time", "budget", "models"}
+    assert set(data["report"]) == {"time", "budget", "models", "workflow"}
     m = [x for x in data["report"]["models"] if x["name"] == UNET][0]
     check_types(m, MODEL_KEYS, "model")
