@@ -23,7 +23,19 @@ from .pipeline_builders import CASES as FIRST_CASES, PipelineCase
 
 CASES = FIRST_CASES + MORE_CASES
 
-torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread while these pipelines run (the 2-core box runs them faster), given back after: a setting
+    made at import would hold for the whole session, where a test comparing a model run on other threads with its
+    reference from this one (tests/test_faults.py) would then see other float rounding."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # diffusers deprecates its own names (FluxPosEmbed) in code these tests do not own
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
