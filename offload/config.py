@@ -42,6 +42,7 @@ PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
                            suits="4-8 GB, or models far larger than the card"),
 })
 DEFAULT_PRESET = "auto"
+HOST_COMPRESSION = ("auto", "lossless", "off")  # OffloadConfig.host_compression
 
 
 def preset_tooltip() -> str:
@@ -103,6 +104,9 @@ class OffloadConfig:
     sim_latency_us: float = 0.0
     # several devices: the compute device first, then devices whose memory holds resident blocks (None: one device)
     devices: tuple[str, ...] | None = None
+    # blocks held losslessly compressed in host RAM, decoded on the device: "auto" (those that would otherwise go
+    # to the disk tier or break the RAM ceiling), "lossless" (every block where it pays), "off"
+    host_compression: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
@@ -126,6 +130,9 @@ class OffloadConfig:
             raise ValueError(f"vram_fraction must be within 0..1, got {self.vram_fraction!r}")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(_unknown_preset(self.preset))
+        if self.host_compression not in HOST_COMPRESSION:
+            raise ValueError(f"host_compression must be one of {', '.join(map(repr, HOST_COMPRESSION))}, got "
+                             f"{self.host_compression!r}")
 
     def _check_devices(self) -> None:
         devices = self.devices

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +37,14 @@ class Backend(abc.ABC):
         Weights never take this path: their host copy is the truth. The same stream and ordering as copy_h2d.
         """
         return self.copy_h2d(dst, src, after)
+
+    def then(self, event: Any, fn: Callable[[], None]) -> Any:
+        """Run `fn` (device ops: a decode into the slot) on the transfer stream after the copy behind `event`;
+        returns an event that completes after `fn` and spans the copy and `fn` (`copy_span_ms`). This default
+        runs it on the host once the copy is done."""
+        self.event_synchronize(event)
+        fn()
+        return event
 
     @abc.abstractmethod
     def wait(self, event: Any) -> float:

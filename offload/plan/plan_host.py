@@ -22,6 +22,8 @@ class HostPlan:
     ram_bytes: int
     pinned_bytes: int
     bounce_bytes: int | None = None  # size of each bounce buffer under a RAM ceiling (None: the largest unit)
+    compressed: frozenset[int] = frozenset()  # units held compressed in RAM (plan_compress.py)
+    host_sizes: list[int] | None = None  # each unit's host bytes (its encoded size where compressed)
 
 
 def bounce_buffers(prefetch: int) -> int:

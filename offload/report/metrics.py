@@ -35,6 +35,11 @@ class BlockReport:
     predicted_stall_ms: float = 0.0
     placement: str = ""
     device: str = ""  # the device its resident copy lives on, or the compute device it streams to
+    # its host master: bytes it holds in host RAM (encoded where compressed, 0 on the disk tier), its raw bytes, and
+    # the form it is held in ("none" or the codec's name: decoded on the device after each copy)
+    host_bytes: int = 0
+    raw_bytes: int = 0
+    compression: str = "none"
 
 
 TIERS = ("vram", "pinned", "pageable", "disk")
@@ -75,6 +80,10 @@ class OffloadReport:
     # (the blocks' compute plus stall per forward since the last reset; None before a forward)
     predicted_step_ms: float | None = None
     step_ms: float | None = None
+    # the blocks' host masters: bytes held in host RAM (encoded where compressed, none for the disk tier) and the
+    # raw bytes of every block (what raw RAM masters would hold)
+    host_bytes: int = 0
+    host_raw_bytes: int = 0
 
     @property
     def streamed_bytes(self) -> int:

@@ -22,7 +22,9 @@ from ..model.blocks import Unit
 from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
 from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
 from ..model.trainable import trainable_in_blocks
+from .compressed import CompressedSource, stage_compressed
 from .sources import BouncedSource, BounceReader, DiskSource, HostSource, UnitSource
+from .spill import SpillFile
 from .storage import CorruptFileError, SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,22 @@ class StagingBuffer:
     host_binding: Binding
     file: SafetensorsFile | None = None  # disk tier: the file and each leaf's key in it
     keys: list[str] | None = None
+    encoded: Any = None  # held compressed (codec.Encoded): `host` is then a map of the spill file (compressed.py)
+
+    @classmethod
+    def compressed(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
+                   pin: bool, spill: SpillFile, file: SafetensorsFile | None = None,
+                   keys: list[str] | None = None) -> "StagingBuffer":
+        """Hold the unit compressed in RAM (`compressed.stage_compressed`); its modules view the spill map."""
+        sources = [file.read_tensor(keys[i]) if src.is_meta or layout.leaves[i].meta else src
+                   for i, src in enumerate(layout.sources())]
+        host, _, pinned, encoded = stage_compressed(layout, sources, None, spill, alloc_host, pin)
+        del sources
+        layout.rebind_fresh(layout.leaf_views(host))
+        binding = layout.build(host, master=True)
+        binding.apply()
+        layout.adopt_params()
+        return cls(layout, host, pinned, binding, encoded=encoded)
 
     @classmethod
     def in_ram(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
@@ -357,18 +375,24 @@ def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
 
 def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, bounce_count: int,
                 bounce_bytes: int | None = None,
-                progress: Callable[[int, int], None] | None = None) -> StagedModel:
-    """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk), one unit at a time, and the
-    read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`) for the units that are bounced."""
+                progress: Callable[[int, int], None] | None = None,
+                compressed: frozenset[int] | set[int] = frozenset()) -> StagedModel:
+    """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk) and form (`compressed`: held
+    in RAM in the codec's form), one unit at a time, and the read-ahead thread (`bounce_count` buffers of at most
+    `bounce_bytes`) for the units that are bounced."""
     units, layouts, file, keys = laid.units, laid.layouts, laid.file, laid.keys
     masters: list[StagingBuffer] = []
     total = len(units) + 1
     notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
     reader = rest = None
+    spill = SpillFile() if any(tiers.get(i) != "disk" for i in compressed) else None
     try:
         for i, layout in enumerate(layouts):
             if tiers.get(i) == "disk":
                 masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
+            elif i in compressed:
+                masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pin and tiers.get(i) != "pageable",
+                                                        spill, file, keys.get(i)))
             else:
                 masters.append(StagingBuffer.in_ram(layout, backend.alloc_host, pin and tiers.get(i) != "pageable",
                                                     file, keys.get(i), notice))
@@ -378,7 +402,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
         rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
         # the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
         # pinning refused) on a device with pinned memory, whose straight copies would block the forward
-        bounced = [m.layout.nbytes for m in masters if m.host is None or
+        bounced = [m.layout.nbytes if m.encoded is None else m.encoded.size for m in masters if m.host is None or
                    (not m.pinned and backend.supports_pinned_host)]
         if bounced:
             size = max(bounced) if bounce_bytes is None else min(max(bounced), bounce_bytes)
@@ -387,6 +411,9 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
         for m in reversed(masters + ([rest] if rest is not None else [])):
             m.restore_ordinary()
         raise
+    finally:
+        if spill is not None:
+            spill.close()  # the maps handed out keep their bytes
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
         source: UnitSource = (DiskSource(file, keys[i], master.layout.leaves, master.layout.nbytes, reader)
@@ -398,7 +425,11 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
 
 
 def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:
-    """The source for a RAM master: straight copies when pinned (or no pinned memory exists), else bounced."""
+    """The source for a RAM master: straight copies when pinned (or no pinned memory exists), else bounced; a
+    compressed master's encoded bytes, decoded on the device."""
+    if master.encoded is not None:
+        return CompressedSource(master.encoded, master.encoded.blob, master.pinned, backend, reader, master.host,
+                                list(master.layout.leaves), backend.alloc_host)
     if not master.pinned and backend.supports_pinned_host and reader is not None:
         return BouncedSource(master.host, reader)
     return HostSource(master.host, master.pinned, backend)

@@ -13,6 +13,7 @@ import torch
 
 from ..backends.base import Backend
 from ..plan.planner import bounce_buffers
+from ..store.compressed import unit_host_bytes
 from ..store.sources import BounceReader, DiskSource
 from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
 from .placement import UnitState, quiesce
@@ -70,20 +71,23 @@ class HostTiers:
                  old.file.path if old.file is not None else "its file")
 
     def host_memory(self) -> dict[str, int]:
-        """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, and on disk."""
-        ram = pinned = disk = 0
+        """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, and on disk; the
+        blocks' raw bytes in RAM (`raw`: what `ram` holds compressed, counted as raw)."""
+        ram = pinned = disk = raw = 0
         for u in self.units:
             if u.master.host is None:
                 disk += u.nbytes
             else:
-                ram += u.nbytes
-                pinned += u.nbytes if u.master.pinned else 0
+                held = unit_host_bytes(u.staged)
+                ram += held
+                raw += u.nbytes
+                pinned += held if u.master.pinned else 0
         ram += self.staged.rest.layout.nbytes
         reader = self.staged.reader
         if reader is not None:
             ram += reader.bounce_bytes * reader.count
             pinned += reader.bounce_bytes * reader.count if reader.pinned else 0
-        return {"ram": ram, "pinned": pinned, "disk": disk}
+        return {"ram": ram, "pinned": pinned, "disk": disk, "blocks_raw": raw}
 
     def release_host_memory(self, nbytes: int, order: list[int]) -> int:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the

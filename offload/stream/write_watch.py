@@ -15,6 +15,7 @@ import torch
 
 from ..model.layout import Binding, Entry, TensorLayout
 from ..model.model_changes import ModelChangedError
+from ..store.compressed import master_written
 from ..store.staging import StagedModel
 from .host_tiers import HostTiers
 from .placement import DevicePlacement, UnitState
@@ -75,6 +76,7 @@ class WriteWatch:
                 self.host.promote_to_ram(u)  # a disk-tier unit: its RAM master is made from the new values
             else:
                 _take_into_host(layout, binding, u.master.host, u.staged.name)
+                master_written(u.staged.source)
             u.master.host_binding.apply()
             u.mark = layout.version()
             stale = True
@@ -132,6 +134,7 @@ class WriteWatch:
                 else:
                     if u.master.host is None:
                         self.host.promote_to_ram(u)
+                    master_written(u.staged.source)
                     stale = True
         self._check_rest()
         if stale:
@@ -155,6 +158,8 @@ class WriteWatch:
                 u.device_newer = True
             elif u.master.host is None and self.host.differs_from_file(u):
                 self.host.promote_to_ram(u)
+            else:
+                master_written(u.staged.source)
         p.rest_device_newer = p.rest_buf is not None
         p.rest_mark = self.staged.rest.layout.version()
         if computing is None:
