@@ -78,6 +78,11 @@ class PlanFacts:
     host_forms: tuple[str, ...] = ()  # the forms in place when `host` is None ("none" or the codec's name)
     decode_scratch: int = 0  # device bytes a compressed unit's decode holds beside the slot
 
+    @property
+    def scratch_bytes(self) -> int:
+        """The decode's scratch where a staged unit is held compressed (0 otherwise): held beside the rest."""
+        return self.decode_scratch if any(f != "none" for f in self.host_forms) else 0
+
 
 @dataclass(frozen=True)
 class UnitPlacement:
