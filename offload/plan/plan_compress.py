@@ -68,4 +68,8 @@ def choose_compressed(mode: str, sizes: list[int], packed: list[int],
             lo = mid + 1
     if best is not None:
         return best
-    return plan_for(with_compressed(candidates)), frozenset(candidates)  # fewer units on disk at least
+    try:
+        return plan_for(with_compressed(candidates)), frozenset(candidates)  # fewer units on disk at least
+    except RamCeilingError as exc:
+        raise RamCeilingError(f"{exc} (with {len(candidates)} block(s) held compressed in RAM: "
+                              f"host_compression={mode!r})") from None

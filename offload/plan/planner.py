@@ -239,7 +239,9 @@ def settled_plan(facts: PlanFacts, costs_of: Callable[[list[str]], UnitCosts]) -
     `offload.predict` predicts with). `costs_of(host tiers)` costs each unit from where its master lives."""
     first = make_plan(facts)
     tiers = [first.host_tiers.get(i, "pinned") for i in range(len(facts.sizes))]
-    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), costs=costs_of(tiers), current=first))
+    forms = tuple(u.compression for u in first.units)
+    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), host_forms=forms, costs=costs_of(tiers),
+                                current=first))
     settled.host_plan = first.host_plan
     return settled
 

@@ -399,8 +399,12 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     model = build_meta_model(spec)
     fargs, fkwargs, tokens = make_inputs(spec, model, size)
     configs = {p: OffloadConfig.from_preset(p, device="sim") for p in presets}
+    if ram is not None:  # the same presets without the compressed host form: what compression keeps off the disk
+        configs.update({f"{p}:{_RAW}": OffloadConfig.from_preset(p, device="sim", host_compression="off")
+                        for p in presets})
     preds = predict_configs(model, fargs, fkwargs, configs, card, ram_bytes=ram, disk_tier=args.disk,
                             layout_bytes=(spec.block_bytes, spec.rest_bytes) if spec.block_bytes else None)
+    raw = {p[:-len(_RAW) - 1]: preds.pop(p) for p in list(preds) if p.endswith(":" + _RAW)}
     if args.json:
         out(json.dumps({"model": spec.source, "family": spec.family, "class": spec.class_name, "dtype": spec.dtype,
                         "input": size.describe(spec.family), "tokens": tokens, "card": card.to_dict(),
@@ -413,7 +417,28 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         f"{card.tflops:g} TFLOP/s; host RAM {'not limited' if ram is None else f'{ram / GIB:.0f} GiB'}. "
         f"PREDICTIONS (offload.predict), not measurements.")
     out(format_table(preds, args.steps))
+    for line in compression_lines(preds, raw):
+        out(line)
     return 0
+
+
+_RAW = "host_compression=off"
+
+
+def compression_lines(preds: dict[str, Any], raw: dict[str, Any]) -> list[str]:
+    """Per preset, what holding blocks compressed in RAM (host_compression, default auto) keeps out of the disk tier
+    and off the RAM ceiling, against the same preset with host_compression="off"."""
+    lines = []
+    for name, p in preds.items():
+        if not p.compressed_blocks:
+            continue
+        off = raw.get(name)
+        kept = f"; off: {off.disk_bytes / GIB:.2f} GiB on disk" if off is not None else ""
+        if off is not None and not math.isfinite(off.step_ms):
+            kept = "; off: no plan fits the RAM"
+        lines.append(f"{name}: {p.compressed_blocks} block(s) held compressed in RAM "
+                     f"({p.compressed_bytes / GIB:.2f} GiB saved), {p.disk_bytes / GIB:.2f} GiB on disk{kept}")
+    return lines
 
 
 def format_table(preds: dict[str, Any], steps: int | None = None) -> str:

@@ -165,3 +165,44 @@ def stage_compressed(layout: TensorLayout, sources: list[torch.Tensor], encoded_
     blob.copy_(encoded.blob)
     encoded.blob = blob
     return master, blob, pinned, encoded
+
+
+DEFAULT_DECODE_GBPS = 100.0  # decode rate (GB/s of raw bytes) assumed for a named card until measured on it
+_decode_rates: dict[int, float] = {}
+
+
+def estimated_packed_sizes(modules: list, sizes: list[int]) -> list[int]:
+    """Each unit's encoded size estimated from its tensors' dtypes (`codec.estimate_by_dtype`), scaled to `sizes`
+    (the bytes a unit streams: a model file's where it is known)."""
+    out = []
+    for module, size in zip(modules, sizes):
+        leaves = [codec_leaf(t.numel() * t.element_size(), t.dtype)
+                  for t in list(module.parameters()) + list(module.buffers())]
+        raw = sum(leaf.nbytes for leaf in leaves)
+        ratio = codec.estimate_by_dtype(leaves, raw) / raw if raw else 1.0
+        out.append(int(size * ratio))
+    return out
+
+
+def measure_decode_gbps(backend: Any, nbytes: int = 16 << 20) -> float:
+    """The device's decode rate in GB/s of raw bytes: a unit of bf16 weights drawn like trained ones, encoded on the
+    CPU, decoded on the device in place after its copy (the copy not timed); best of three, measured once."""
+    key = id(backend)
+    if key not in _decode_rates:
+        g = torch.Generator().manual_seed(0)
+        raw = (torch.randn(nbytes // 2, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)
+        encoded = codec.encode(raw, [codec_leaf(nbytes, torch.bfloat16)])
+        buf = backend.alloc(nbytes)
+        try:
+            best = float("inf")
+            for _ in range(3):
+                copy = backend.copy_h2d(buf[nbytes - encoded.size:], encoded.blob)
+                backend.event_synchronize(copy)
+                t0 = time.perf_counter()
+                backend.event_synchronize(backend.then(copy, lambda: codec.decode_into(buf, encoded.chunks, nbytes,
+                                                                                         encoded.size)))
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            backend.release(buf)
+        _decode_rates[key] = nbytes / max(best, 1e-9) / 1e9
+    return _decode_rates[key]
