@@ -24,6 +24,7 @@ class PresetPolicy:
     prefetch: int  # lookahead in streamed units
     allow_disk: bool  # may units whose bytes do not fit the RAM budget stay on disk
     suits: str  # the cards it is meant for
+    host_compression: str = "auto"  # blocks held compressed in host RAM (OffloadConfig.host_compression)
 
 
 PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
@@ -160,7 +161,7 @@ class OffloadConfig:
             raise ValueError(_unknown_preset(name))
         policy = PRESETS[name]
         values: dict[str, Any] = dict(preset=name, prefetch=policy.prefetch, allow_disk=policy.allow_disk,
-                                      vram_fraction=policy.vram_fraction)
+                                      vram_fraction=policy.vram_fraction, host_compression=policy.host_compression)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:

@@ -126,6 +126,10 @@ def summarize(d: dict[str, Any]) -> str:
     head += (f" on {d['device']} (preset {d.get('preset')}, priority {d.get('priority')}): {tiers['vram']} resident / "
              f"{tiers['pinned'] + tiers['pageable']} streamed from RAM / {tiers['disk']} from disk blocks; "
              f"device {d['device_bytes'] / mb:.1f} MB (peak {d['peak_device_bytes'] / mb:.1f} MB)")
+    compressed = sum(1 for b in d.get("blocks", ()) if b.get("compression", "none") != "none")
+    if compressed:
+        head += (f"; host RAM {d['host_bytes'] / mb:.1f} MB for {d['host_raw_bytes'] / mb:.1f} MB of blocks "
+                 f"({compressed} compressed)")
     runs = (f"  last runs: {d['forwards']} forward(s), {d['total_bytes_streamed'] / mb:.1f} MB streamed, "
             f"overlap {d['overlap_ratio']:.2f}, {d['effective_gbps']:.2f} GB/s, stall {d['stall_ms']:.1f} ms")
     if d.get("backward_bytes_streamed"):

@@ -391,8 +391,8 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             if tiers.get(i) == "disk":
                 masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
             elif i in compressed:
-                masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pin and tiers.get(i) != "pageable",
-                                                        spill, file, keys.get(i)))
+                pinned = pin and tiers.get(i) != "pageable"
+                masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pinned, spill, file, keys.get(i)))
             else:
                 masters.append(StagingBuffer.in_ram(layout, backend.alloc_host, pin and tiers.get(i) != "pageable",
                                                     file, keys.get(i), notice))
@@ -402,8 +402,8 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
         rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
         # the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
         # pinning refused) on a device with pinned memory, whose straight copies would block the forward
-        bounced = [m.layout.nbytes if m.encoded is None else m.encoded.size for m in masters if m.host is None or
-                   (not m.pinned and backend.supports_pinned_host)]
+        bounced = [m.layout.nbytes if m.encoded is None else m.encoded.size for m in masters
+                   if m.host is None or (not m.pinned and backend.supports_pinned_host)]
         if bounced:
             size = max(bounced) if bounce_bytes is None else min(max(bounced), bounce_bytes)
             reader = BounceReader(backend, size, bounce_count)  # a smaller buffer reads a unit in ranges
@@ -428,8 +428,8 @@ def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | 
     """The source for a RAM master: straight copies when pinned (or no pinned memory exists), else bounced; a
     compressed master's encoded bytes, decoded on the device."""
     if master.encoded is not None:
-        return CompressedSource(master.encoded, master.encoded.blob, master.pinned, backend, reader, master.host,
-                                list(master.layout.leaves), backend.alloc_host)
+        return CompressedSource(master.encoded, master.encoded.blob, master.pinned, backend, reader,
+                                master.host, list(master.layout.leaves), backend.alloc_host)
     if not master.pinned and backend.supports_pinned_host and reader is not None:
         return BouncedSource(master.host, reader)
     return HostSource(master.host, master.pinned, backend)

@@ -119,7 +119,8 @@ def test_loader_inputs_match_comfy(env):
 
 
 WIDGET_KEYS = ("default", "min", "max", "step", "tooltip", "multiline")
-ADDED_INPUTS = ("devices", "per_device", "voice_text", "temperature", "top_k", "top_p")  # newer than node_defs_v1.json
+ADDED_INPUTS = ("devices", "per_device", "voice_text", "temperature", "top_k", "top_p",  # newer than node_defs_v1.json
+                "host_compression")
 RETEXTED = ("OffloadTTSLoader", "OffloadTTSGenerate")  # issue 28: their tooltips / descriptions name every TTS model
 
 
