@@ -23,7 +23,7 @@ from typing import Iterable
 import torch
 
 CODEC = "expwin"  # the name reports carry in `compression`
-CHUNK_ELEMS = 1 << 21  # elements coded (and decoded) together: bounds the decode's scratch memory
+CHUNK_ELEMS = 1 << 22  # elements coded (and decoded) together: bounds the decode scratch, amortizes launches
 MIN_CODED_BYTES = 4096  # smaller tensors stay raw (a few kernel launches cost more than they save)
 PAYS = 0.97  # a chunk is coded only below this share of its raw size
 UNIT_PAYS = 0.95  # a unit is held compressed only below this share of its raw size
@@ -94,8 +94,67 @@ class Encoded:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _top_byte(raw: torch.Tensor, elem: int) -> torch.Tensor:
-    return raw.view(-1, elem)[:, elem - 1]
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _split(raw: torch.Tensor, elem: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the top byte of every element, the other bytes as planes from the lowest), by shifts of whole elements
+    (contiguous ops, no strided byte copies)."""
+    if elem == 1:
+        return raw, []
+    if raw.storage_offset() % elem:
+        raw = raw.clone()  # an unaligned run (no layout makes one; the codec takes it anyway)
+    x = raw.view(_INT[elem])
+    top = (x >> (8 * (elem - 1))).to(torch.uint8)
+    return top, [(x >> (8 * j)).to(torch.uint8) for j in range(elem - 1)]
+
+
+def _join(out: torch.Tensor, top: torch.Tensor, low: list[torch.Tensor], elem: int) -> None:
+    """Write elements made of `low` byte planes and `top` into `out` (uint8, elem * n bytes)."""
+    if elem == 1:
+        out.copy_(top)
+        return
+    kind = _INT[elem]
+    word = top.to(kind) << (8 * (elem - 1))
+    for j, plane in enumerate(low):
+        word |= plane.to(kind) << (8 * j) if j else plane.to(kind)
+    if out.storage_offset() % elem:
+        out.copy_(word.view(torch.uint8))
+    else:
+        out.view(kind).copy_(word)
+
+
+def _pack_fields(field: torch.Tensor, q: int) -> torch.Tensor:
+    """Fields of q bits (uint8, a multiple of 8 of them) packed eight to q bytes, little-endian."""
+    if 8 % q == 0:  # whole fields per byte: uint8 ops only
+        per = 8 // q
+        cols = field.view(-1, per)
+        packed = cols[:, 0].clone()
+        for m in range(1, per):
+            packed |= cols[:, m] << (m * q)
+        return packed
+    groups = field.view(-1, 8).to(torch.int64)
+    word = groups[:, 0].clone()
+    for i in range(1, 8):
+        word |= groups[:, i] << (q * i)
+    return word.view(torch.uint8).view(-1, 8)[:, :q].reshape(-1)
+
+
+def _unpack_fields(packed: torch.Tensor, q: int, n: int) -> torch.Tensor:
+    """The inverse of `_pack_fields`: n fields (uint8, masked to q bits)."""
+    mask = (1 << q) - 1
+    if 8 % q == 0:
+        per = 8 // q
+        if per == 1:
+            return packed[:n]
+        parts = [(packed >> (m * q)) & mask for m in range(per)]
+        return torch.stack(parts, dim=1).reshape(-1)[:n]
+    groups = packed.numel() // q
+    wide = torch.zeros(groups, 8, dtype=torch.uint8, device=packed.device)
+    wide[:, :q] = packed.view(groups, q)
+    word = wide.view(torch.int64).reshape(-1)
+    parts = [(word >> (q * i)).to(torch.uint8) for i in range(8)]
+    return (torch.stack(parts, dim=1).reshape(-1)[:n]) & mask
 
 
 def _best_window(hist: torch.Tensor, ebits: int, n: int, fixed_bits: int) -> tuple[int, int, int, int]:
@@ -121,7 +180,7 @@ def _code_chunk(raw: torch.Tensor, elem: int, sbits: int, rbits: int) -> tuple[d
     n = raw.numel() // elem
     ebits = 8 - sbits - rbits
     emask = (1 << ebits) - 1
-    h = _top_byte(raw, elem)
+    h, low = _split(raw, elem)
     e = (h >> rbits) & emask if rbits else (h & emask if sbits else h)
     hist = torch.bincount(e.reshape(-1), minlength=1 << ebits)
     k, base, n_esc, coded = _best_window(hist, ebits, n, sbits + rbits)
@@ -139,16 +198,8 @@ def _code_chunk(raw: torch.Tensor, elem: int, sbits: int, rbits: int) -> tuple[d
     pad = (-n) % 8
     if pad:
         field = torch.cat([field, field.new_zeros(pad)])
-    groups = field.view(-1, 8).to(torch.int64)
-    word = groups[:, 0].clone()
-    for i in range(1, 8):
-        word |= groups[:, i] << (q * i)
-    del groups
-    packed = word.view(torch.uint8).view(-1, 8)[:, :q].reshape(-1)  # little-endian: the low q bytes
-    parts = []
-    if elem > 1:
-        parts.append(raw.view(-1, elem)[:, :elem - 1].t().contiguous().reshape(-1))  # planar low bytes
-    parts.append(packed)
+    parts = list(low)  # the other bytes, planar, lowest first
+    parts.append(_pack_fields(field, q))
     if n_esc:
         pos = torch.nonzero(off >= width).reshape(-1)
         parts.append(pos.to(torch.int32).view(torch.uint8))
@@ -286,31 +337,21 @@ def _decode_coded(c: Chunk, payload: torch.Tensor, out: torch.Tensor) -> None:
     """One coded chunk: `payload` its encoded bytes, `out` its raw bytes (both on the device)."""
     elem, q, k = c.elem, c.q, c.k
     n = c.nbytes // elem
-    rows = out.view(n, elem)
-    pos = 0
-    if elem > 1:
-        low = payload[:(elem - 1) * n].view(elem - 1, n)
-        rows[:, :elem - 1].copy_(low.t())
-        pos = (elem - 1) * n
+    low = [payload[j * n:(j + 1) * n] for j in range(elem - 1)]
+    pos = (elem - 1) * n
     groups = (n + 7) // 8
-    word = _bytes_to_int(payload[pos:pos + groups * q].view(groups, q), q)
+    field = _unpack_fields(payload[pos:pos + groups * q], q, n)
     pos += groups * q
-    field = torch.empty(groups, 8, dtype=torch.uint8, device=out.device)
-    for i in range(8):  # one field of every group at a time: the scratch stays near one int64 per group
-        field[:, i] = word >> (q * i)  # the low byte (q <= 8 bits; the mask below drops what lies above)
-    field = field.reshape(-1)[:n]
-    field &= (1 << q) - 1
     ebits = 8 - c.sbits - c.rbits
     top = ((field & ((1 << k) - 1)) + c.base) & ((1 << ebits) - 1)
     if c.rbits:
         top = (top << c.rbits) | ((field >> k) & ((1 << c.rbits) - 1))
     if c.sbits:
         top |= (field >> (k + c.rbits)) << 7
-    high = rows[:, elem - 1]
-    high.copy_(top)
     if c.n_esc:
         where = _bytes_to_int(payload[pos:pos + 4 * c.n_esc].view(c.n_esc, 4), 4)
-        high[where] = payload[pos + 4 * c.n_esc:pos + 5 * c.n_esc]
+        top[where] = payload[pos + 4 * c.n_esc:pos + 5 * c.n_esc]
+    _join(out, top, low, elem)
 
 
 def decode_into(buf: torch.Tensor, chunks: Iterable[Chunk], nbytes: int, size: int) -> None:
