@@ -223,6 +223,22 @@ def test_lora_matches_plain_loader_with_lora(env):
     assert torch.equal(ref, sample(env, patched))
 
 
+def test_compressed_host_ram_with_lora_is_bitwise(env):
+    """host_compression="lossless" (issue 36): every block held compressed in RAM, decoded on the device; the
+    sampler's output and a LoRA on top are those of the plain model, and the unpatched master stays unpatched."""
+    lora_node = env["nodes"].LoraLoaderModelOnly()
+    base = sample(env, plain_model(env))
+    ref = sample(env, lora_node.load_lora_model_only(plain_model(env), LORA, 0.8)[0])
+    off = env["M"]["OffloadDiffusionModelLoader"]().load(UNET, "default", "budget", None, 0, "", "lossless")[0]
+    assert torch.equal(base, sample(env, off))
+    report = handle_of(off).report()
+    assert all(b.compression != "none" and b.host_bytes < b.raw_bytes for b in report.blocks)
+    assert torch.equal(ref, sample(env, lora_node.load_lora_model_only(off, LORA, 0.8)[0]))
+    assert torch.equal(base, sample(env, off))
+    with pytest.raises(ValueError, match="host_compression"):
+        env["M"]["OffloadModel"]().apply(plain_model(env), "budget", None, 0, "", "zstd")
+
+
 def test_lora_on_resident_units_matches(env):
     lora_node = env["nodes"].LoraLoaderModelOnly()
     ref = sample(env, lora_node.load_lora_model_only(plain_model(env), LORA, 1.0)[0])
