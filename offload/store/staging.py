@@ -24,7 +24,7 @@ from ..model.meta_buffers import materialize_non_persistent_buffers, materialize
 from ..model.trainable import trainable_in_blocks
 from .compressed import CompressedSource, stage_compressed
 from .sources import BouncedSource, BounceReader, DiskSource, HostSource, UnitSource
-from .spill import SpillFile
+from .spill import SpillFile, release_free_heap
 from .storage import CorruptFileError, SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -414,6 +414,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
     finally:
         if spill is not None:
             spill.close()  # the maps handed out keep their bytes
+            release_free_heap()  # the encoder's transient buffers: freed, handed back to the OS
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
         source: UnitSource = (DiskSource(file, keys[i], master.layout.leaves, master.layout.nbytes, reader)
