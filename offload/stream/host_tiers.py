@@ -117,11 +117,12 @@ class HostTiers:
             quiesce(staged, self.backend)  # no read or copy may still use the RAM master about to go
             if staged.reader is None or staged.reader.bounce_bytes < u.nbytes:
                 cost += self._replace_reader(biggest)
+            held = unit_host_bytes(u.staged)  # a compressed unit frees its encoded blob
             u.staged.master = StagingBuffer.on_disk(u.staged.layout, file, keys, apply=u.resident_buf is None)
             u.staged.source = self.sources[u.index] = DiskSource(file, keys, u.staged.layout.leaves, u.nbytes,
                                                                   staged.reader)
             u.mark = u.staged.layout.version()
-            freed += u.nbytes
+            freed += held
         if refused:
             log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
                         f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
