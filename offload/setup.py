@@ -95,7 +95,7 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
             log.log(level, "%s", message)
         # 4. stage
         staged = stage_model(laid, plan.host_tiers, backend, config.pin_memory, plan.bounce_count,
-                             plan.bounce_bytes, progress, plan.host_plan.compressed)
+                             plan.bounce_bytes, progress, plan.host_plan.compressed, plan.host_plan.rest_spilled)
     except BaseException:
         if file is not None:
             file.close()

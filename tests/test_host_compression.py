@@ -128,6 +128,9 @@ def test_auto_compresses_only_what_would_go_to_disk():
         return HostPlan({i: "pageable" for i in range(len(eff))}, sum(eff), 0)
 
     assert choose_compressed("auto", sizes, packed, refuse, lambda p: True)[1] == frozenset(range(1, 6))
+    # a hard RAM ceiling that raw blocks break asks for all the RAM compression gives
+    assert choose_compressed("auto", sizes, packed, plan_for, fits, hard=True)[1] == frozenset(range(6))
+    assert choose_compressed("auto", [100] * 4, [70] * 4, plan_for, fits, hard=True)[1] == frozenset()
     with pytest.raises(RamCeilingError):
         choose_compressed("auto", sizes, [90] * 6, refuse, lambda p: True)
 

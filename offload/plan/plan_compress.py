@@ -3,9 +3,11 @@ host side of a plan, called only by `planner.make_plan`.
 
 - "off": none.
 - "lossless": every unit whose encoded size pays (below `codec.UNIT_PAYS` of raw).
-- "auto": none when every unit fits in RAM raw; else the fewest units, from the last in the order RAM fills (the
-  ones that would go to the disk tier first), whose compression keeps every unit out of the disk tier and inside
-  the RAM ceiling; all that pay when even that is not enough (fewer units on disk). Never a unit that would not pay.
+- "auto": none when every unit fits in RAM raw; under a hard RAM ceiling (`ram_budget_bytes`) that raw units break,
+  all that pay (the ceiling asks for RAM: the most it can get); else (the RAM the machine has available) the fewest
+  units, from the last in the order RAM fills (the ones that would go to the disk tier first), whose compression
+  keeps every unit out of the disk tier; all that pay when even that is not enough (fewer units on disk). Never a
+  unit that would not pay.
 
 The host plan is then made with each unit's host size (its encoded size where compressed).
 """
@@ -27,8 +29,8 @@ def paying(sizes: list[int], packed: list[int]) -> list[int]:
 
 
 def choose_compressed(mode: str, sizes: list[int], packed: list[int],
-                      plan_for: Callable[[list[int]], HostPlan], fits: Callable[[HostPlan], bool]
-                      ) -> tuple[HostPlan, frozenset[int]]:
+                      plan_for: Callable[[list[int]], HostPlan], fits: Callable[[HostPlan], bool],
+                      hard: bool = False) -> tuple[HostPlan, frozenset[int]]:
     """(host plan, compressed units) for `mode`. `plan_for(host sizes)` makes the host plan (it may raise
     RamCeilingError); `fits(plan)` says whether a plan keeps every unit in RAM within the RAM the model may use."""
     candidates = paying(sizes, packed)
@@ -50,8 +52,10 @@ def choose_compressed(mode: str, sizes: list[int], packed: list[int],
             return raw, frozenset()
     except RamCeilingError as exc:
         error = exc
-    # the units RAM fills last go to the disk tier first: compress from the end until everything fits
-    order = list(reversed(candidates))
+    if hard:  # the ceiling asks for RAM: every unit that pays
+        order: list[int] = []
+    else:  # the units RAM fills last go to the disk tier first: compress from the end until everything fits
+        order = list(reversed(candidates))
     lo, hi = 1, len(order)
     best: tuple[HostPlan, frozenset[int]] | None = None
     while lo <= hi:  # more units compressed never needs more RAM: the fewest that fit, by bisection

@@ -24,6 +24,7 @@ class HostPlan:
     bounce_bytes: int | None = None  # size of each bounce buffer under a RAM ceiling (None: the largest unit)
     compressed: frozenset[int] = frozenset()  # units held compressed in RAM (plan_compress.py)
     host_sizes: list[int] | None = None  # each unit's host bytes (its encoded size where compressed)
+    rest_spilled: bool = False  # the weights outside the blocks keep no RAM copy (their master: the spill map)
 
 
 def bounce_buffers(prefetch: int) -> int:

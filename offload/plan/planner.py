@@ -282,8 +282,12 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
 
     def plan_for(sizes: list[int]) -> HostPlan:
         notes: list[tuple[int, str]] = []
-        plan = _host_tiers(facts, sizes, notes)
+        # with units compressed, the weights outside the blocks (on the device the whole run) keep no RAM copy:
+        # their host master is the spill file's map, read only when they are unloaded
+        spill_rest = list(sizes) != list(facts.sizes)
+        plan = _host_tiers(facts, sizes, notes, 0 if spill_rest else facts.rest_bytes)
         plan.host_sizes = sizes
+        plan.rest_spilled = spill_rest
         said[id(plan)] = notes
         return plan
 
@@ -291,13 +295,15 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
         if any(t == "disk" for t in plan.tiers.values()):
             return False
         if h.hard:
-            return host_ram_bytes(plan.host_sizes, facts.rest_bytes, plan.tiers, plan.bounce_bytes, facts.prefetch,
+            rest = 0 if plan.rest_spilled else facts.rest_bytes
+            return host_ram_bytes(plan.host_sizes, rest, plan.tiers, plan.bounce_bytes, facts.prefetch,
                                   h.bounces_pageable) <= h.ram_budget
         return plan.ram_bytes <= h.ram_budget
 
     plan, compressed = choose_compressed(facts.host_compression, list(facts.sizes), list(facts.packed_sizes),
-                                         plan_for, fits)
+                                         plan_for, fits, h.hard)
     plan.compressed = frozenset(i for i in compressed if plan.tiers.get(i) != "disk")
+    plan.rest_spilled = plan.rest_spilled and bool(plan.compressed)
     compressed = plan.compressed
     messages.extend(said.get(id(plan), []))
     if compressed:
@@ -308,7 +314,7 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
     return plan
 
 
-def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, str]]) -> HostPlan:
+def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, str]], rest_bytes: int) -> HostPlan:
     """Host tiers for the units' masters: pinned RAM, pageable RAM, or the disk file (`sizes`: host bytes).
 
     A hard ceiling (`ram_budget_bytes`) bounds everything the engine holds in host RAM for this model (the weights
@@ -319,7 +325,7 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     h = facts.host
     pin_limit = h.pin_limit if h.pin else 0
     if h.hard:
-        plan = plan_host_capped(sizes, facts.rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
+        plan = plan_host_capped(sizes, rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
                                 facts.prefetch, h.bounces_pageable)
     else:
         plan = plan_host(sizes, h.ram_budget, pin_limit, h.allow_disk, h.pin)
@@ -335,7 +341,7 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
         messages.append((logging.INFO, f"{facts.name}: {disk} unit(s) stream from {h.file_path} (RAM budget "
                                        f"{h.ram_budget / MIB:.1f} MB)"))
     if h.hard:
-        ram = host_ram_bytes(sizes, facts.rest_bytes, tiers, plan.bounce_bytes, facts.prefetch,
+        ram = host_ram_bytes(sizes, rest_bytes, tiers, plan.bounce_bytes, facts.prefetch,
                              h.bounces_pageable)
         if ram > h.ram_budget:
             kept = sum(1 for t in tiers.values() if t != "disk")

@@ -149,8 +149,9 @@ def master_written(source: Any) -> None:
 
 def stage_compressed(layout: TensorLayout, sources: list[torch.Tensor], encoded_in: codec.Encoded | None,
                      spill: SpillFile, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
-                     pin: bool) -> tuple[torch.Tensor, torch.Tensor, bool, codec.Encoded]:
-    """One unit's compressed host form: (raw master viewing the spill file, blob, pinned, encoding).
+                     pin: bool, encode: bool = True) -> tuple[torch.Tensor, Any, bool, Any]:
+    """One unit's compressed host form: (raw master viewing the spill file, blob, pinned, encoding); without
+    `encode`, the spill map alone (blob and encoding None: the weights outside the blocks, kept on the device).
 
     `sources` are the leaves' tensors (read from the file already where they were on the meta device); the raw
     bytes exist only transiently here."""
@@ -158,6 +159,9 @@ def stage_compressed(layout: TensorLayout, sources: list[torch.Tensor], encoded_
     with torch.no_grad():
         for view, src in zip(layout.leaf_views(raw), sources):
             view.copy_(src)
+    if not encode:
+        master = spill.put(raw)
+        return master, None, False, None
     encoded = encoded_in or codec.encode(raw, layout.leaves)
     master = spill.put(raw)
     del raw

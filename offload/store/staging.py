@@ -54,21 +54,23 @@ class StagingBuffer:
     file: SafetensorsFile | None = None  # disk tier: the file and each leaf's key in it
     keys: list[str] | None = None
     encoded: Any = None  # held compressed (codec.Encoded): `host` is then a map of the spill file (compressed.py)
+    spilled: bool = False  # `host` maps the spill file (no RAM of its own until read)
 
     @classmethod
     def compressed(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
                    pin: bool, spill: SpillFile, file: SafetensorsFile | None = None,
-                   keys: list[str] | None = None) -> "StagingBuffer":
-        """Hold the unit compressed in RAM (`compressed.stage_compressed`); its modules view the spill map."""
+                   keys: list[str] | None = None, encode: bool = True) -> "StagingBuffer":
+        """Hold the unit compressed in RAM (`compressed.stage_compressed`); its modules view the spill map. Without
+        `encode`, the spill map alone (the weights outside the blocks, which live on the device)."""
         sources = [file.read_tensor(keys[i]) if src.is_meta or layout.leaves[i].meta else src
                    for i, src in enumerate(layout.sources())]
-        host, _, pinned, encoded = stage_compressed(layout, sources, None, spill, alloc_host, pin)
+        host, _, pinned, encoded = stage_compressed(layout, sources, None, spill, alloc_host, pin, encode)
         del sources
         layout.rebind_fresh(layout.leaf_views(host))
         binding = layout.build(host, master=True)
         binding.apply()
         layout.adopt_params()
-        return cls(layout, host, pinned, binding, encoded=encoded)
+        return cls(layout, host, pinned, binding, encoded=encoded, spilled=True)
 
     @classmethod
     def in_ram(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
@@ -376,7 +378,7 @@ def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
 def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, bounce_count: int,
                 bounce_bytes: int | None = None,
                 progress: Callable[[int, int], None] | None = None,
-                compressed: frozenset[int] | set[int] = frozenset()) -> StagedModel:
+                compressed: frozenset[int] | set[int] = frozenset(), spill_rest: bool = False) -> StagedModel:
     """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk) and form (`compressed`: held
     in RAM in the codec's form), one unit at a time, and the read-ahead thread (`bounce_count` buffers of at most
     `bounce_bytes`) for the units that are bounced."""
@@ -385,7 +387,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
     total = len(units) + 1
     notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
     reader = rest = None
-    spill = SpillFile() if any(tiers.get(i) != "disk" for i in compressed) else None
+    spill = SpillFile() if spill_rest or any(tiers.get(i) != "disk" for i in compressed) else None
     try:
         for i, layout in enumerate(layouts):
             if tiers.get(i) == "disk":
@@ -399,7 +401,11 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             if progress:
                 progress(i + 1, total)
         # Non-block tensors: always resident; the host copy stays the master for unload and detach.
-        rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
+        if spill_rest and laid.rest.nbytes:
+            rest = StagingBuffer.compressed(laid.rest, backend.alloc_host, False, spill, file, laid.rest_keys,
+                                            encode=False)
+        else:
+            rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
         # the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
         # pinning refused) on a device with pinned memory, whose straight copies would block the forward
         bounced = [m.layout.nbytes if m.encoded is None else m.encoded.size for m in masters

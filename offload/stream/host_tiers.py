@@ -82,7 +82,7 @@ class HostTiers:
                 ram += held
                 raw += u.nbytes
                 pinned += held if u.master.pinned else 0
-        ram += self.staged.rest.layout.nbytes
+        ram += 0 if self.staged.rest.spilled else self.staged.rest.layout.nbytes
         reader = self.staged.reader
         if reader is not None:
             ram += reader.bounce_bytes * reader.count
