@@ -105,8 +105,9 @@ class OffloadConfig:
     sim_latency_us: float = 0.0
     # several devices: the compute device first, then devices whose memory holds resident blocks (None: one device)
     devices: tuple[str, ...] | None = None
-    # blocks held losslessly compressed in host RAM, decoded on the device: "auto" (those that would otherwise go
-    # to the disk tier or break the RAM ceiling), "lossless" (every block where it pays), "off"
+    # blocks held losslessly compressed in host RAM, decoded on the device: "auto" (none while the blocks fit; all
+    # that pay under a ram_budget_bytes they break; else those that would go to the disk tier), "lossless" (every
+    # block where it pays), "off"
     host_compression: str = "auto"
 
     def __post_init__(self) -> None:
