@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 from safetensors.torch import save_file
 
 from offload import OffloadConfig, VramBudget, offload_module

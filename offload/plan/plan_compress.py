@@ -18,9 +18,6 @@ from typing import Callable
 from ..store.codec import UNIT_PAYS
 from .plan_host import HostPlan, RamCeilingError
 
-MODES = ("auto", "lossless", "off")
-
-
 def paying(sizes: list[int], packed: list[int]) -> list[int]:
     """The units whose encoded size pays."""
     if not packed:

@@ -9,7 +9,6 @@ temporary directory unless it lives in RAM (tmpfs), then /var/tmp.
 """
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import tempfile
@@ -17,8 +16,6 @@ import weakref
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 _RAM_FILESYSTEMS = {"tmpfs", "ramfs"}
