@@ -164,3 +164,83 @@ def test_bad_input_is_a_message(tmp_path, capsys, argv, needle):
 def test_parse_bytes():
     assert parse_bytes("32GB") == 32 << 30 and parse_bytes("12 GiB") == 12 << 30 and parse_bytes("512MB") == 512 << 20
     assert parse_bytes("16") == 16 << 30
+
+
+def test_newcomer_output(tmp_path, capsys):
+    """The without-offloading line, the resident time beside every preset's, --cfg doubling the batch, and no
+    library warning (diffusers' float32-modules notice) in the output."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(WAN_CONFIG))
+    assert main(["plan", str(cfg), "--frames", "9", "--height", "64", "--width", "64", "--cfg", "5", "--steps", "20",
+                 "--presets", "budget,auto"]) == 0
+    out = capsys.readouterr()
+    assert "without offloading: fits" in out.out and "resident ms/step" in out.out and "20 steps" in out.out
+    assert "CFG 5" in out.out and "batch 2" in out.out
+    assert "float32" not in out.out + out.err and "Warning" not in out.err
+    one = run_json(capsys, str(cfg), "--frames", "9", "--height", "64", "--width", "64", "--presets", "budget")
+    two = run_json(capsys, str(cfg), "--frames", "9", "--height", "64", "--width", "64", "--presets", "budget",
+                   "--cfg", "5")
+    assert two["batch"] == 2 * one["batch"] == 2
+    assert two["presets"]["budget"]["activation_bytes"] > one["presets"]["budget"]["activation_bytes"]
+
+
+def test_big_model_does_not_fit_without_offloading(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**WAN_CONFIG, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40,
+                               "text_dim": 4096}))
+    out = run_json(capsys, str(cfg), "--frames", "5", "--height", "64", "--width", "64", "--card", "rtx3060-12gb",
+                   "--presets", "budget")
+    assert out["without_offloading"]["fits"] is False and out["without_offloading"]["needs_bytes"] > 26 << 30
+    assert out["presets"]["budget"]["fits"] is True
+
+
+@pytest.mark.parametrize("frames, ok", [(80, False), (81, True), (1, True)])
+def test_frames_checked_against_the_rule(tmp_path, capsys, frames, ok):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(WAN_CONFIG))
+    code = main(["plan", str(cfg), "--frames", str(frames), "--height", "32", "--width", "32", "--presets", "budget"])
+    err = capsys.readouterr().err
+    assert code == (0 if ok else 2)
+    if not ok:
+        assert "4k+1" in err and "77" in err and "81" in err
+
+
+# diffusers' tests/models/transformers/test_models_transformer_cogvideox.py and ..._ltx.py configs
+COG_CONFIG = {"_class_name": "CogVideoXTransformer3DModel", "num_attention_heads": 2, "attention_head_dim": 32,
+              "in_channels": 16, "out_channels": 16, "time_embed_dim": 64, "text_embed_dim": 64, "num_layers": 2,
+              "sample_width": 8, "sample_height": 8, "sample_frames": 9, "patch_size": 2, "max_text_seq_length": 226,
+              "use_rotary_positional_embeddings": True}
+LTX_CONFIG = {"_class_name": "LTXVideoTransformer3DModel", "in_channels": 8, "out_channels": 8, "patch_size": 1,
+              "patch_size_t": 1, "num_attention_heads": 4, "attention_head_dim": 8, "cross_attention_dim": 32,
+              "num_layers": 1, "caption_channels": 16}
+
+
+@pytest.mark.parametrize("config, family, frames", [(COG_CONFIG, "cogvideox", 9), (LTX_CONFIG, "ltx_video", 17)])
+def test_cogvideox_and_ltx_configs(tmp_path, capsys, config, family, frames):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    out = run_json(capsys, str(cfg), "--frames", str(frames), "--height", "64", "--width", "64", "--presets", "budget")
+    assert out["family"] == family and out["tokens"] > 0 and out["presets"]["budget"]["step_ms"] > 0
+
+
+def _ltx_file_shapes() -> dict[str, tuple]:
+    s = {"adaln_single.emb.timestep_embedder.linear_1.bias": (256,), "patchify_proj.weight": (H, 128),
+         "caption_projection.linear_1.weight": (H, 64), "proj_out.weight": (128, H)}
+    for i in range(3):
+        p = f"transformer_blocks.{i}."
+        for attn in ("attn1", "attn2"):
+            for lin in ("to_q", "to_k", "to_v", "to_out.0"):
+                s[f"{p}{attn}.{lin}.weight"] = (H, H)
+        s[p + "ff.net.0.proj.weight"] = (4 * H, H)
+        s[p + "ff.net.2.weight"] = (H, 4 * H)
+        s[p + "scale_shift_table"] = (6, H)
+    return {"model.diffusion_model." + k: v for k, v in s.items()}
+
+
+def test_ltx_file_from_its_header(tmp_path, capsys):
+    """A family the meta-device path does not build from a file (LTX-Video) is priced from its header."""
+    path = write_header_file(tmp_path / "ltx.safetensors", _ltx_file_shapes())
+    out = run_json(capsys, str(path), "--frames", "121", "--height", "512", "--width", "768", "--presets", "budget")
+    assert out["family"] == "ltxv" and out["tokens"] == 16 * 16 * 24
+    assert len(out["presets"]["budget"]["blocks"]) == 3
+    assert main(["plan", str(path), "--frames", "120"]) == 2 and "8k+1" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..model.blocks import Unit, find_units
-from .cards import ATTENTION_EFFICIENCY, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, Card
+from .cards import MEMORY_EFFICIENCY, Card
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -53,10 +53,11 @@ class MetaAnalysis:
 
 
 def _ops_ms(ops: list[tuple[str, float, float]], card: Card) -> float:
-    """Milliseconds of `ops` on `card`: each op as slow as its FLOPs or its bytes make it (a roofline), plus a launch."""
+    """Milliseconds of `ops` on `card`: each op as slow as its FLOPs or its bytes make it (a roofline), plus a launch;
+    attention at the share of the peak its kernel reaches on the card's architecture (`Card.attention_efficiency`)."""
     peak = card.tflops * 1e12
     mem = card.mem_gbps * 1e9 * MEMORY_EFFICIENCY if card.mem_gbps else math.inf
-    eff = {"mm": MATMUL_EFFICIENCY, "attn": ATTENTION_EFFICIENCY}
+    eff = {"mm": card.matmul_efficiency, "attn": card.attention_efficiency}
     total = 0.0
     for kind, flops, nbytes in ops:
         t = nbytes / mem

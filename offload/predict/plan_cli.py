@@ -18,16 +18,16 @@ import json
 import logging
 import math
 import re
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .model_inputs import TEXT_TOKENS, VIDEO_FAMILIES, InputSize, make_inputs  # noqa: F401 (names it offered)
+
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-TEXT_TOKENS = 512  # text-encoder tokens a diffusion model is conditioned on (T5 / umT5 / Qwen2.5-VL padding)
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.", "transformer.")
 # HunyuanVideo's block lists in the order diffusers registers them (the token refiner's blocks come first)
 _HUNYUAN_LISTS = ("txt_in.individual_token_refiner.blocks", "double_blocks", "single_blocks")
@@ -51,17 +51,12 @@ class ModelSpec:
 
 # ------------------------------------------------------------------------------------------------ reading a file
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
-    """The header of a .safetensors file (names, dtypes, shapes, offsets), read without its data."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-        (length,) = struct.unpack("<Q", raw)
-        if length <= 0 or length > 200 << 20:
-            raise ValueError(f"{path} is not a safetensors file (header length {length})")
-        header = json.loads(fh.read(length))
-    header.pop("__metadata__", None)
-    return header
+    """The header of a .safetensors file (names, dtypes, shapes), read without its data through
+    `store.storage.SafetensorsFile` (its checks apply)."""
+    from .model_files import ST_NAMES, read_safetensors_infos
+
+    return {name: {"dtype": ST_NAMES.get(info.dtype, info.dtype), "shape": list(info.shape)}
+            for name, info in read_safetensors_infos(Path(path)).items()}
 
 
 def _strip(keys: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +190,8 @@ def spec_from_config(path: Path) -> ModelSpec:
         family = {"WanTransformer3DModel": "wan", "FluxTransformer2DModel": "flux",
                   "QwenImageTransformer2DModel": "qwen_image", "HunyuanVideoTransformer3DModel": "hunyuan_video",
                   "HunyuanVideo15Transformer3DModel": "hunyuan_video_1.5",
-                  "SD3Transformer2DModel": "sd3"}.get(cls, "diffusers")
+                  "SD3Transformer2DModel": "sd3", "CogVideoXTransformer3DModel": "cogvideox",
+                  "LTXVideoTransformer3DModel": "ltx_video"}.get(cls, "diffusers")
         clean = {k: v for k, v in config.items() if not k.startswith("_")}
         return ModelSpec(family, cls, clean, str(path), dtype)
     if "model_type" in config or "architectures" in config:
@@ -239,103 +235,6 @@ def build_meta_model(spec: ModelSpec) -> Any:
     return model.to(dtype).eval()
 
 
-@dataclass
-class InputSize:
-    """What one forward is run at: a video (frames), an image (height x width) or a token count."""
-
-    frames: int = 1
-    height: int = 1024
-    width: int = 1024
-    tokens: int | None = None
-    text_tokens: int = TEXT_TOKENS
-    batch: int = 1
-
-    def describe(self, family: str) -> str:
-        if family == "transformers":
-            return f"{self.tokens or 1} token(s), batch {self.batch}"
-        video = family in ("wan", "hunyuan_video", "hunyuan_video_1.5")
-        return (f"{self.frames} frames " if video else "") + f"{self.width}x{self.height}, batch {self.batch}"
-
-
-def make_inputs(spec: ModelSpec, model: Any, size: InputSize, device: Any = "meta",
-                seed: int = 0) -> tuple[tuple, dict[str, Any], int]:
-    """(args, kwargs, image/video tokens) of one forward of `model` at `size`: meta tensors, or seeded random ones on
-    `device` (masks all ones, ids zero) for a real run."""
-    import torch
-
-    dt = next(iter(model.parameters())).dtype
-    b, t_txt = size.batch, size.text_tokens
-    cfg = model.config
-    gen = torch.Generator().manual_seed(seed)
-
-    def meta(*shape: int, dtype: Any = dt) -> torch.Tensor:
-        if str(device) == "meta":
-            return torch.empty(*shape, device="meta", dtype=dtype)
-        if dtype == torch.long:
-            return torch.ones(*shape, dtype=dtype, device=device)
-        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
-
-    step = meta(b, dtype=torch.float32)
-    if str(device) != "meta":
-        step = torch.full((b,), 500.0, device=device)
-    latent_f = (size.frames - 1) // 4 + 1
-    fam = spec.family
-    if fam == "transformers":
-        tokens = size.tokens or 1
-        ids = meta(b, tokens, dtype=torch.long) if str(device) == "meta" else torch.zeros(b, tokens, dtype=torch.long,
-                                                                                           device=device)
-        return (), {"input_ids": ids, "use_cache": False}, tokens
-    if fam == "wan":
-        h, w = size.height // 8, size.width // 8
-        kw = dict(hidden_states=meta(b, cfg.in_channels, latent_f, h, w), timestep=step,
-                  encoder_hidden_states=meta(b, t_txt, cfg.text_dim), return_dict=False)
-        if cfg.image_dim:
-            kw["encoder_hidden_states_image"] = meta(b, 257, cfg.image_dim)
-        return (), kw, latent_f * (h // 2) * (w // 2)
-    if fam == "flux":
-        h, w = size.height // 16, size.width // 16
-        kw = dict(hidden_states=meta(b, h * w, cfg.in_channels), encoder_hidden_states=meta(b, t_txt,
-                  cfg.joint_attention_dim), pooled_projections=meta(b, cfg.pooled_projection_dim), timestep=step,
-                  img_ids=meta(h * w, 3, dtype=torch.float32), txt_ids=meta(t_txt, 3, dtype=torch.float32),
-                  return_dict=False)
-        if cfg.guidance_embeds:
-            kw["guidance"] = step
-        return (), kw, h * w
-    if fam == "qwen_image":
-        h, w = size.height // 16, size.width // 16
-        kw = dict(hidden_states=meta(b, h * w, cfg.in_channels),
-                  encoder_hidden_states=meta(b, t_txt, cfg.joint_attention_dim),
-                  encoder_hidden_states_mask=meta(b, t_txt, dtype=torch.long), timestep=step,
-                  img_shapes=[[(1, h, w)]] * b, return_dict=False)
-        return (), kw, h * w
-    if fam == "hunyuan_video":
-        h, w = size.height // 8, size.width // 8
-        kw = dict(hidden_states=meta(b, cfg.in_channels, latent_f, h, w), timestep=step,
-                  encoder_hidden_states=meta(b, t_txt, cfg.text_embed_dim),
-                  encoder_attention_mask=meta(b, t_txt, dtype=torch.long),
-                  pooled_projections=meta(b, cfg.pooled_projection_dim), return_dict=False)
-        if cfg.guidance_embeds:
-            kw["guidance"] = step
-        return (), kw, latent_f * (h // 2) * (w // 2)
-    if fam == "hunyuan_video_1.5":
-        h, w = size.height // 16, size.width // 16
-        kw = dict(hidden_states=meta(b, cfg.in_channels, latent_f, h, w), timestep=step,
-                  encoder_hidden_states=meta(b, t_txt, cfg.text_embed_dim),
-                  encoder_attention_mask=meta(b, t_txt, dtype=torch.long),
-                  encoder_hidden_states_2=meta(b, 256, cfg.text_embed_2_dim),
-                  encoder_attention_mask_2=meta(b, 256, dtype=torch.long),
-                  image_embeds=meta(b, 729, cfg.image_embed_dim), return_dict=False)
-        return (), kw, latent_f * h * w
-    if fam == "sd3":
-        h, w = size.height // 8, size.width // 8
-        kw = dict(hidden_states=meta(b, cfg.in_channels, h, w), encoder_hidden_states=meta(b, 333,
-                  cfg.joint_attention_dim), pooled_projections=meta(b, cfg.pooled_projection_dim), timestep=step,
-                  return_dict=False)
-        return (), kw, (h // 2) * (w // 2)
-    raise ValueError(f"{spec.class_name}: this command does not know its inputs; use offload.predict() in Python "
-                     f"with the model's own inputs (meta tensors)")
-
-
 # ---------------------------------------------------------------------------------------------- the command
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(gib|gb|g|mib|mb|m)?\s*$", re.I)
 
@@ -354,12 +253,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .cards import CARDS
     from ..config import PRESETS
 
-    parser.add_argument("model", help="a config.json (diffusers or transformers), a folder holding one, or a ComfyUI "
-                                      "diffusion model .safetensors file (only its header is read)")
+    parser.add_argument("model", help="a ComfyUI workflow .json (API or UI; its models' headers are read from "
+                                      "--models-dir), a config.json (diffusers or transformers), a folder holding "
+                                      "one, or a ComfyUI diffusion model .safetensors file (only its header is read)")
+    parser.add_argument("--models-dir", action="append", default=None, help="a ComfyUI models folder (workflows; "
+                                                                            "repeatable; default ./models)")
     parser.add_argument("--card", default="rtx4090", help=f"the GPU: {', '.join(CARDS)} (default rtx4090)")
-    parser.add_argument("--vram", default=None, help="override the card's memory, e.g. 16GB")
+    parser.add_argument("--vram", default=None, help="the card's memory, e.g. 16GB (overrides the named card's)")
+    parser.add_argument("--tflops", type=float, default=None, help="dense bf16 tensor TFLOP/s (fp32 accumulate) "
+                                                                   "of a card not in the table")
+    parser.add_argument("--mem-gbps", type=float, default=None, help="its memory bandwidth, GB/s")
+    parser.add_argument("--h2d-gbps", type=float, default=None, help="its pinned host-to-device copy speed, GB/s")
+    parser.add_argument("--arch", default=None, choices=["ampere", "ada", "hopper", "blackwell", "blackwell-dc"],
+                        help="its architecture (sets the attention kernel's efficiency)")
+    parser.add_argument("--attention", default=None, choices=["sdpa", "fa2", "fa3"],
+                        help="the attention kernel (default sdpa: PyTorch's, as ComfyUI uses)")
     parser.add_argument("--ram", default=None, help="host RAM the model may use, e.g. 32GB (default: not limited)")
-    parser.add_argument("--frames", type=int, default=81, help="video frames (video models; default 81)")
+    parser.add_argument("--frames", type=int, default=81, help="video frames (video models; default 81; checked "
+                                                               "against the model's rule: 4k+1 Wan / HunyuanVideo / "
+                                                               "CogVideoX, 8k+1 LTX-Video)")
     parser.add_argument("--height", type=int, default=None, help="image/video height in pixels (default 1024; "
                                                                   "video 480)")
     parser.add_argument("--width", type=int, default=None, help="width in pixels (default 1024; video 832)")
@@ -367,55 +279,158 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                   "one decode step)")
     parser.add_argument("--text-tokens", type=int, default=TEXT_TOKENS, help="text-encoder tokens a diffusion "
                                                                               f"model sees (default {TEXT_TOKENS})")
-    parser.add_argument("--batch", type=int, default=1, help="batch (2 for classifier-free guidance in one batch)")
-    parser.add_argument("--steps", type=int, default=None, help="also print the time of this many sampling steps")
+    parser.add_argument("--batch", type=int, default=1, help="samples per forward (before CFG doubles it)")
+    parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale: other than 1, each "
+                                                                "step runs cond and uncond as one batch of two")
+    parser.add_argument("--steps", type=int, default=None, help="also print the time of this many sampling steps "
+                                                                "(steps, not forwards: --cfg doubles the batch)")
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets (default: all)")
     parser.add_argument("--disk", action="store_true", help="the model file may serve blocks RAM cannot hold "
                                                             "(the disk tier; presets that allow it)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
-    """Build the model on the meta device, predict every preset on the card, print the table (or JSON)."""
+def card_from_args(args: argparse.Namespace) -> Any:
+    """The card named by --card, with --vram / --tflops / --mem-gbps / --h2d-gbps / --arch / --attention applied."""
     from dataclasses import replace
 
     from .cards import get_card
-    from ..config import PRESETS, OffloadConfig
-    from .prediction import predict_configs
 
-    spec = load_spec(args.model)
-    video = spec.family in ("wan", "hunyuan_video", "hunyuan_video_1.5")
-    size = InputSize(frames=args.frames if video else 1, height=args.height or (480 if video else 1024),
-                     width=args.width or (832 if video else 1024), tokens=args.tokens, text_tokens=args.text_tokens,
-                     batch=args.batch)
     card = get_card(args.card)
+    given = {k: v for k, v in (("tflops", getattr(args, "tflops", None)), ("mem_gbps", getattr(args, "mem_gbps", None)),
+                               ("h2d_gbps", getattr(args, "h2d_gbps", None)), ("arch", getattr(args, "arch", None)),
+                               ("attention", getattr(args, "attention", None))) if v is not None}
     if args.vram:
-        card = replace(card, name=f"{card.name} at {args.vram}", vram_bytes=parse_bytes(args.vram))
+        given["vram_bytes"] = parse_bytes(args.vram)
+    if given:
+        label = ", ".join(f"{k}={args.vram if k == 'vram_bytes' else v}" for k, v in given.items())
+        card = replace(card, name=f"{card.name} ({label})", **given)
+    return card
+
+
+def _quiet_build(spec: ModelSpec) -> Any:
+    """build_meta_model without the libraries' warnings (diffusers' float32-modules notice, deprecations): the
+    command's output is the table."""
+    import importlib
+    import warnings
+
+    levels = []
+    for name in ("diffusers", "transformers"):
+        try:  # imported first: importing a library sets its loggers' level
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        lib_log = logging.getLogger(name)
+        levels.append((lib_log, lib_log.level))
+        lib_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return build_meta_model(spec)
+    finally:
+        for lib_log, level in levels:
+            lib_log.setLevel(level)
+
+
+def check_frames(family: str, frames: int) -> None:
+    """A video family's frame count against its rule (4k+1 Wan / HunyuanVideo / CogVideoX, 8k+1 LTX-Video)."""
+    from .model_kinds import FAMILIES
+
+    fam = FAMILIES.get({"ltx_video": "ltxv"}.get(family, family))
+    rule = fam.frame_rule(frames) if fam is not None else None
+    if rule:
+        raise ValueError(f"--frames {frames}: {rule}")
+
+
+def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+    """Build the model on the meta device (or price a model file from its header), predict every preset on the card,
+    print the table (or JSON)."""
+    from ..config import PRESETS, OffloadConfig
+    from .prediction import CONTEXT_BYTES, predict_configs, unit_sizes
+    from .workflow_cli import is_workflow
+
+    card = card_from_args(args)
+    ram = parse_bytes(args.ram) if args.ram else None
+    if is_workflow(args.model):
+        from . import workflow_cli
+
+        return workflow_cli.run(args, card, ram, out)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         raise ValueError(f"unknown preset(s) {unknown}; valid presets: {', '.join(PRESETS)}")
-    ram = parse_bytes(args.ram) if args.ram else None
-    model = build_meta_model(spec)
-    fargs, fkwargs, tokens = make_inputs(spec, model, size)
     configs = {p: OffloadConfig.from_preset(p, device="sim") for p in presets}
     if ram is not None:  # the same presets without the compressed host form: what compression keeps off the disk
         configs.update({f"{p}:{_RAW}": OffloadConfig.from_preset(p, device="sim", host_compression="off")
                         for p in presets})
-    preds = predict_configs(model, fargs, fkwargs, configs, card, ram_bytes=ram, disk_tier=args.disk,
-                            layout_bytes=(spec.block_bytes, spec.rest_bytes) if spec.block_bytes else None)
+    guided = args.cfg is not None and abs(args.cfg - 1.0) > 1e-6
+    batch = args.batch * (2 if guided else 1)
+    try:
+        spec = load_spec(args.model)
+    except ValueError:
+        if Path(args.model).suffix.lower() not in (".safetensors", ".gguf") or not Path(args.model).exists():
+            raise
+        spec = None  # a family the meta-device path cannot build: its header's costs instead
+    if spec is None:
+        from .file_plan import predict_file
+
+        fp = predict_file(args.model, args.width or 832, args.height or 480, args.frames, batch, card, configs,
+                          ram, args.disk, args.text_tokens if args.text_tokens != TEXT_TOKENS else None)
+        fam = fp.desc.family_spec
+        desc_video = fam is not None and fam.video
+        if desc_video:
+            check_frames(fp.desc.family, args.frames)
+        else:
+            fp = predict_file(args.model, args.width or 1024, args.height or 1024, 1, batch, card, configs, ram,
+                              args.disk, args.text_tokens if args.text_tokens != TEXT_TOKENS else None)
+        preds, tokens, weights = fp.preds, fp.tokens, fp.desc.nbytes
+        family, cls, dtype, source = fp.desc.family, (fam.label if fam else fp.desc.role), fp.desc.dtype, args.model
+        described = (f"{args.frames} frames " if desc_video else "") + \
+            f"{args.width or (832 if desc_video else 1024)}x{args.height or (480 if desc_video else 1024)}, " \
+            f"batch {batch}"
+    else:
+        video = spec.family in VIDEO_FAMILIES
+        if video:
+            check_frames(spec.family, args.frames)
+        size = InputSize(frames=args.frames if video else 1, height=args.height or (480 if video else 1024),
+                         width=args.width or (832 if video else 1024), tokens=args.tokens,
+                         text_tokens=args.text_tokens, batch=batch)
+        model = _quiet_build(spec)
+        fargs, fkwargs, tokens = make_inputs(spec, model, size)
+        preds = predict_configs(model, fargs, fkwargs, configs, card, ram_bytes=ram, disk_tier=args.disk,
+                                layout_bytes=(spec.block_bytes, spec.rest_bytes) if spec.block_bytes else None)
+        if spec.block_bytes:
+            weights = sum(spec.block_bytes) + (spec.rest_bytes or 0)
+        else:
+            from ..model.blocks import find_units
+
+            sizes, rest = unit_sizes(model, find_units(model))
+            weights = sum(sizes) + rest
+        family, cls, dtype, source = spec.family, spec.class_name, spec.dtype, spec.source
+        described = size.describe(spec.family)
     raw = {p[:-len(_RAW) - 1]: preds.pop(p) for p in list(preds) if p.endswith(":" + _RAW)}
+    first = next(iter(preds.values()))
+    need = weights + first.activation_bytes + CONTEXT_BYTES
+    resident = {"fits": need <= card.vram_bytes, "needs_bytes": need, "weights_bytes": weights,
+                "activation_bytes": first.activation_bytes, "context_bytes": CONTEXT_BYTES,
+                "ms_per_step": first.resident_step_ms}
     if args.json:
-        out(json.dumps({"model": spec.source, "family": spec.family, "class": spec.class_name, "dtype": spec.dtype,
-                        "input": size.describe(spec.family), "tokens": tokens, "card": card.to_dict(),
-                        "ram_bytes": ram, "presets": {p: pr.to_dict() for p, pr in preds.items()}}, indent=1))
+        out(json.dumps({"model": source, "family": family, "class": cls, "dtype": dtype, "input": described,
+                        "tokens": tokens, "batch": batch, "cfg": args.cfg, "card": card.to_dict(), "ram_bytes": ram,
+                        "without_offloading": resident,
+                        "presets": {p: pr.to_dict() for p, pr in preds.items()}}, indent=1))
         return 0
-    weights = sum(b.bytes for b in next(iter(preds.values())).blocks)
-    out(f"{spec.family} ({spec.class_name}, {spec.dtype}) from {spec.source}: {len(next(iter(preds.values())).blocks)}"
-        f" blocks, {weights / GIB:.2f} GiB of blocks; input {size.describe(spec.family)} ({tokens} tokens)")
+    out(f"{family} ({cls}, {dtype}) from {source}: {len(first.blocks)} blocks, {weights / GIB:.2f} GiB of weights; "
+        f"input {described} ({tokens} tokens)")
     out(f"card {card.name}: {card.vram_bytes / GIB:.0f} GiB, {card.h2d_gbps:g} GB/s host-to-device, "
         f"{card.tflops:g} TFLOP/s; host RAM {'not limited' if ram is None else f'{ram / GIB:.0f} GiB'}. "
         f"PREDICTIONS (offload.predict), not measurements.")
+    if guided:
+        out(f"CFG {args.cfg:g}: each step runs cond and uncond as one batch of {batch} (as ComfyUI's sampler does)")
+    out(f"without offloading: {'fits' if resident['fits'] else 'does NOT fit'} - needs {need / GIB:.2f} GiB "
+        f"(weights {weights / GIB:.2f} + activations {first.activation_bytes / GIB:.2f} + CUDA context "
+        f"{CONTEXT_BYTES / GIB:.2f}) of the card's {card.vram_bytes / GIB:.2f}; {first.resident_step_ms:.0f} ms/step"
+        + ("" if resident["fits"] else "; the presets below stream what does not fit"))
     out(format_table(preds, args.steps))
     for line in compression_lines(preds, raw):
         out(line)
@@ -442,22 +457,26 @@ def compression_lines(preds: dict[str, Any], raw: dict[str, Any]) -> list[str]:
 
 
 def format_table(preds: dict[str, Any], steps: int | None = None) -> str:
-    """One row per preset: fits, device / host / disk GiB, step time, slowdown, what limits it."""
-    head = ["preset", "fits", "VRAM GiB", "activations GiB", "host RAM GiB", "disk GiB", "ms/step", "vs resident",
-            "limited by"]
+    """One row per preset: fits, VRAM (plan + activations + CUDA context) / host / disk GiB, step time beside the
+    resident one, what limits it; `steps` adds that many steps' time."""
+    from .prediction import CONTEXT_BYTES
+
+    head = ["preset", "fits", "VRAM GiB", "activations GiB", "host RAM GiB", "disk GiB", "ms/step",
+            "resident ms/step", "vs resident", "limited by"]
     if steps:
-        head.insert(8, f"{steps} steps")
+        head.insert(9, f"{steps} steps")
     rows = []
     for name, p in preds.items():
         finite = math.isfinite(p.step_ms)
         block = p.limiting_block
         limit = (f"{p.limited_by} ({block.name})" if block is not None and finite else
                  (p.notes[0][:80] if p.notes else "-"))
-        row = [name, "yes" if p.fits else "NO", f"{p.device_bytes / GIB:.2f}", f"{p.activation_bytes / GIB:.2f}",
+        vram = p.device_bytes + p.activation_bytes + CONTEXT_BYTES
+        row = [name, "yes" if p.fits and finite else "NO", f"{vram / GIB:.2f}", f"{p.activation_bytes / GIB:.2f}",
                f"{p.host_bytes / GIB:.2f}", f"{p.disk_bytes / GIB:.2f}", f"{p.step_ms:.0f}" if finite else "-",
-               f"{p.slowdown:.2f}x" if finite else "-", limit]
+               f"{p.resident_step_ms:.0f}", f"{p.slowdown:.2f}x" if finite else "-", limit]
         if steps:
-            row.insert(8, f"{p.step_ms * steps / 1e3:.0f} s" if finite else "-")
+            row.insert(9, f"{p.step_ms * steps / 1e3:.0f} s" if finite else "-")
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",

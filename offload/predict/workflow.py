@@ -1,0 +1,384 @@
+"""The whole workflow planned before it runs: every model it loads, on one card, from file headers alone.
+
+API (used by the ComfyUI panel's route and `python -m offload plan workflow.json`):
+
+    plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card: Card | str | None = None,
+                  ram_bytes: int | None = None, presets: Sequence[str] | None = None) -> WorkflowPlan
+    WorkflowPlan.to_dict() -> dict   # strict JSON (no NaN / infinity): {"card", "models", "run", "ram", "notes"}
+
+`graph` is ComfyUI's API JSON or UI JSON (`workflow_graph.read_graph`). `find_file(folder_kind, name)` gives the
+path of a loader's file or None: kinds "diffusion_models", "checkpoints", "text_encoders", "vae", "loras",
+"unet_gguf" and "tts" (a model folder). `card`: a `cards.Card` (the card ComfyUI runs on), a card name, or None
+(rtx4090, said in the notes). `ram_bytes`: the host RAM free for models (default: psutil's available memory).
+
+Per model (`models`): role, family, file bytes, preset, and for that preset whether it fits, VRAM (plan + the
+activations), activations, host RAM, disk, time per call and the resident time per call; `without_offloading`
+(whether the weights plus the activations fit the card at all, and how much that needs); every preset's figures.
+The run (`run`): the text encodes, each sampler's steps x forwards (CFG other than 1: cond and uncond in one
+batch of two, as ComfyUI's sampler runs them), the VAE decodes (tiled or not; ComfyUI retries an untiled decode
+that runs out of memory tiled), the total, the peak VRAM of the phases (with the CUDA context), and the RAM of
+everything loaded at once against `ram_bytes` (what would go to the disk tier). Nothing is loaded: `model_files`
+reads headers only.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+from ..config import PRESETS, OffloadConfig
+from .cards import MEMORY_EFFICIENCY, Card, get_card
+from .header_costs import Tokens, diffusion_analysis, encoder_analysis, vae_decode_cost
+from .model_files import ModelFileError, TensorInfo, read_tensor_infos
+from .model_kinds import FAMILIES, ModelDesc, describe, split_checkpoint
+from .prediction import CONTEXT_BYTES, Prediction, _profile_on_card, predict_profile
+from .workflow_graph import GraphFacts, LoaderRef, read_graph
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+DEFAULT_CARD = "rtx4090"
+# text tokens of a text encoder by ComfyUI's CLIP loader type (its tokenizer's padding, or a typical prompt)
+CLIP_TYPE_TOKENS = {"wan": 512, "flux": 256, "flux2": 512, "sd3": 77, "hunyuan_video": 256, "qwen_image": 256,
+                    "ltxv": 128, "lumina2": 256, "chroma": 512, "cogvideox": 226, "stable_diffusion": 77}
+
+
+@dataclass
+class ModelPlan:
+    """One model of the workflow on the card: the preset it runs with and every preset's figures."""
+
+    key: str  # the loader node (and its widget for multi-file loaders)
+    role: str
+    name: str
+    path: str | None
+    found: bool
+    family: str = ""
+    label: str = ""
+    dtype: str = ""
+    file_bytes: int = 0
+    preset: str = "auto"
+    calls: int = 0  # forwards this run makes of it
+    presets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    without_offloading: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> dict[str, Any]:
+        return self.presets.get(self.preset, {})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in ("key", "role", "name", "path", "found", "family", "label", "dtype",
+                                           "file_bytes", "preset", "calls", "presets", "without_offloading", "notes")}
+        d.update({k: self.chosen.get(k) for k in ("fits", "vram_bytes", "activation_bytes", "host_bytes",
+                                                 "disk_bytes", "ms_per_call", "resident_ms_per_call")})
+        return d
+
+
+@dataclass
+class WorkflowPlan:
+    """The workflow on one card: its models, its run and its RAM (see the module doc)."""
+
+    card: dict[str, Any]
+    models: list[ModelPlan]
+    run: dict[str, Any]
+    ram: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _finite({"card": self.card, "models": [m.to_dict() for m in self.models], "run": self.run,
+                        "ram": self.ram, "notes": self.notes})
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _figures(pred: Prediction, calls_batch: int = 1) -> dict[str, Any]:
+    ms = pred.step_ms if math.isfinite(pred.step_ms) else None
+    return {"fits": bool(pred.fits and ms is not None), "vram_bytes": pred.device_bytes + pred.activation_bytes,
+            "plan_bytes": pred.device_bytes, "activation_bytes": pred.activation_bytes, "host_bytes": pred.host_bytes,
+            "disk_bytes": pred.disk_bytes, "ms_per_call": ms, "resident_ms_per_call": pred.resident_step_ms,
+            "limited_by": pred.limited_by, "notes": list(pred.notes)}
+
+
+def _plan_model(plan: ModelPlan, desc: ModelDesc, analysis: Any, card: Card, presets: Sequence[str],
+                ram_bytes: int | None, disk_ok: bool) -> None:
+    """Every preset's figures for `desc` costed by `analysis` on `card`, and the without-offloading line."""
+    profile = _profile_on_card(analysis, card)
+    profile.names = [b.name for b in desc.blocks]
+    profile.sizes = [b.nbytes for b in desc.blocks]
+    profile.rest_bytes = desc.rest_bytes
+    profile.model_name = plan.label or plan.family
+    profile.flops = list(analysis.flops)
+    for name in presets:
+        cfg = OffloadConfig.from_preset(name, device="sim")
+        plan.presets[name] = _figures(predict_profile(profile, cfg, ram_bytes=ram_bytes, disk_tier=disk_ok))
+    need = desc.nbytes + analysis.activation_bytes
+    room = card.vram_bytes - CONTEXT_BYTES
+    resident = profile.rest_ms + sum(profile.compute_ms)
+    plan.without_offloading = {"fits": need <= room, "needs_bytes": need, "weights_bytes": desc.nbytes,
+                               "activation_bytes": analysis.activation_bytes, "card_bytes": room,
+                               "ms_per_call": resident}
+
+
+def _preset_of(ref: LoaderRef, facts: GraphFacts, default: str = "auto") -> str:
+    preset = ref.inputs.get("preset")
+    return preset if isinstance(preset, str) and preset in PRESETS else default
+
+
+def _text_tokens(ref: LoaderRef, desc: ModelDesc) -> int:
+    clip_type = str(ref.inputs.get("type", "")).lower()
+    return CLIP_TYPE_TOKENS.get(clip_type, desc.text_tokens or 256)
+
+
+def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card: "Card | str | None" = None,
+                  ram_bytes: int | None = None, presets: Sequence[str] | None = None) -> WorkflowPlan:
+    """The workflow `graph` planned on `card` (see the module doc): headers read, nothing loaded."""
+    notes: list[str] = []
+    if card is None:
+        notes.append(f"no card given: planned for {DEFAULT_CARD}")
+        card = DEFAULT_CARD
+    card_obj = get_card(card)
+    if ram_bytes is None:
+        import psutil
+
+        ram_bytes = int(psutil.virtual_memory().available)
+    names = list(presets) if presets else list(PRESETS)
+    facts = read_graph(graph)
+    notes.extend(facts.notes)
+    models: dict[str, ModelPlan] = {}
+    descs: dict[str, ModelDesc] = {}
+    for key, ref in facts.loaders.items():
+        path = find_file(ref.folder, ref.name)
+        if path is None and ref.folder == "text_encoders":
+            path = find_file("clip", ref.name)
+        plan = ModelPlan(key, ref.role, ref.name, path, path is not None, preset=_preset_of(ref, facts))
+        models[key] = plan
+        if path is None:
+            plan.notes.append(f"{ref.name} not found in {ref.folder}: not planned")
+            continue
+        try:
+            infos = _read(path, ref.role)
+        except (ModelFileError, OSError) as exc:
+            plan.found = False
+            plan.notes.append(str(exc))
+            continue
+        plan.file_bytes = sum(i.nbytes for i in infos.values())
+        if ref.role == "checkpoint":
+            parts = split_checkpoint(infos)
+            for part, part_infos in parts.items():
+                sub = ModelPlan(f"{key}:{part}", part, ref.name, path, True, preset=plan.preset)
+                models[sub.key] = sub
+                descs[sub.key] = _describe(sub, part_infos, ref.folder)
+            del models[key]
+            continue
+        descs[key] = _describe(plan, infos, ref.folder)
+        if ref.role == "tts":
+            plan.family = plan.label = _tts_family(path) or plan.family
+    run = _plan_run(facts, models, descs, card_obj, names, ram_bytes, notes)
+    ram = _ram(models, descs, ram_bytes)
+    if ram["disk_bytes"]:
+        notes.append(f"everything loaded at once needs {ram['needed_bytes'] / GIB:.1f} GiB of host RAM, "
+                     f"{ram['free_bytes'] / GIB:.1f} GiB is free: {ram['disk_bytes'] / GIB:.1f} GiB would stream from "
+                     f"the model files (the disk tier; presets that allow it)")
+    return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes)
+
+
+def _read(path: str, role: str) -> dict[str, TensorInfo]:
+    if os.path.isdir(path):  # a TTS model folder: every safetensors file in it, headers only
+        infos: dict[str, TensorInfo] = {}
+        for entry in sorted(os.listdir(path)):
+            if entry.endswith((".safetensors", ".gguf")):
+                infos.update(read_tensor_infos(os.path.join(path, entry)))
+        if not infos:
+            raise ModelFileError(f"{path}: no .safetensors file in the model folder")
+        return infos
+    return read_tensor_infos(path)
+
+
+def _tts_family(folder: str) -> str | None:
+    """A TTS model folder's model_type from its config.json (read only when small: a config, not weights)."""
+    import json
+
+    path = os.path.join(folder, "config.json")
+    try:
+        if os.path.getsize(path) > 1 << 20:
+            return None
+        with open(path, encoding="utf-8") as fh:
+            kind = json.load(fh).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def _describe(plan: ModelPlan, infos: dict[str, TensorInfo], folder: str) -> ModelDesc:
+    desc = describe(infos, folder)
+    plan.family = desc.family
+    plan.label = desc.family_spec.label if desc.family_spec else desc.family
+    plan.dtype = desc.dtype
+    plan.file_bytes = plan.file_bytes or sum(i.nbytes for i in infos.values())
+    if plan.role in ("diffusion", "checkpoint") and desc.role not in ("diffusion", "unknown"):
+        plan.notes.append(f"loaded as a diffusion model but its tensors say {desc.role} ({desc.family})")
+    plan.notes.extend(desc.notes)
+    if plan.role == "checkpoint":
+        plan.role = desc.role
+    return desc
+
+
+def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, ModelDesc], card: Card,
+              names: list[str], ram_bytes: int, notes: list[str]) -> dict[str, Any]:
+    """The run's phases: text encodes, sampling (per sampler), decodes, TTS; per model the plan at its calls."""
+    phases: list[dict[str, Any]] = []
+    # text encoders: every prompt once
+    for key, plan in models.items():
+        desc = descs.get(key)
+        if desc is None or plan.role != "text_encoder":
+            continue
+        loader = key.split(":")[0]
+        prompts = facts.text_encodes.get(loader, 0)
+        ref = facts.loaders.get(key) or facts.loaders.get(loader)
+        tokens = _text_tokens(ref, desc) if ref is not None else desc.text_tokens
+        _plan_model(plan, desc, encoder_analysis(desc, tokens), card, names, ram_bytes, plan.path is not None)
+        plan.calls = prompts
+        ms = plan.chosen.get("ms_per_call")
+        phases.append({"phase": "text encode", "model": key, "calls": prompts, "tokens": tokens,
+                       "ms": ms * prompts if ms is not None else None, "vram_bytes": plan.chosen.get("vram_bytes")})
+    # samplers: each on the diffusion model its model input comes from
+    samplers_out = []
+    for s in facts.samplers:
+        key = s.model_loader if s.model_loader in descs else f"{s.model_loader}:diffusion"
+        desc, plan = descs.get(key), models.get(key)
+        entry: dict[str, Any] = {"sampler": s.node, "model": key, "steps": s.steps, "cfg": s.cfg,
+                                 "width": s.width, "height": s.height, "frames": s.frames, "batch": s.batch}
+        samplers_out.append(entry)
+        if desc is None or plan is None or desc.role not in ("diffusion", "unknown"):
+            entry["note"] = "its diffusion model was not found or not read: not costed"
+            continue
+        fam = desc.family_spec or FAMILIES["flux"]
+        width, height = s.width or 1024, s.height or 1024
+        frames = s.frames or 1
+        if s.width is None:
+            entry["note"] = "no latent size found: 1024x1024 assumed"
+        rule = fam.frame_rule(frames) if s.frames else None
+        if rule:
+            notes.append(f"sampler {s.node}: {rule}")
+            entry["frame_rule"] = rule
+        guided = abs(s.cfg - 1.0) > 1e-6
+        tok = Tokens(fam.image_tokens(width, height, frames), fam.text_tokens, s.batch * (2 if guided else 1))
+        disk_ok = not plan.name.endswith(".gguf")
+        _plan_model(plan, desc, diffusion_analysis(desc, tok), card, names, ram_bytes, disk_ok)
+        calls_per_step = 1
+        if guided and not plan.chosen.get("fits", True):
+            # ComfyUI's sampler batches cond and uncond only when free memory allows (calc_cond_batch): else they
+            # run one after the other at the latent's own batch
+            single = Tokens(tok.image, tok.text, s.batch)
+            trial = ModelPlan(plan.key, plan.role, plan.name, plan.path, True, preset=plan.preset)
+            _plan_model(trial, desc, diffusion_analysis(desc, single), card, names, ram_bytes, disk_ok)
+            if trial.chosen.get("fits"):
+                plan.presets, plan.without_offloading, tok, calls_per_step = (trial.presets, trial.without_offloading,
+                                                                              single, 2)
+                plan.notes.append("cond and uncond do not fit as one batch of two: they run one after the other "
+                                  "(as ComfyUI's sampler does when memory is short)")
+        plan.calls += s.steps * calls_per_step
+        ms = plan.chosen.get("ms_per_call")
+        step_ms = ms * calls_per_step if ms is not None else None
+        entry.update({"image_tokens": tok.image, "text_tokens": tok.text, "forwards_per_step": 2 if guided else 1,
+                      "cond_uncond_batched": guided and calls_per_step == 1, "ms_per_step": step_ms,
+                      "ms": step_ms * s.steps if step_ms is not None else None,
+                      "resident_ms": plan.chosen.get("resident_ms_per_call", 0.0) * s.steps * calls_per_step,
+                      "loras": [models[k].name for k in s.loras if k in models]})
+        phases.append({"phase": "sampling", "model": key, "calls": s.steps * calls_per_step, "ms": entry["ms"],
+                       "vram_bytes": plan.chosen.get("vram_bytes")})
+    decodes = []
+    for d in facts.decodes:
+        key = d["vae"] if d["vae"] in descs else f"{d['vae']}:vae"
+        desc = descs.get(key)
+        s = next((x for x in facts.samplers if x.node == d.get("sampler")), facts.samplers[-1] if facts.samplers
+                 else None)
+        if desc is None or s is None:
+            continue
+        width, height, frames = s.width or 1024, s.height or 1024, s.frames or 1
+        cost = vae_decode_cost(desc.vae or "kl", width, height, frames, s.batch, d["tiled"], d["tile"], d["temporal"])
+        room = card.vram_bytes - CONTEXT_BYTES
+        fell_back = not cost.tiled and desc.nbytes + cost.peak_bytes > room
+        if fell_back:
+            cost = vae_decode_cost(desc.vae or "kl", width, height, frames, s.batch, True)
+        ms = (cost.flops / (card.tflops * 1e12 * card.matmul_efficiency) +
+              cost.nbytes / (max(card.mem_gbps, 1.0) * 1e9 * MEMORY_EFFICIENCY)) * 1e3
+        vram = desc.nbytes + cost.peak_bytes
+        plan = models[key]
+        plan.calls += 1
+        plan.presets = {"comfyui": {"fits": vram <= room, "vram_bytes": vram, "activation_bytes": cost.peak_bytes,
+                                    "host_bytes": desc.nbytes, "disk_bytes": 0, "ms_per_call": ms,
+                                    "resident_ms_per_call": ms}}
+        plan.preset = "comfyui"
+        plan.without_offloading = {"fits": vram <= room, "needs_bytes": vram, "weights_bytes": desc.nbytes,
+                                   "activation_bytes": cost.peak_bytes, "card_bytes": room, "ms_per_call": ms}
+        if fell_back:
+            untiled = desc.nbytes + vae_decode_cost(desc.vae or "kl", width, height, frames, s.batch).peak_bytes
+            plan.notes.append(f"an untiled decode needs {untiled / GIB:.1f} GiB: ComfyUI retries it tiled when it "
+                              f"runs out of memory (planned tiled)")
+        decodes.append({"node": d["node"], "vae": key, "kind": cost.kind, "tiled": cost.tiled, "fell_back": fell_back,
+                        "ms": ms, "vram_bytes": vram})
+        phases.append({"phase": "vae decode", "model": key, "calls": 1, "ms": ms, "vram_bytes": vram})
+    for t in facts.tts:
+        key = t["loader"]
+        desc, plan = descs.get(key), models.get(key)
+        if desc is None or plan is None:
+            continue
+        _plan_model(plan, desc, encoder_analysis(desc, 1), card, names, ram_bytes, True)
+        plan.calls += t["max_new_tokens"]
+        ms = plan.chosen.get("ms_per_call")
+        phases.append({"phase": "tts generate", "model": key, "calls": t["max_new_tokens"],
+                       "ms": ms * t["max_new_tokens"] if ms is not None else None,
+                       "vram_bytes": plan.chosen.get("vram_bytes"), "note": "at most max_new_tokens decode steps"})
+    for key, plan in models.items():  # LoRAs: host RAM; applied to the streamed weights as they are copied
+        if plan.role == "lora" and plan.found:
+            plan.preset = "comfyui"
+            plan.presets = {"comfyui": {"fits": True, "vram_bytes": 0, "activation_bytes": 0,
+                                        "host_bytes": plan.file_bytes, "disk_bytes": 0, "ms_per_call": None,
+                                        "resident_ms_per_call": None}}
+    for key, plan in models.items():
+        ref = facts.loaders.get(key) or facts.loaders.get(key.split(":")[0])
+        if ref is not None and plan.role in ("diffusion", "text_encoder") and plan.found \
+                and ref.inputs.get("offloaded_by_pack") is False:
+            plan.notes.append(f"loaded by ComfyUI's {ref.class_type} with no Offload Model / Offload CLIP after it: "
+                              f"ComfyUI manages it; the figures are the pack's {plan.preset} preset's")
+    total = sum(p["ms"] for p in phases if p.get("ms") is not None)
+    peaks = [p["vram_bytes"] + CONTEXT_BYTES for p in phases if p.get("vram_bytes") is not None]
+    fits = all(models[p["model"]].chosen.get("fits", True) for p in phases if p["model"] in models)
+    return {"phases": phases, "samplers": samplers_out, "decodes": decodes, "total_ms": total,
+            "peak_vram_bytes": max(peaks) if peaks else 0, "fits": fits,
+            "complete": all(p.get("ms") is not None for p in phases) and all("note" not in x or "assumed" in x["note"]
+                                                                              for x in samplers_out)
+            and all(m.found for m in models.values())}
+
+
+def _ram(models: dict[str, ModelPlan], descs: dict[str, ModelDesc], ram_bytes: int) -> dict[str, Any]:
+    """Host RAM of everything loaded at once (ComfyUI keeps loaded models cached between runs) against the free RAM;
+    what does not fit goes to the disk tier (safetensors files only: a GGUF or LoRA file has no disk tier)."""
+    needed = sum(m.chosen.get("host_bytes") or 0 for m in models.values())
+    spill = max(0, needed - ram_bytes)
+    streamable = sum(m.chosen.get("host_bytes") or 0 for m in models.values()
+                     if m.role == "diffusion" and m.path and m.path.endswith(".safetensors"))
+    return {"free_bytes": ram_bytes, "needed_bytes": needed, "fits": spill == 0, "disk_bytes": min(spill, streamable),
+            "short_bytes": max(0, spill - streamable)}
+
+
+def card_from_figures(name: str, tflops: float, mem_gbps: float, h2d_gbps: float, vram_bytes: int,
+                      arch: str = "", base: Card | None = None) -> Card:
+    """A card from its figures (`--tflops --mem-gbps --h2d-gbps --vram`), starting from `base`'s where one is
+    missing (0 / None)."""
+    if base is not None:
+        return replace(base, name=name or base.name, tflops=tflops or base.tflops, mem_gbps=mem_gbps or base.mem_gbps,
+                       h2d_gbps=h2d_gbps or base.h2d_gbps, vram_bytes=vram_bytes or base.vram_bytes,
+                       arch=arch or base.arch, source="given on the command line, the rest from " + base.name)
+    return Card(name or "custom", vram_bytes, h2d_gbps, tflops, mem_gbps, None, "given on the command line", arch)

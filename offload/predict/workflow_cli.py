@@ -1,0 +1,158 @@
+"""`python -m offload plan workflow.json`: a ComfyUI workflow (API or UI JSON) planned on a card, from the model
+files' headers under a ComfyUI models folder (`--models-dir`, laid out as ComfyUI's: diffusion_models/ or unet/,
+checkpoints/, text_encoders/ or clip/, vae/, loras/, tts/).
+
+    python -m offload plan my_workflow.json --models-dir ~/ComfyUI/models --card rtx4070-12gb --ram 32GB
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from .workflow import WorkflowPlan, plan_workflow
+
+GIB = 1 << 30
+# a folder kind -> the folders ComfyUI's folder_paths maps it to (folder_paths.py: "diffusion_models" is
+# models/unet + models/diffusion_models, "text_encoders" models/text_encoders + models/clip; ComfyUI-GGUF's
+# "unet_gguf" lists .gguf files in the same folders)
+FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "unet_gguf": ("diffusion_models", "unet"),
+           "checkpoints": ("checkpoints",), "text_encoders": ("text_encoders", "clip"),
+           "clip": ("clip", "text_encoders"), "vae": ("vae",), "loras": ("loras",), "tts": ("tts",)}
+
+
+MAX_WORKFLOW_BYTES = 64 << 20  # a workflow's JSON (graphs with thousands of nodes are a few MB)
+
+
+def read_workflow(path: str | os.PathLike) -> Any:
+    """A workflow file's JSON: a regular file of at most MAX_WORKFLOW_BYTES (ValueError naming it otherwise)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        if not p.is_file():
+            raise ValueError(f"{p}: not a regular file")
+        if st.st_size > MAX_WORKFLOW_BYTES:
+            raise ValueError(f"{p}: {st.st_size} bytes is more than a workflow's JSON holds "
+                             f"({MAX_WORKFLOW_BYTES >> 20} MB at most)")
+        return json.loads(p.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"{p}: cannot read: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{p}: not JSON: {exc}") from None
+
+
+def is_workflow(path: str | os.PathLike) -> bool:
+    """Whether `path` is a ComfyUI workflow (UI JSON with a nodes list, or API JSON of class_type nodes)."""
+    p = Path(path)
+    if p.suffix.lower() != ".json" or not p.is_file() or p.name == "config.json":
+        return False
+    try:
+        data = read_workflow(p)
+    except ValueError:
+        return False
+    if not isinstance(data, dict):
+        return False
+    data = data.get("prompt", data) if isinstance(data.get("prompt"), dict) else data
+    return isinstance(data.get("nodes"), list) or any(isinstance(v, dict) and "class_type" in v
+                                                      for v in data.values())
+
+
+def models_dir_finder(roots: list[Path]) -> Callable[[str, str], str | None]:
+    """find_file over ComfyUI models folders: <root>/<folder>/<name> for the kind's folders."""
+    def find(kind: str, name: str) -> str | None:
+        for root in roots:
+            for folder in FOLDERS.get(kind, (kind,)):
+                candidate = root / folder / name
+                if candidate.exists():
+                    return str(candidate)
+        return None
+    return find
+
+
+def _gib(n: Any) -> str:
+    return "-" if n is None else f"{n / GIB:.2f}"
+
+
+def _secs(ms: Any) -> str:
+    if ms is None or not math.isfinite(ms):
+        return "-"
+    return f"{ms / 1e3:.1f} s" if ms >= 1000 else f"{ms:.0f} ms"
+
+
+def format_plan(plan: WorkflowPlan) -> str:
+    """The plan as a newcomer reads it: per model, the run, RAM, notes."""
+    d = plan.to_dict()
+    card = d["card"]
+    lines = [f"card {card['name']}: {card['vram_bytes'] / GIB:.0f} GiB, {card['tflops']:g} TFLOP/s, "
+             f"{card['mem_gbps']:g} GB/s memory, {card['h2d_gbps']:g} GB/s host-to-device. PREDICTIONS from file "
+             f"headers, not measurements."]
+    head = ["model", "role", "family", "preset", "fits", "VRAM GiB", "activ. GiB", "host RAM GiB", "disk GiB",
+            "per call", "resident", "calls"]
+    rows = []
+    for m in d["models"]:
+        rows.append([m["name"][:40], m["role"], m["label"] or "-", m["preset"] if m["found"] else "-",
+                     "-" if m["fits"] is None else ("yes" if m["fits"] else "NO"), _gib(m["vram_bytes"]),
+                     _gib(m["activation_bytes"]), _gib(m["host_bytes"]), _gib(m["disk_bytes"]),
+                     _secs(m["ms_per_call"]), _secs(m["resident_ms_per_call"]), str(m["calls"])])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |")
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in rows]
+    for m in d["models"]:
+        wo = m["without_offloading"]
+        if wo:
+            verdict = "fits" if wo["fits"] else "does NOT fit"
+            lines.append(f"without offloading, {m['name']} {verdict}: needs {_gib(wo['needs_bytes'])} GiB "
+                         f"(weights {_gib(wo['weights_bytes'])} + activations {_gib(wo['activation_bytes'])}) of the "
+                         f"{_gib(wo['card_bytes'])} GiB the card has for it")
+        for note in m["notes"]:
+            lines.append(f"  {m['name']}: {note}")
+    run = d["run"]
+    lines.append("run:")
+    for s in run["samplers"]:
+        if "ms" not in s:
+            lines.append(f"  sampler {s['sampler']}: {s.get('note', '')}")
+            continue
+        frames = f", {s['frames']} frames" if s["frames"] else ""
+        batched = (", cond+uncond batched" if s["cond_uncond_batched"] else
+                   ", cond then uncond" if s["forwards_per_step"] == 2 else "")
+        loras = f"; LoRAs {', '.join(s['loras'])}" if s["loras"] else ""
+        lines.append(f"  sampler {s['sampler']}: {s['steps']} steps x {s['forwards_per_step']} forward(s) "
+                     f"(CFG {s['cfg']:g}{batched}) at {s['width']}x{s['height']}{frames} ({s['image_tokens']} "
+                     f"tokens): {_secs(s['ms_per_step'])}/step, {_secs(s['ms'])} (resident "
+                     f"{_secs(s['resident_ms'])}){loras}")
+    for p in run["phases"]:
+        if p["phase"] in ("text encode", "vae decode", "tts generate"):
+            lines.append(f"  {p['phase']} ({p['model']}): {p['calls']} call(s), {_secs(p['ms'])}")
+    if run["complete"]:
+        lines.append(f"  total {_secs(run['total_ms'])}; peak VRAM {_gib(run['peak_vram_bytes'])} GiB (with the CUDA "
+                     f"context); {'fits' if run['fits'] else 'does NOT fit with the presets chosen'}")
+    else:
+        lines.append(f"  INCOMPLETE: {sum(not m['found'] for m in d['models'])} model file(s) not found or not read; "
+                     f"what was costed takes {_secs(run['total_ms'])}, peak VRAM {_gib(run['peak_vram_bytes'])} GiB")
+    ram = d["ram"]
+    lines.append(f"host RAM: {_gib(ram['needed_bytes'])} GiB for everything loaded at once, {_gib(ram['free_bytes'])} "
+                 f"GiB free" + (f"; {_gib(ram['disk_bytes'])} GiB to the disk tier" if ram["disk_bytes"] else "")
+                 + (f"; {_gib(ram['short_bytes'])} GiB short" if ram["short_bytes"] else ""))
+    lines += [f"note: {n}" for n in d["notes"]]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, card: Any, ram: int | None, out: Callable[[str], None] = print) -> int:
+    """Plan the workflow file `args.model` and print the table (or JSON)."""
+    path = Path(args.model)
+    graph = read_workflow(path)
+    roots = [Path(d).expanduser() for d in (args.models_dir or [])] or [path.parent / "models", Path("models")]
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
+    plan = plan_workflow(graph, models_dir_finder(roots), card, ram, presets=presets)
+    if any(not m.found for m in plan.models):
+        plan.notes.append(f"model files were looked for under {', '.join(str(r) for r in roots)} (ComfyUI's layout); "
+                          f"pass --models-dir with your ComfyUI models folder")
+    if args.json:
+        out(json.dumps(plan.to_dict(), indent=1))
+    else:
+        out(format_plan(plan))
+    return 0
