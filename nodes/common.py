@@ -8,6 +8,7 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from ..offload import DEFAULT_PRESET, PRESETS, OffloadConfig, VramBudget, default_budget, preset_tooltip
+
 HOST_COMPRESSION = ("auto", "lossless", "off")  # OffloadConfig.host_compression
 
 log = logging.getLogger("layer_offload")
@@ -59,6 +60,8 @@ TIP_HOST_COMPRESSION = ("Blocks held losslessly compressed in host RAM and decod
 
 def host_compression_input() -> Any:
     """The optional `host_compression` override of the Offload nodes (default: the preset's)."""
+    from comfy_api.latest import io
+
     return io.Combo.Input("host_compression", options=list(HOST_COMPRESSION_CHOICES), default="preset",
                           optional=True, tooltip=TIP_HOST_COMPRESSION)
 

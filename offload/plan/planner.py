@@ -326,7 +326,7 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     pin_limit = h.pin_limit if h.pin else 0
     if h.hard:
         plan = plan_host_capped(sizes, rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
-                                facts.prefetch, h.bounces_pageable)
+                                facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0))
     else:
         plan = plan_host(sizes, h.ram_budget, pin_limit, h.allow_disk, h.pin)
         if plan.ram_bytes > h.ram_budget:
@@ -341,8 +341,8 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
         messages.append((logging.INFO, f"{facts.name}: {disk} unit(s) stream from {h.file_path} (RAM budget "
                                        f"{h.ram_budget / MIB:.1f} MB)"))
     if h.hard:
-        ram = host_ram_bytes(sizes, rest_bytes, tiers, plan.bounce_bytes, facts.prefetch,
-                             h.bounces_pageable)
+        held = [facts.sizes[i] if tiers.get(i) == "disk" else s for i, s in enumerate(sizes)]  # disk: read raw
+        ram = host_ram_bytes(held, rest_bytes, tiers, plan.bounce_bytes, facts.prefetch, h.bounces_pageable)
         if ram > h.ram_budget:
             kept = sum(1 for t in tiers.values() if t != "disk")
             if not h.disk_optional:
