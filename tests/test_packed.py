@@ -224,7 +224,7 @@ def test_one_read_per_unit_with_unit_sized_bounce_buffers(tmp_path, offload, mon
     out = tmp_path / "m.packed"
     pack_file(_save(model, tmp_path / "m.safetensors"), out)
     blk = aligned_bytes(model.layers[0])
-    h = offload(model, _cfg(out, _least_ram(model, list(model.layers)) + 7 * blk, host_compression="off"))
+    h = offload(model, _cfg(out, _least_ram(model, list(model.layers)) + 7 * blk))
     disk = [i for i, b in enumerate(h.report().blocks) if b.tier == "disk"]
     assert len(disk) >= 4, [b.tier for b in h.report().blocks]
     assert h.streamer.staged.reader.bounce_bytes >= h.streamer.units[0].nbytes
