@@ -165,7 +165,8 @@ def test_v3_nodes_keep_the_saved_workflow_contract(env):
         assert got["input_order"][:n] == want["input_order"], node_id
         for name in got["input_order"][n:]:
             assert name in ADDED_INPUTS and got["inputs"][name]["section"] == "optional", (node_id, name)
-            assert got["inputs"][name]["options"].get("default") in ("", 0), (node_id, name)  # "" / 0: as before
+            # "" / 0: as before; "preset": the preset's own choice, as before (host_compression, issue 36)
+            assert got["inputs"][name]["options"].get("default") in ("", 0, "preset"), (node_id, name)
         for name, item in want["inputs"].items():
             g = got["inputs"][name]
             assert (g["section"], g["type"]) == (item["section"], item["type"]), (node_id, name, g)
