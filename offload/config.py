@@ -44,6 +44,7 @@ PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
 })
 DEFAULT_PRESET = "auto"
 HOST_COMPRESSION = ("auto", "lossless", "off")  # OffloadConfig.host_compression
+SHARE_HOST_CHOICES = ("auto", "off")  # OffloadConfig.share_host
 
 
 def preset_tooltip() -> str:
@@ -109,6 +110,10 @@ class OffloadConfig:
     # that pay under a ram_budget_bytes they break; else those that would go to the disk tier), "lossless" (every
     # block where it pays), "off"
     host_compression: str = "auto"
+    # several processes offloading the same file (ComfyUI-Distributed's local workers): "auto" holds the blocks kept
+    # in RAM in one read-only host copy they all map (the first fills it; a block a process writes becomes its own);
+    # "off": every process stages its own copy. Needs disk_path (the file names the copy) and Linux's /dev/shm.
+    share_host: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
@@ -135,6 +140,9 @@ class OffloadConfig:
         if self.host_compression not in HOST_COMPRESSION:
             raise ValueError(f"host_compression must be one of {', '.join(map(repr, HOST_COMPRESSION))}, got "
                              f"{self.host_compression!r}")
+        if self.share_host not in SHARE_HOST_CHOICES:
+            raise ValueError(f"share_host must be one of {', '.join(map(repr, SHARE_HOST_CHOICES))}, got "
+                             f"{self.share_host!r}")
 
     def _check_devices(self) -> None:
         devices = self.devices

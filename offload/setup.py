@@ -33,6 +33,7 @@ from .plan import planner
 from .plan.planner import GIB, HostFacts, Plan, PlanFacts, estimate_reserve, read_host_memory
 from .store.codec import scratch_estimate
 from .store.compressed import estimate_layout_size, unit_compression
+from .store import shared_host
 from .store.packed import open_weights
 from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
 from .stream.devices import SecondaryDevices
@@ -95,7 +96,8 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
             log.log(level, "%s", message)
         # 4. stage
         staged = stage_model(laid, plan.host_tiers, backend, config.pin_memory, plan.bounce_count,
-                             plan.bounce_bytes, progress, plan.host_plan.compressed, plan.host_plan.rest_spilled)
+                             plan.bounce_bytes, progress, plan.shared_units - plan.host_plan.compressed,
+                             plan.host_plan.compressed, plan.host_plan.rest_spilled)
     except BaseException:
         if file is not None:
             file.close()
@@ -127,7 +129,7 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
         ram, hard = max(0, mem.available + in_ram - min(4 * GIB, int(psutil.virtual_memory().total * 0.1))), False
     host = HostFacts(ram, hard, mem.pin_limit, config.pin_memory and backend.supports_pinned_host,
                      config.allow_disk and file_path is not None, backend.supports_pinned_host, config.disk_optional,
-                     file_path)
+                     file_path, config.share_host == "auto" and file_path is not None and shared_host.available())
     sizes = tuple(laid.sizes)
     packed: tuple[int, ...] = ()
     if config.host_compression != "off" and sizes:

@@ -227,7 +227,7 @@ def test_host_allocation_failure_at_every_site_leaves_the_model_untouched(monkey
     ref = run(model, (x,))
     path = tmp_path / "m.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path),
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), share_host="off",  # own buffers
                                     ram_budget_bytes=3 * aligned_bytes(model.layers[0]), **_private())
     backend = get_backend(cfg)
     n = _count_calls(monkeypatch, backend, "alloc_host",

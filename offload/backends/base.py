@@ -27,6 +27,12 @@ class Backend(abc.ABC):
     def alloc_host(self, nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
         """A flat uint8 host buffer, pinned when asked and possible; returns (buffer, pinned)."""
 
+    def register_host(self, buf: torch.Tensor) -> "Callable[[], None] | None":
+        """Pin host memory the engine did not allocate (a mapping other processes share), read-only, for this
+        device; returns the call that unregisters it, or None where it cannot be pinned (copies then come from
+        pageable memory). Asked of the pin gate first (offload/backends/pin_gate.py)."""
+        return None
+
     @abc.abstractmethod
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
         """Queue dst.copy_(src) on the transfer stream after event `after`; returns its completion event."""

@@ -1,6 +1,7 @@
 """CUDA (and ROCm through torch's HIP build): a copy stream, timing events, pinned host memory."""
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any, Callable
 
@@ -10,6 +11,24 @@ from .base import Backend
 from .pin_gate import pin_host
 
 log = logging.getLogger(__name__)
+
+_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every context
+_HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: the device only reads it (a read-only shared mapping)
+
+
+def _clear_last_error(cudart: Any) -> None:
+    """A runtime call that failed leaves its error as the thread's last error, which torch's next kernel-launch
+    check would raise as if that kernel had failed: read it back (resetting it) where the runtime can be reached."""
+    get = getattr(cudart, "cudaGetLastError", None)
+    try:
+        if get is None:  # torch's bindings lack it: the very runtime torch loaded, by its path
+            with open("/proc/self/maps") as maps:
+                path = next((line.split()[-1] for line in maps if "libcudart" in line), None)
+            get = ctypes.CDLL(path).cudaGetLastError if path else None
+        if get is not None:
+            get()
+    except (OSError, AttributeError):
+        pass
 
 
 class CudaCopyEvent:
@@ -68,6 +87,26 @@ class CudaBackend(Backend):
             except RuntimeError as exc:  # pin limit, locked-memory ulimit, WSL
                 log.debug("pinning %d bytes refused: %s", nbytes, exc)
         return torch.empty(nbytes, dtype=torch.uint8), False
+
+    def register_host(self, buf: torch.Tensor) -> Callable[[], None] | None:
+        """cudaHostRegister, read-only (the pages stay shared with the other processes mapping them) and portable."""
+        cudart = torch.cuda.cudart()
+        ptr, nbytes = buf.data_ptr(), buf.numel() * buf.element_size()
+
+        def register() -> torch.Tensor:
+            err = cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_READ_ONLY)
+            if int(err) != 0:
+                _clear_last_error(cudart)
+                raise RuntimeError(f"cudaHostRegister failed ({int(err)})")
+            return buf
+
+        try:
+            if pin_host(nbytes, register) is None:
+                return None  # the pin gate refused
+        except RuntimeError as exc:
+            log.info("pinning the shared host copy was refused (%s); it is copied from pageable memory", exc)
+            return None
+        return lambda: cudart.cudaHostUnregister(ptr)
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> CudaCopyEvent:
         event = CudaCopyEvent()

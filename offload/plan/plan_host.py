@@ -25,6 +25,13 @@ class HostPlan:
     compressed: frozenset[int] = frozenset()  # units held compressed in RAM (plan_compress.py)
     host_sizes: list[int] | None = None  # each unit's host bytes (its encoded size where compressed)
     rest_spilled: bool = False  # the weights outside the blocks keep no RAM copy (their master: the spill map)
+    shared: frozenset[int] = frozenset()  # units whose RAM master is the host copy shared between processes
+
+
+def shared_units(tiers: dict[int, str], share: bool) -> frozenset[int]:
+    """The units held in the shared form: every unit kept in RAM (pinned or pageable) when the model's file names a
+    copy other processes can map (`HostFacts.share`); a disk-tier unit is read from the file as before."""
+    return frozenset(i for i, t in tiers.items() if t != "disk") if share else frozenset()
 
 
 def bounce_buffers(prefetch: int) -> int:

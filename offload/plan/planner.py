@@ -27,7 +27,7 @@ import psutil
 from .plan_device import (DeviceMemoryError, PlanError, UnitPlan, across_devices, plan_by_cost,  # noqa: F401
                           plan_units, ring_slots, spread, want_bytes)
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
-                        bounce_buffers, host_ram_bytes, plan_host, plan_host_capped)
+                        bounce_buffers, host_ram_bytes, plan_host, plan_host_capped, shared_units)
 from ..store.codec import CODEC
 from .plan_compress import choose_compressed
 from .ring_sim import UnitCosts, simulate_pass
@@ -50,6 +50,7 @@ class HostFacts:
     bounces_pageable: bool  # the device has pinned memory: pageable masters are copied through a bounce buffer
     disk_optional: bool  # blocks the file cannot stream stay in RAM instead of failing
     file_path: str | None = None
+    share: bool = False  # the RAM masters may be one host copy shared with other processes (OffloadConfig.share_host)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,11 @@ class Plan:
     @property
     def host_tiers(self) -> dict[int, str]:
         return {i: u.host_tier for i, u in enumerate(self.units)}
+
+    @property
+    def shared_units(self) -> frozenset[int]:
+        """The units whose RAM master is the host copy shared between processes (empty: each process its own)."""
+        return self.host_plan.shared if self.host_plan is not None else frozenset()
 
     @property
     def disk_units(self) -> list[int]:
@@ -335,7 +341,8 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
                                               f"disk_path (its safetensors file) to stream the rest from disk"))
     disk_ok = facts.disk_ok or (False,) * len(sizes)
     tiers = {i: t if t != "disk" or disk_ok[i] else "pageable" for i, t in plan.tiers.items()}
-    plan = HostPlan(tiers, plan.ram_bytes, plan.pinned_bytes, plan.bounce_bytes)
+    plan = HostPlan(tiers, plan.ram_bytes, plan.pinned_bytes, plan.bounce_bytes,
+                    shared=shared_units(tiers, h.share))
     disk = sum(1 for t in tiers.values() if t == "disk")
     if disk:
         messages.append((logging.INFO, f"{facts.name}: {disk} unit(s) stream from {h.file_path} (RAM budget "

@@ -40,6 +40,7 @@ class BlockReport:
     host_bytes: int = 0
     raw_bytes: int = 0
     compression: str = "none"
+    shared: bool = False  # its host master is the copy shared with other processes offloading the same file
 
 
 TIERS = ("vram", "pinned", "pageable", "disk")
@@ -84,6 +85,10 @@ class OffloadReport:
     # raw bytes of every block (what raw RAM masters would hold)
     host_bytes: int = 0
     host_raw_bytes: int = 0
+    # host RAM of the model: what this process holds on its own (blocks, non-block weights, bounce buffers), and the
+    # blocks in the copy shared with other processes offloading the same file (OffloadConfig.share_host)
+    host_private_bytes: int = 0
+    host_shared_bytes: int = 0
 
     @property
     def streamed_bytes(self) -> int:
@@ -132,6 +137,9 @@ def summarize(d: dict[str, Any]) -> str:
                  f"({compressed} compressed)")
     runs = (f"  last runs: {d['forwards']} forward(s), {d['total_bytes_streamed'] / mb:.1f} MB streamed, "
             f"overlap {d['overlap_ratio']:.2f}, {d['effective_gbps']:.2f} GB/s, stall {d['stall_ms']:.1f} ms")
+    if d.get("host_shared_bytes"):
+        head += (f"; host RAM {d.get('host_private_bytes', 0) / mb:.1f} MB its own, "
+                 f"{d['host_shared_bytes'] / mb:.1f} MB in the copy shared with other processes")
     if d.get("backward_bytes_streamed"):
         runs += (f"; backward {d['backward_bytes_streamed'] / mb:.1f} MB of it, blocks held "
                  f"{d.get('backward_ms', 0.0):.1f} ms")

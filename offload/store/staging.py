@@ -12,7 +12,7 @@ back to pageable memory, said once).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -23,6 +23,7 @@ from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
 from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
 from ..model.trainable import trainable_in_blocks
 from .compressed import CompressedSource, stage_compressed
+from .shared_host import SharedHostCopy, SharedSource, SharedUnit
 from .sources import BouncedSource, BounceReader, DiskSource, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
 from .storage import CorruptFileError, SafetensorsFile
@@ -71,6 +72,7 @@ class StagingBuffer:
         binding.apply()
         layout.adopt_params()
         return cls(layout, host, pinned, binding, encoded=encoded, spilled=True)
+    shared: SharedUnit | None = None  # the host copy shared between processes (`host` is this process's view)
 
     @classmethod
     def in_ram(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
@@ -96,6 +98,27 @@ class StagingBuffer:
         binding.apply()
         layout.adopt_params()
         return cls(layout, host, pinned, binding)
+
+    @classmethod
+    def in_shared(cls, index: int, layout: TensorLayout, copy: SharedHostCopy, file: SafetensorsFile | None = None,
+                  keys: list[str] | None = None) -> "StagingBuffer | None":
+        """The unit's master in the host copy shared between processes (offload/store/shared_host.py), the modules
+        pointed at this process's view of it; None when the copy cannot hold it (the caller stages it in RAM)."""
+        def read_leaf(k: int, flat: torch.Tensor, view: torch.Tensor) -> None:
+            if layout.leaves[k].stride is None:  # row-major: one positioned read into the segment, no temporary
+                file.read_into(flat, [(keys[k], layout.leaves[k].offset)])
+            else:
+                view.copy_(file.read_tensor(keys[k]))
+
+        host = copy.place(index, layout, read_leaf)
+        if host is None:
+            return None
+        views = layout.leaf_views(host)
+        layout.rebind_fresh(views)
+        binding = layout.build(host, master=True)
+        binding.apply()
+        layout.adopt_params()
+        return cls(layout, host, False, binding, shared=copy.unit(index, host, layout))
 
     @classmethod
     def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str],
@@ -157,6 +180,7 @@ class StagedModel:
     reader: BounceReader | None
     file: SafetensorsFile | None
     key_of: Callable[[nn.Module, str], str] | None = None  # a tensor's state-dict name (matching units to the file)
+    shared: SharedHostCopy | None = None  # the host copy shared with other processes, as this process maps it
 
     def check_sources(self) -> None:
         """Raise SourceChangedError if the file behind the disk tier changed since setup."""
@@ -167,6 +191,9 @@ class StagedModel:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
 
 def shared_tensor_ids(model: nn.Module, units: list[Unit]) -> set[int]:
@@ -376,18 +403,21 @@ def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
 
 
 def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, bounce_count: int,
-                bounce_bytes: int | None = None,
-                progress: Callable[[int, int], None] | None = None,
-                compressed: frozenset[int] | set[int] = frozenset(), spill_rest: bool = False) -> StagedModel:
-    """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk) and form (`compressed`: held
-    in RAM in the codec's form), one unit at a time, and the read-ahead thread (`bounce_count` buffers of at most
-    `bounce_bytes`) for the units that are bounced."""
+                bounce_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
+                shared: frozenset[int] = frozenset(), compressed: frozenset[int] | set[int] = frozenset(),
+                spill_rest: bool = False) -> StagedModel:
+    """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk; the units in `shared` in the
+    host copy shared with other processes offloading the same file) and form (`compressed`: held in RAM in the
+    codec's form), one unit at a time, and the read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`)
+    for the units that are bounced."""
     units, layouts, file, keys = laid.units, laid.layouts, laid.file, laid.keys
     masters: list[StagingBuffer] = []
     total = len(units) + 1
     notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
     reader = rest = None
     spill = SpillFile() if spill_rest or any(tiers.get(i) != "disk" for i in compressed) else None
+    copy = (SharedHostCopy.open(file.path, layouts, [u.name for u in units], shared)
+            if shared and file is not None else None)
     try:
         for i, layout in enumerate(layouts):
             if tiers.get(i) == "disk":
@@ -396,10 +426,19 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
                 pinned = pin and tiers.get(i) != "pageable"
                 masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pinned, spill, file, keys.get(i)))
             else:
-                masters.append(StagingBuffer.in_ram(layout, backend.alloc_host, pin and tiers.get(i) != "pageable",
-                                                    file, keys.get(i), notice))
+                master = (StagingBuffer.in_shared(i, layout, copy, file, keys.get(i))
+                          if copy is not None and i in shared else None)
+                masters.append(master or StagingBuffer.in_ram(layout, backend.alloc_host,
+                                                              pin and tiers.get(i) != "pageable", file, keys.get(i),
+                                                              notice))
             if progress:
                 progress(i + 1, total)
+        if copy is not None:
+            copy.finish(backend, {i for i in shared if pin and tiers.get(i) == "pinned"})
+            for k, m in enumerate(masters):  # the copy is pinned (registered) now, or not
+                if m.shared is not None:
+                    unit = copy.unit(m.shared.index, m.host, m.layout)
+                    masters[k] = replace(m, pinned=unit.pinned, shared=unit)
         # Non-block tensors: always resident; the host copy stays the master for unload and detach.
         if spill_rest and laid.rest.nbytes:
             rest = StagingBuffer.compressed(laid.rest, backend.alloc_host, False, spill, file, laid.rest_keys,
@@ -416,6 +455,8 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
     except BaseException:
         for m in reversed(masters + ([rest] if rest is not None else [])):
             m.restore_ordinary()
+        if copy is not None:
+            copy.close()
         raise
     finally:
         if spill is not None:
@@ -428,15 +469,19 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
         staged.append(StagedUnit(i, unit.name, unit.module, master, source))
     if progress:
         progress(total, total)
-    return StagedModel(staged, rest, laid.rest_bytes, reader, file, laid.key_of)
+    return StagedModel(staged, rest, laid.rest_bytes, reader, file, laid.key_of,
+                       copy if copy is not None and copy.placed else None)
 
 
 def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:
-    """The source for a RAM master: straight copies when pinned (or no pinned memory exists), else bounced; a
-    compressed master's encoded bytes, decoded on the device."""
+    """The source for a RAM master: straight copies when pinned (or no pinned memory exists), else bounced; a unit
+    in the shared host copy from its registered shared mapping (SharedSource) where the copy is pinned; a compressed
+    master's encoded bytes, decoded on the device."""
     if master.encoded is not None:
         return CompressedSource(master.encoded, master.encoded.blob, master.pinned, backend, reader,
                                 master.host, list(master.layout.leaves), backend.alloc_host)
+    if master.shared is not None and master.shared.pinned:
+        return SharedSource(master.shared, backend)
     if not master.pinned and backend.supports_pinned_host and reader is not None:
         return BouncedSource(master.host, reader)
     return HostSource(master.host, master.pinned, backend)

@@ -70,10 +70,31 @@ class HostTiers:
         log.info("%s was written in place; it streams from RAM from now on instead of %s", u.staged.name,
                  old.file.path if old.file is not None else "its file")
 
+    def privatize(self, u: UnitState) -> None:
+        """A unit of the host copy shared between processes that this process wrote gets a RAM master of its own
+        (copy-on-write at unit granularity): the other processes keep the original bytes, this one streams what it
+        wrote. The pages the write made private in the shared mapping are given back."""
+        old = u.master
+        layout = old.layout
+        host, pinned = self.backend.alloc_host(layout.nbytes, self.pin_memory)
+        with torch.no_grad():
+            host.copy_(old.host)  # this process's copy-on-write view: the written bytes
+        binding = layout.build(host, master=True)
+        if u.resident_buf is None:
+            binding.apply()
+        u.staged.master = StagingBuffer(layout, host, pinned, binding)
+        u.staged.source = self.sources[u.index] = make_ram_source(u.staged.master, self.backend, self.staged.reader)
+        u.mark = layout.version()
+        quiesce(self.staged, self.backend)  # no read or copy may still use the pages about to be given back
+        old.shared.drop_private_pages()
+        log.info("%s was written in this process: it keeps a private copy; the other processes sharing its host copy "
+                 "keep the original bytes", u.staged.name)
+
     def host_memory(self) -> dict[str, int]:
-        """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, and on disk; the
-        blocks' raw bytes in RAM (`raw`: what `ram` holds compressed, counted as raw)."""
-        ram = pinned = disk = raw = 0
+        """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, of which in the copy
+        shared with other processes, and on disk; the blocks' raw bytes in RAM (`blocks_raw`: what `ram` holds
+        compressed, counted as raw)."""
+        ram = pinned = disk = shared = raw = 0
         for u in self.units:
             if u.master.host is None:
                 disk += u.nbytes
@@ -82,17 +103,19 @@ class HostTiers:
                 ram += held
                 raw += u.nbytes
                 pinned += held if u.master.pinned else 0
+                shared += u.nbytes if u.master.shared is not None else 0
         ram += 0 if self.staged.rest.spilled else self.staged.rest.layout.nbytes
         reader = self.staged.reader
         if reader is not None:
             ram += reader.bounce_bytes * reader.count
             pinned += reader.bounce_bytes * reader.count if reader.pinned else 0
-        return {"ram": ram, "pinned": pinned, "disk": disk, "blocks_raw": raw}
+        return {"ram": ram, "pinned": pinned, "disk": disk, "shared": shared, "blocks_raw": raw}
 
     def release_host_memory(self, nbytes: int, order: list[int]) -> int:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
-        model's file holds their exact bytes (checked); returns the bytes freed, net of any bounce buffers the disk
-        tier needed (0 without a file). The caller holds the pass lock."""
+        model's file holds their exact bytes (checked; a block of the host copy shared between processes only while
+        no other process maps the copy: otherwise letting go of it frees nothing); returns the bytes freed, net of
+        any bounce buffers the disk tier needed (0 without a file). The caller holds the pass lock."""
         staged = self.staged
         file = staged.file
         if file is None or nbytes <= 0:
@@ -111,6 +134,9 @@ class HostTiers:
         for u in candidates:
             if freed - cost >= nbytes:
                 break
+            shared = u.master.shared
+            if shared is not None and not shared.copy.alone():
+                continue
             keys = file_keys_holding(file, u.staged.layout, staged.key_of, refused=refused)
             if keys is None or not all(file.aligned(k) for k in keys):
                 continue
@@ -122,7 +148,8 @@ class HostTiers:
             u.staged.source = self.sources[u.index] = DiskSource(file, keys, u.staged.layout.leaves, u.nbytes,
                                                                   staged.reader)
             u.mark = u.staged.layout.version()
-            freed += held
+            if shared is None or shared.copy.give_back(shared.index):
+                freed += held
         if refused:
             log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
                         f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")

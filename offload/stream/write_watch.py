@@ -136,6 +136,9 @@ class WriteWatch:
                         self.host.promote_to_ram(u)
                     master_written(u.staged.source)
                     stale = True
+            if u.master.shared is not None and u.master.shared.written():
+                self.host.privatize(u)  # the other processes sharing its host copy keep the original bytes
+                stale = True
         self._check_rest()
         if stale:
             log.debug("weights changed in place; restarting the lookahead")
@@ -158,6 +161,8 @@ class WriteWatch:
                 u.device_newer = True
             elif u.master.host is None and self.host.differs_from_file(u):
                 self.host.promote_to_ram(u)
+            elif u.master.shared is not None and u.master.shared.has_private_pages():
+                self.host.privatize(u)
             else:
                 master_written(u.staged.source)
         p.rest_device_newer = p.rest_buf is not None

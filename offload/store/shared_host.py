@@ -1,0 +1,415 @@
+"""One read-only host copy of a model's blocks for every process that offloads the same file.
+
+ComfyUI-Distributed runs a master and one worker per GPU on one machine, each offloading the same model; with a
+copy each, four local workers need four times the model's host RAM. Processes offloading the same file (the same
+path, size and modification time) with the same layout (every unit's tensors: offsets, dtypes, shapes, strides)
+share ONE copy instead: a named segment under /dev/shm (`SharedHostCopy`), which the first process fills unit by
+unit while it stages (`place`) and the others map once it is complete.
+
+- Naming: `layer-offload-<sha256 of the file's identity and the layout>`; created with O_EXCL, so exactly one
+  process fills it. A header (magic, the full key, the size, per unit its offset and which leaves were read from
+  the file) is written last; a segment whose header does not match is ignored (the process stages its own copy).
+- A joining process compares the bytes it holds (a model loaded in RAM) with the segment's before it drops its
+  own; a leaf it does not hold (on the meta device, read from the file) joins only where the filler read that very
+  leaf from the file. A unit that differs stays private to the process: a shared copy never changes an output.
+- Mapped twice: a private copy-on-write mapping the unit's parameters view between forwards (a write lands in this
+  process's own pages, never in the others'), and a read-only shared one the device copies from, pinned where the
+  backend can register host memory (`Backend.register_host`, asked of the pin gate). A unit written in place stops
+  copying from the shared view at once (`SharedSource` compares version counters) and gets a private RAM master at
+  the next pass start (`HostTiers.privatize`: copy-on-write at unit granularity).
+- Cleanup: every process holds a shared `flock` on the segment while it maps it (the filler an exclusive one until
+  the header is written); the last one to let go (detach, garbage collection, exit) takes the lock exclusively
+  and unlinks the segment. A segment left by a killed process is removed by the next process that creates one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import struct
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..model.layout import TensorLayout
+from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, available, fcntl, file_identity,  # noqa: F401
+                          map_segment, private_pages, punch_hole, release, round_up, segment_key, sweep_stale)
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"LOSHARE1"
+_HEAD = struct.Struct("<8sQQ")  # magic, ready (0 | 1), length of the JSON that follows
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class SharedUnit:
+    """Where one unit lies in this process's mappings: `host` views the private copy-on-write mapping (what the
+    modules see); `pinned_view` the registered read-only shared mapping (what the device copies from), or None.
+    The version counters at placement tell whether this process wrote the unit since (`written`)."""
+
+    def __init__(self, index: int, host: torch.Tensor, pinned_view: torch.Tensor | None, copy: "SharedHostCopy",
+                 layout: TensorLayout) -> None:
+        self.index = index
+        self.host = host
+        self.pinned_view = pinned_view
+        self.copy = copy
+        self.layout = layout
+        self._marks = self._versions()
+
+    @property
+    def pinned(self) -> bool:
+        return self.pinned_view is not None
+
+    def _versions(self) -> tuple[int, int]:
+        return self.host._version, self.layout.version()
+
+    def written(self) -> bool:
+        """Whether this process wrote the unit since it was placed: through its parameters (version counters), or
+        the engine into its host views (buffers written back, a device copy caught up)."""
+        return self._versions() != self._marks
+
+    def has_private_pages(self) -> bool:
+        """Whether a write this process made reached the unit's pages in a way no version counter saw (through
+        `.data`): a page of the copy-on-write mapping turned private (/proc/self/pagemap)."""
+        return private_pages(self.host.data_ptr(), self.host.numel())
+
+    def drop_private_pages(self) -> None:
+        """Give back the pages a write made private in this process (after the unit got a RAM master of its own)."""
+        self.copy.drop_private_pages(self.index)
+
+
+class SharedHostCopy:
+    """The segment one model's shared units live in, as this process maps it (see the module docstring)."""
+
+    said_full = False  # the warning that /dev/shm is full was given (once per process)
+
+    def __init__(self, path: Path, fd: int, filler: bool, key: str, offsets: dict[int, int],
+                 sizes: dict[int, int], total: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.filler = filler
+        self.key = key
+        self.offsets = offsets  # unit index -> byte offset in the segment
+        self.sizes = sizes
+        self.total = total
+        self.file_leaves: dict[int, list[int]] = {}  # filled units -> leaves read from the file (the header's)
+        self.placed: list[int] = []
+        self.refused = 0
+        self._fill: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_WRITE) if filler else None
+        self._private: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_COPY)
+        self._shared: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_READ)
+        self._unregisters: list[Callable[[], None]] = []
+        self._pinned: dict[int, torch.Tensor] = {}  # unit -> its registered view in the shared mapping
+        # a model dropped without detach() lets go too (device registrations first, while the mappings exist)
+        self._closer = weakref.finalize(self, release, fd, str(path), os.fstat(fd).st_ino, self._unregisters)
+
+    # opening ------------------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, file_path: str | os.PathLike, layouts: list[TensorLayout], names: list[str],
+             wanted: set[int] | frozenset[int], directory: Path = SEGMENT_DIR) -> "SharedHostCopy | None":
+        """This process's mapping of the segment for these units, filling it when none exists; None (logged) where
+        none can be had (each process then stages its own copy)."""
+        if not wanted:
+            return None
+        try:
+            key = segment_key(file_identity(file_path), layouts, names)
+        except OSError as exc:
+            log.info("no shared host copy: cannot read %s (%s)", file_path, exc)
+            return None
+        offsets, sizes, pos = {}, {}, 0
+        for i, layout in enumerate(layouts):  # every unit has its place, so processes with other tiers agree
+            offsets[i], sizes[i] = pos, layout.nbytes
+            pos += round_up(layout.nbytes)
+        # the header is written last: room for it with every unit filled and every leaf read from the file
+        head = round_up(_HEAD.size + len(cls._header_json(key, offsets, sizes, layouts, full=True))
+                         + 32 * len(offsets) + 256)
+        offsets = {i: head + off for i, off in offsets.items()}
+        total = max(head + pos, PAGE)
+        path = directory / (PREFIX + key[:40])
+        for _ in range(3):  # a segment the last process unlinked while we opened it: look again
+            try:
+                copy = cls._join(path, key, offsets, sizes, total)
+                if copy is not None:
+                    return copy
+                return cls._create(path, key, offsets, sizes, total, directory)
+            except FileExistsError:
+                continue  # another process created it between our look and our create: join it
+            except _Retry:
+                continue
+            except OSError as exc:
+                log.warning("no shared host copy of %s (%s: %s); this process stages its own", file_path,
+                            type(exc).__name__, exc)
+                return None
+        return None
+
+    @staticmethod
+    def _header_json(key: str, offsets: dict[int, int], sizes: dict[int, int], layouts: list[TensorLayout],
+                     file_leaves: dict[int, list[int]] | None = None, full: bool = False) -> bytes:
+        units = []
+        for i in offsets:
+            leaves = list(range(len(layouts[i].leaves))) if full else (file_leaves or {}).get(i)
+            units.append({"offset": offsets[i], "nbytes": sizes[i], "filled": full or i in (file_leaves or {}),
+                          "file_leaves": leaves or []})
+        return json.dumps({"key": key, "units": units}).encode()
+
+    @classmethod
+    def _create(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int], total: int,
+                directory: Path) -> "SharedHostCopy":
+        sweep_stale(directory)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # joiners wait until the header says it is complete
+            os.ftruncate(fd, total)  # tmpfs: pages exist once written
+            copy = cls(path, fd, True, key, offsets, sizes, total)
+        except BaseException:
+            os.unlink(path)
+            os.close(fd)
+            raise
+        log.info("filling the shared host copy %s (%.1f MB) for other processes offloading the same file", path,
+                 total / 2 ** 20)
+        return copy
+
+    @classmethod
+    def _join(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int],
+              total: int) -> "SharedHostCopy | None":
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the filler still fills it
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise _Retry()
+            header = cls._read_header(fd, key, offsets, sizes, total)
+            if header is not None:
+                copy = cls(path, fd, False, key, offsets, sizes, total)
+        except BaseException:
+            os.close(fd)
+            raise
+        if header is None:
+            os.close(fd)
+            cls._take_over(path)  # raises: look again, or stage a private copy
+        copy.file_leaves = header
+        log.info("mapping the shared host copy %s another process filled (%d unit(s))", path, len(header))
+        return copy
+
+    @staticmethod
+    def _read_header(fd: int, key: str, offsets: dict[int, int], sizes: dict[int, int],
+                     total: int) -> dict[int, list[int]] | None:
+        """The filled units and their file-read leaves, or None for a segment that is not this model's copy or
+        was never completed."""
+        try:
+            if os.fstat(fd).st_size != total:
+                return None
+            magic, ready, n = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
+            if magic != MAGIC or not ready or n > min(offsets.values(), default=total):
+                return None
+            header = json.loads(os.pread(fd, n, _HEAD.size))
+            units = header["units"]
+            if header["key"] != key or len(units) != len(offsets):
+                return None
+            out = {}
+            for i, u in zip(offsets, units):
+                if u["offset"] != offsets[i] or u["nbytes"] != sizes[i]:
+                    return None
+                if u["filled"]:
+                    out[i] = [int(k) for k in u["file_leaves"]]
+            return out
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return None
+
+    @staticmethod
+    def _take_over(path: Path) -> None:
+        """A segment under our name that does not hold this model's copy: removed when nobody holds it (its filler
+        died half way), else left alone."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            raise _Retry() from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            raise _Retry()
+        except BlockingIOError:
+            log.warning("%s is not a complete shared host copy of this model and is in use; this process stages its "
+                        "own copy", path)
+            raise OSError("segment in use with another header") from None
+        finally:
+            os.close(fd)
+
+    # staging ------------------------------------------------------------------------------------------------------
+    def place(self, i: int, layout: TensorLayout,
+              read_leaf: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor | None:
+        """Unit i's bytes in the segment, as this process's private mapping of them (None: keep a private copy).
+        The filler copies the unit's tensors in (`read_leaf(k, unit_bytes, leaf_view)` reads leaf k of a meta
+        leaf from the file); a joiner checks that the segment holds the bytes it holds."""
+        off, n = self.offsets[i], self.sizes[i]
+        if self.filler:
+            try:  # the pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS while copying into the mapping
+                os.posix_fallocate(self.fd, off, round_up(n))
+            except OSError as exc:
+                if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
+                    SharedHostCopy.said_full = True
+                    log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
+                                "RAM (a container's /dev/shm may be small: docker run --shm-size)", SEGMENT_DIR, exc)
+                self.refused += 1
+                return None
+            dst = self._frombuffer(self._fill, off, n)
+            from_file = []
+            with torch.no_grad():
+                for k, (view, src) in enumerate(zip(layout.leaf_views(dst), layout.sources())):
+                    if src.is_meta or layout.leaves[k].meta:
+                        del src
+                        read_leaf(k, dst, view)  # straight into the segment where it can
+                        from_file.append(k)
+                    else:
+                        view.copy_(src)
+                        del src
+            self.file_leaves[i] = from_file
+        else:
+            if i not in self.file_leaves:
+                return None  # the filler kept this unit out of RAM (disk tier): it was not filled
+            theirs = set(self.file_leaves[i])
+            seg = self._frombuffer(self._shared, off, n)
+            with torch.no_grad():
+                for k, (view, src) in enumerate(zip(layout.leaf_views(seg), layout.sources())):
+                    if src.is_meta or layout.leaves[k].meta:
+                        ok = k in theirs  # read from the very file by the filler too
+                    else:
+                        ok = torch.equal(_bytes_of(view), _bytes_of(src))
+                    del src
+                    if not ok:
+                        self.refused += 1
+                        return None
+        self.placed.append(i)
+        return self._frombuffer(self._private, off, n)
+
+    def finish(self, backend: Any, pinned: set[int] | frozenset[int]) -> None:
+        """Staging is over: the filler publishes the header and lets joiners in; the units planned `pinned` are
+        registered for this process's device in the shared mapping (each asked of the pin gate), where it can."""
+        if self.filler and self._fill is not None:
+            body = self._header_json(self.key, self.offsets, self.sizes, [], self.file_leaves)
+            self._fill[_HEAD.size:_HEAD.size + len(body)] = body
+            self._fill[:_HEAD.size] = _HEAD.pack(MAGIC, 1, len(body))
+            self._fill.close()
+            self._fill = None
+            os.utime(self.fd)  # young: no other process's sweep takes it for a leftover while the lock changes
+            fcntl.flock(self.fd, fcntl.LOCK_SH)  # joiners may map it now
+        if self.refused and not self.filler:
+            log.warning("%d unit(s) hold other bytes than the shared host copy of the same file (changed after "
+                        "loading?); they keep a private copy in this process", self.refused)
+        if not getattr(backend, "supports_pinned_host", False):
+            return
+        for i in self.placed:
+            if i in pinned and self._shared is not None:
+                view = self._frombuffer(self._shared, self.offsets[i], self.sizes[i])
+                unregister = backend.register_host(view)
+                if unregister is None:
+                    break  # refused (the pin gate, the driver): the rest are copied from pageable memory too
+                self._unregisters.append(unregister)
+                self._pinned[i] = view
+
+    def pinned_view(self, i: int) -> torch.Tensor | None:
+        """Unit i in the registered shared mapping (what the device copies from), or None when it is not pinned."""
+        return self._pinned.get(i)
+
+    def unit(self, i: int, host: torch.Tensor, layout: TensorLayout) -> SharedUnit:
+        return SharedUnit(i, host, self.pinned_view(i), self, layout)
+
+    @staticmethod
+    def _frombuffer(m: mmap.mmap | None, off: int, n: int) -> torch.Tensor:
+        """A tensor of its own (its own version counter) over bytes [off, off + n) of a mapping."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the read-only mapping: torch warns it is not writable
+            return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=off)
+
+    def alone(self) -> bool:
+        """Whether no other process (nor another model of this one) maps the copy now."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            return False
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)  # back to shared (a failed conversion gave it up)
+
+    def give_back(self, i: int) -> bool:
+        """Free unit i's pages in the segment, when no other process maps it (the unit left this process's RAM for
+        the disk tier under RAM pressure); False where another process still maps the copy (nothing is freed)."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only when no other process holds it
+        except OSError:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)  # a failed conversion gave up the shared lock: take it again
+            return False
+        try:
+            self.file_leaves.pop(i, None)  # a later process stages this unit on its own
+            body = self._header_json(self.key, self.offsets, self.sizes, [], self.file_leaves)
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                os.pwrite(fd, body, _HEAD.size)
+                os.pwrite(fd, _HEAD.pack(MAGIC, 1, len(body)), 0)
+                punch_hole(fd, self.offsets[i], round_up(self.sizes[i]))
+            finally:
+                os.close(fd)
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+        self.drop_private_pages(i)
+        return True
+
+    def drop_private_pages(self, i: int) -> None:
+        if self._private is not None and hasattr(self._private, "madvise"):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                self._private.madvise(mmap.MADV_DONTNEED, self.offsets[i], round_up(self.sizes[i]))
+
+    # the end --------------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Let go of the segment (unlinked when no other process maps it); views still alive keep their pages."""
+        if self._fill is not None:  # a staging that failed half way: nobody else may map a half-filled copy
+            self._fill.close()
+            self._fill = None
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        self._closer()  # device registrations, then the lock; the last process out unlinks
+        self._pinned.clear()
+        for m in (self._private, self._shared):
+            with contextlib.suppress(BufferError, AttributeError):  # tensors still view it: it goes with them
+                m.close()
+        self._private = self._shared = None
+
+
+class _Retry(Exception):
+    """The segment went away (or was a dead filler's) while we opened it: look again."""
+
+
+class SharedSource:
+    """A shared unit copied to the device from the registered (pinned) shared mapping while this process has not
+    written it; from its own copy-on-write view once it has (pageable, until `HostTiers.privatize` gives the unit
+    a RAM master of its own at the next pass start)."""
+
+    reads = 0
+    read_ms = 0.0
+    tier = "pinned"
+
+    def __init__(self, unit: SharedUnit, backend: Any) -> None:
+        self.unit = unit
+        self.host = unit.host
+        self.nbytes = unit.host.numel()
+        self.backend = backend
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        src = self.host if self.unit.written() else self.unit.pinned_view
+        return self.backend.copy_h2d(dst[:self.nbytes], src, after)

@@ -1,0 +1,80 @@
+"""One process of tests/test_shared_host.py: a local worker offloading a model from its file, driven line by line.
+
+Run as `python -m tests.shared_host_worker FILE SHARE LOAD` from the repository root (SHARE: auto | off; LOAD: meta,
+the model built on the meta device and read from FILE, or ram, loaded into RAM first as ComfyUI does). It builds the
+model and prints `ready`, then answers one command per line on stdin:
+- `offload`: offload it on the simulated device (every block streamed), run one forward; prints `out <sha256>`
+- `forward`: one forward; prints `out <sha256 of the output's bytes>`
+- `write UNIT`: multiplies the first weight of block UNIT by 2 in place (what a merged patch does)
+- `report`: prints `report <json>` with the per-block `shared` flags, the host bytes and the segment's path
+- `detach`, `quit`
+The parent reads each process's proportional set size from outside (psutil), between commands.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+import torch.nn as nn
+
+WIDTH = 1024
+BLOCKS = 16  # 16 x 4 MiB of fp32 weights: 64 MiB, well above the noise of a process's runtime
+
+
+def build(device: str = "cpu") -> nn.Sequential:
+    with torch.device(device):
+        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(BLOCKS)])
+
+
+def inputs() -> torch.Tensor:
+    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def main(path: str, share: str, load: str) -> None:
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    if load == "meta":
+        model = build("meta")
+    else:
+        from safetensors.torch import load_file
+        model = build()
+        model.load_state_dict(load_file(path))
+    handle = None
+    x = inputs()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "offload":
+            cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=path, share_host=share,
+                                            sim_capacity_bytes=1 << 30)
+            handle = offload_module(model, cfg, budget=VramBudget(256 << 20))
+            cmd = "forward"
+        if cmd == "forward":
+            with torch.no_grad():
+                print("out", digest(model(x)), flush=True)
+        elif cmd == "write":
+            with torch.no_grad():
+                model[int(args[0])].weight.mul_(2)
+            print("written", flush=True)
+        elif cmd == "report":
+            rep = handle.report()
+            staged = handle.streamer.staged
+            print("report", json.dumps({
+                "shared": [b.shared for b in rep.blocks], "host_shared_bytes": rep.host_shared_bytes,
+                "host_private_bytes": rep.host_private_bytes,
+                "segment": str(staged.shared.path) if staged.shared is not None else None}), flush=True)
+        elif cmd == "detach":
+            handle.detach()
+            print("detached", flush=True)
+        elif cmd == "quit":
+            return
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
