@@ -147,6 +147,15 @@ def master_written(source: Any) -> None:
         invalidate()
 
 
+def bind_master(layout: TensorLayout, host: torch.Tensor) -> Any:
+    """Point the unit's modules at views of `host` (its new master) and return that binding."""
+    layout.rebind_fresh(layout.leaf_views(host))
+    binding = layout.build(host, master=True)
+    binding.apply()
+    layout.adopt_params()
+    return binding
+
+
 def stage_compressed(layout: TensorLayout, sources: list[torch.Tensor], encoded_in: codec.Encoded | None,
                      spill: SpillFile, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
                      pin: bool, encode: bool = True) -> tuple[torch.Tensor, Any, bool, Any]:

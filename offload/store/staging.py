@@ -22,7 +22,7 @@ from ..model.blocks import Unit
 from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
 from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
 from ..model.trainable import trainable_in_blocks
-from .compressed import CompressedSource, stage_compressed
+from .compressed import CompressedSource, bind_master, stage_compressed
 from .shared_host import SharedHostCopy, SharedSource, SharedUnit
 from .sources import BouncedSource, BounceReader, DiskSource, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
@@ -61,17 +61,12 @@ class StagingBuffer:
     def compressed(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
                    pin: bool, spill: SpillFile, file: SafetensorsFile | None = None,
                    keys: list[str] | None = None, encode: bool = True) -> "StagingBuffer":
-        """Hold the unit compressed in RAM (`compressed.stage_compressed`); its modules view the spill map. Without
+        """Hold the unit compressed in RAM, its modules viewing the spill map (`compressed.stage_compressed`); without
         `encode`, the spill map alone (the weights outside the blocks, which live on the device)."""
         sources = [file.read_tensor(keys[i]) if src.is_meta or layout.leaves[i].meta else src
                    for i, src in enumerate(layout.sources())]
         host, _, pinned, encoded = stage_compressed(layout, sources, None, spill, alloc_host, pin, encode)
-        del sources
-        layout.rebind_fresh(layout.leaf_views(host))
-        binding = layout.build(host, master=True)
-        binding.apply()
-        layout.adopt_params()
-        return cls(layout, host, pinned, binding, encoded=encoded, spilled=True)
+        return cls(layout, host, pinned, bind_master(layout, host), encoded=encoded, spilled=True)
     shared: SharedUnit | None = None  # the host copy shared between processes (`host` is this process's view)
 
     @classmethod
