@@ -4,14 +4,14 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..offload import (PRESETS, BudgetError, VramBudget, budget_preset_tooltip, default_budget,
                        device_memory)
 from comfy_api.latest import io
 
-from .common import (BUDGET_TYPE, CATEGORY, PRESET_CHOICES, engine_device, full_device_name, io_type, preset_input,
-                     visible_devices)
+from .common import (BUDGET_TYPE, CATEGORY, DEVICE_NAME_RE, PRESET_CHOICES, drop_absent_devices, engine_device,
+                     full_device_name, io_type, preset_input, visible_devices)
 
 log = logging.getLogger("layer_offload")
 
@@ -62,6 +62,23 @@ def check_total(total_bytes: Any, origin: str) -> int:
     return total
 
 
+_SHARE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*%$")
+
+
+def parse_share(text: Any, input_name: str = "budget_share") -> Optional[float]:
+    """`budget_share` text ('50%') as a fraction of the card (0.5); None when empty. ValueError names the input."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    m = _SHARE_RE.match(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError("{} must be a share of the card such as '50%', got {!r} (for GB use budget_gb)".format(
+            input_name, text))
+    value = float(m.group(1))
+    if not 0 < value <= 100:
+        raise ValueError("{} must be above 0% and at most 100%, got {!r}".format(input_name, text))
+    return value / 100
+
+
 _SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(gb|gib|g|mb|mib|m|%)?$", re.IGNORECASE)
 
 
@@ -69,15 +86,18 @@ def parse_per_device(text: Any, input_name: str = "per_device") -> Dict[str, int
     """`per_device` text ('cuda:1=10GB, cuda:2=50%') as {device: bytes}: the totals of the budgets of the devices
     other than the compute device that hold resident blocks (the compute device's total is budget_gb). A number is
     GB; MB and a percentage of that device's memory are allowed; 0 keeps every block off that device. ValueError /
-    BudgetError name the entry, the valid devices and the limit."""
+    BudgetError name the entry, the valid devices and the limit. A well-formed device this process lacks (a
+    ComfyUI-Distributed worker with fewer GPUs than the master) is left out with one notice."""
     if text is None or (isinstance(text, str) and not text.strip()):
         return {}
     if not isinstance(text, str):
         raise ValueError("{} must be text such as 'cuda:1=10GB', got {!r}".format(input_name, text))
     compute = engine_device()
     first = full_device_name(compute) if compute is not None else None
-    visible = [d for d in visible_devices(compute) if d != first]
+    every = visible_devices(compute)
+    visible = [d for d in every if d != first]
     out: Dict[str, int] = {}
+    absent: List[str] = []
     for item in (p.strip() for p in re.split(r"[,;\n]+", text)):
         if not item:
             continue
@@ -89,16 +109,22 @@ def parse_per_device(text: Any, input_name: str = "per_device") -> Dict[str, int
         if device == first:
             raise ValueError("{}: {} is the compute device; its total is budget_gb (or the preset)".format(
                 input_name, device))
-        if device not in visible:
-            raise ValueError("{}: {!r} is not a visible device other than the compute device ({}); valid devices: "
+        if device not in visible and not DEVICE_NAME_RE.match(device):
+            raise ValueError("{}: {!r} is not a device name; valid devices other than the compute device ({}): "
                              "{}".format(input_name, name, first, ", ".join(visible) or "none (one device only)"))
-        if device in out:
+        if device in out or device in absent:
             raise ValueError("{}: {} is given twice".format(input_name, device))
         m = _SIZE_RE.match(size)
         if m is None:
             raise ValueError("{}: the size {!r} of {} is not a number of GB (e.g. 10, 10GB, 512MB or 50%)".format(
                 input_name, size, device))
+        if device not in visible:  # a device of another process (ComfyUI-Distributed): left out below
+            absent.append(device)
+            continue
         value, unit = float(m.group(1)), (m.group(2) or "gb").lower()
+        if not math.isfinite(value) or value > 1 << 40:  # 400 nines is not a size (int(inf) would overflow)
+            raise ValueError("{}: the size {!r} of {} is not a number of GB a device has".format(
+                input_name, size[:40], device))
         device_total = int(device_memory(device)[1])
         nbytes = int(value / 100 * device_total) if unit == "%" else int(value * (GIB if unit.startswith("g")
                                                                                    else 1 << 20))
@@ -109,6 +135,7 @@ def parse_per_device(text: Any, input_name: str = "per_device") -> Dict[str, int
             raise BudgetError("{}: {} = {} bytes is below the minimum of {:.3f} GB (or 0: no blocks there)".format(
                 input_name, device, nbytes, MIN_BUDGET_BYTES / GIB))
         out[device] = nbytes
+    drop_absent_devices(absent, every, input_name, text)  # the one notice naming what was left out
     return out
 
 
@@ -166,23 +193,49 @@ class OffloadVramBudget(io.ComfyNode):
                         "Budgets of the other devices that hold blocks of models whose Offload node lists them "
                         "(devices input), e.g. 'cuda:1=10GB, cuda:2=50%' (GB, MB or a share of that device; 0 keeps "
                         "blocks off it). Empty: each such device sizes its own from its free memory. The compute "
-                        "device's total is budget_gb."))],
+                        "device's total is budget_gb. A device this process lacks is left out with a notice.")),
+                    io.String.Input("budget_share", default="", optional=True, tooltip=(
+                        "The budget as a share of this process's card, e.g. '50%' (instead of budget_gb, which must "
+                        "then be 0): the same workflow sent to ComfyUI-Distributed workers gives each half of its own "
+                        "card, whatever its size. Empty: budget_gb, or the preset."))],
             outputs=[io_type(BUDGET_TYPE).Output(display_name="budget", tooltip=(
                 "The process-wide budget; link it to Offload loaders to make the dependency explicit."))])
 
     @classmethod
-    def execute(cls, budget_gb: float, preset: str, per_device: str = "") -> io.NodeOutput:
-        return io.NodeOutput(*cls.set_budget(budget_gb, preset, per_device))
+    def execute(cls, budget_gb: float, preset: str, per_device: str = "", budget_share: str = "") -> io.NodeOutput:
+        return io.NodeOutput(*cls.set_budget(budget_gb, preset, per_device, budget_share))
 
     @classmethod
-    def set_budget(cls, budget_gb: float, preset: str, per_device: str = "") -> Tuple[BudgetSpec]:
+    def set_budget(cls, budget_gb: float, preset: str, per_device: str = "",
+                   budget_share: str = "") -> Tuple[BudgetSpec]:
         """The node's work, as a tuple of its outputs."""
+        if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)):
+            raise ValueError("budget_gb must be a number, got {!r}".format(budget_gb))
+        try:
+            budget_gb = float(budget_gb)  # an integer beyond float range: OverflowError
+        except OverflowError:
+            budget_gb = math.inf
         if budget_gb != budget_gb or budget_gb < 0:  # NaN or negative
             raise ValueError("budget_gb must be >= 0, got {!r}".format(budget_gb))
+        share = parse_share(budget_share)
+        if share is not None and budget_gb > 0:
+            raise ValueError("budget_gb ({:g}) and budget_share ({!r}) are both set; set budget_gb to 0 to use the "
+                             "share, or empty budget_share to use GB".format(budget_gb, budget_share))
         others = parse_per_device(per_device)
-        if budget_gb > 0:
+        if share is not None:
+            total = device_total_bytes()
+            origin = "set by a VRAM Budget node (budget_share {:g}% of {:.2f} GB)".format(share * 100, total / GIB)
+            spec = BudgetSpec(check_total(int(total * share), origin), None, origin, others)
+        elif budget_gb > 0:
             origin = "set by a VRAM Budget node (budget_gb={:g})".format(budget_gb)
-            spec = BudgetSpec(check_total(budget_gb * GIB, origin), None, origin, others)
+            try:
+                total = check_total(budget_gb * GIB, origin)
+            except BudgetError as e:
+                if "larger than the device" not in str(e):
+                    raise
+                raise BudgetError("{}; budget_share (e.g. '50%', budget_gb 0) gives every process a share of its own "
+                                  "card (ComfyUI-Distributed workers of other sizes)".format(e)) from None
+            spec = BudgetSpec(total, None, origin, others)
         else:
             origin = "set by a VRAM Budget node (preset {}: {:.0%} of the device)".format(
                 preset, PRESETS[preset].budget_fraction if preset in PRESETS else 0)

@@ -124,8 +124,9 @@ def make_config(preset: str, device: str, devices: Optional[List[str]] = None, *
 SIM_DEVICES_ENV = "LAYER_OFFLOAD_SIM_DEVICES"  # under --cpu: how many simulated devices "auto" and lists may use
 TIP_DEVICES = ("Devices whose memory holds this model's blocks. Empty: the compute device only (as always). 'auto': "
                "every visible GPU. Or a list such as 'cuda:0, cuda:1' (the compute device is always one of them and "
-               "computes; blocks that fit on no card stream from RAM). Each device has its own budget (VRAM Budget "
-               "node: per_device).")
+               "computes; blocks that fit on no card stream from RAM). A listed device this process does not have "
+               "is left out with a notice (ComfyUI-Distributed workers run the same workflow). Each device has its "
+               "own budget (VRAM Budget node: per_device).")
 
 
 def full_device_name(name: str) -> str:
@@ -160,7 +161,9 @@ def visible_devices(compute: Optional[str] = None) -> List[str]:
 
 def resolve_devices(text: Any, compute: Optional[str] = None, input_name: str = "devices") -> Optional[List[str]]:
     """A node's `devices` input as engine device names, the compute device first; None for one device (empty text,
-    or 'auto' when only one device is visible). ValueError names the input and the valid devices."""
+    or 'auto' when only one device is visible). A well-formed device this process lacks is left out with one notice
+    (`drop_absent_devices`); a malformed name, a device twice or a list without the compute device is a ValueError
+    naming the input and the valid devices."""
     compute = compute if compute is not None else engine_device()
     if compute is None or text is None:
         return None
@@ -176,19 +179,39 @@ def resolve_devices(text: Any, compute: Optional[str] = None, input_name: str = 
         names = [first] + [d for d in visible if d != first]
         return names if len(names) > 1 else None
     names = [full_device_name(n) for n in re.split(r"[\s,;]+", raw) if n]
-    bad = [n for n in names if n not in visible]
+    bad = [n for n in names if n not in visible and not DEVICE_NAME_RE.match(n)]
     if bad:
         hint = " (set {}=N for N simulated devices)".format(SIM_DEVICES_ENV) if first.startswith("sim") else ""
-        raise ValueError("{}: {} {} not a visible device; valid devices: {}, or 'auto' for all, or empty for the "
+        raise ValueError("{}: {} {} not a device name; valid devices: {}, or 'auto' for all, or empty for the "
                          "compute device only{}".format(input_name, ", ".join(repr(n) for n in bad),
                                                         "is" if len(bad) == 1 else "are", ", ".join(visible), hint))
     if len(set(names)) != len(names):
         raise ValueError("{}: {!r} lists a device twice".format(input_name, text))
+    names = drop_absent_devices(names, visible, input_name, text)
+    if not names:
+        return None
     if first not in names:
         raise ValueError("{}: {!r} must include the compute device ComfyUI runs on ({}); it computes, the others "
                          "hold blocks".format(input_name, text, first))
     names = [first] + [n for n in names if n != first]
     return names if len(names) > 1 else None
+
+
+DEVICE_NAME_RE = re.compile(r"^(cuda|sim):\d+$")  # a well-formed name of a device some process may have
+
+
+def drop_absent_devices(names: List[str], visible: List[str], input_name: str, text: str) -> List[str]:
+    """The names this process has; the well-formed ones it lacks are left out with one notice per process (the same
+    workflow goes to every ComfyUI-Distributed worker, each with its own devices)."""
+    absent = [n for n in names if n not in visible]
+    if absent:
+        hint = " (set {}=N for N simulated devices)".format(SIM_DEVICES_ENV) if visible[:1] and \
+            visible[0].startswith("sim") else ""
+        log_once("absent-devices:{}:{}".format(input_name, text),
+                 "Layer Offload: %s %r names %s, which this process does not have (it has %s); %s left out%s",
+                 input_name, text, ", ".join(absent), ", ".join(visible) or "no device", "it is" if len(absent) == 1
+                 else "they are", hint)
+    return [n for n in names if n in visible]
 
 
 def devices_input() -> Any:

@@ -9,6 +9,7 @@ from comfy_api.latest import io
 from .common import CATEGORY
 from .registry import managed_of
 from .status import build_report, publish, summary_text
+from .workflow_plan import plan_for_prompt
 
 
 class OffloadReport(io.ComfyNode):
@@ -24,7 +25,8 @@ class OffloadReport(io.ComfyNode):
                     io.Model.Input("model", optional=True, tooltip="Report only this model; unlinked: every "
                                                                    "offloaded model under the budget.")],
             outputs=[io.String.Output(display_name="report_json", tooltip=(
-                "The report as JSON: budget, models, per-block tier/bytes/h2d/compute/stall."))])
+                "The report as JSON: budget, models, per-block tier/bytes/h2d/compute/stall."))],
+            hidden=[io.Hidden.prompt])  # the prompt it runs in: planned (headers only) to set beside the run
 
     @classmethod
     def fingerprint_inputs(cls, **kwargs: Any) -> float:
@@ -32,12 +34,16 @@ class OffloadReport(io.ComfyNode):
 
     @classmethod
     def execute(cls, anything: Any, model: Any = None) -> io.NodeOutput:
-        out = cls.report(anything, model)
+        hidden = getattr(cls, "hidden", None)
+        out = cls.report(anything, model, prompt=getattr(hidden, "prompt", None))
         return io.NodeOutput(*out["result"], ui=out["ui"])
 
     @classmethod
-    def report(cls, anything: Any, model: Any = None) -> Dict[str, Any]:
-        """The node's work: {"ui": what the node shows, "result": its outputs}."""
+    def report(cls, anything: Any, model: Any = None, prompt: Any = None) -> Dict[str, Any]:
+        """The node's work: {"ui": what the node shows, "result": its outputs}. `prompt`: the API graph it runs in,
+        planned (file headers only) so the report sets the plan's figures beside the measured ones."""
+        if prompt is not None:
+            plan_for_prompt(prompt)
         only = None
         if model is not None:
             st = managed_of(model)

@@ -3,6 +3,8 @@
 GET  /layer_offload/report                      the report JSON (nodes/status.py)
 POST /layer_offload/priority {"model", "priority"}  a model's priority; takes effect at its next forward
 POST /layer_offload/budget   {"total_gb"} or {"total_bytes"}  the process-wide budget total
+POST /layer_offload/plan     {"prompt": API graph} or {"workflow": UI graph}, optional "card": a card's name
+                             the workflow plan before the graph is queued (nodes/workflow_plan.py; nothing loads)
 
 A change answers with the new report and publishes it; a bad value answers 400 (an unknown model 404) with
 {"error": "..."} and changes nothing. No route ever answers with a traceback.
@@ -17,12 +19,14 @@ from ..offload import default_budget
 from .budget import GIB, check_total
 from .registry import find_managed
 from .status import _prompt_server, build_report, publish
+from .workflow_plan import plan_graph
 
 log = logging.getLogger("layer_offload")
 
 ROUTE = "/layer_offload/report"
 PRIORITY_ROUTE = "/layer_offload/priority"
 BUDGET_ROUTE = "/layer_offload/budget"
+PLAN_ROUTE = "/layer_offload/plan"
 PRIORITY_RANGE = (-100, 100)
 PANEL_ORIGIN = "set from the Layer Offload panel"
 _registered = False
@@ -38,14 +42,21 @@ class RouteError(Exception):
 
 def _number(body: Dict[str, Any], key: str) -> float:
     value = body.get(key)
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
     if isinstance(value, str):
         try:
-            value = float(value)
+            value = float(value) if len(value) <= 40 else None
         except ValueError:
-            raise RouteError(400, "{} must be a number, got {!r}".format(key, body.get(key))) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RouteError(400, "{} must be a number, got {!r}".format(key, body.get(key)))
-    return float(value)
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RouteError(400, "{} must be a number, got {}".format(key, shown))
+    try:
+        value = float(value)  # an integer beyond float range: OverflowError
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise RouteError(400, "{} must be a finite number, got {}".format(key, shown))
+    return value
 
 
 def set_priority(body: Dict[str, Any]) -> Dict[str, Any]:
@@ -91,12 +102,17 @@ def handle_post(kind: str, body: Any) -> Tuple[int, Dict[str, Any]]:
             return 200, {"ok": True, "report": set_priority(body)}
         if kind == "budget":
             return 200, {"ok": True, "report": set_budget(body)}
+        if kind == "plan":
+            return 200, dict(plan_graph(body), ok=True)
         raise RouteError(404, "unknown control {!r}".format(kind))
     except RouteError as e:
         return e.status, {"ok": False, "error": str(e)}
+    except (ValueError, OverflowError) as e:  # out of any range the engine takes, a plan request it cannot read
+        return 400, {"ok": False, "error": str(e)[:500]}
     except Exception as e:  # noqa: BLE001 - a message for the panel, never a traceback
-        log.warning("Layer Offload: %s change failed: %s", kind, e)
-        return 500, {"ok": False, "error": "{}: {}".format(type(e).__name__, e)}
+        log.warning("Layer Offload: %s request failed: %s", kind, e)
+        return 500, {"ok": False, "error": "{}: {}".format(type(e).__name__, str(e).strip().splitlines()[0][:500]
+                                                             if str(e).strip() else "")}
 
 
 def register_routes() -> bool:
@@ -121,7 +137,12 @@ def register_routes() -> bool:
             body = await request.json()
         except Exception:  # noqa: BLE001 - not JSON
             return web.json_response({"ok": False, "error": "the request body must be JSON"}, status=400)
-        status, data = handle_post(kind, body)
+        if kind == "plan":  # reads file headers and runs a meta-device forward: off the server's event loop
+            import asyncio
+
+            status, data = await asyncio.get_running_loop().run_in_executor(None, handle_post, kind, body)
+        else:
+            status, data = handle_post(kind, body)
         return web.json_response(data, status=status)
 
     @ps.routes.post(PRIORITY_ROUTE)
@@ -131,6 +152,10 @@ def register_routes() -> bool:
     @ps.routes.post(BUDGET_ROUTE)
     async def _budget(request: Any) -> Any:
         return await _post(request, "budget")
+
+    @ps.routes.post(PLAN_ROUTE)
+    async def _plan(request: Any) -> Any:
+        return await _post(request, "plan")
 
     _registered = True
     return True

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from ..offload import default_budget, summarize
 from .common import full_device_name
 from .registry import Managed, managed_models
+from .workflow_plan import last_plan, workflow_check
 
 log = logging.getLogger("layer_offload")
 
@@ -78,7 +79,17 @@ def build_report(only: Optional[List[Managed]] = None) -> Dict[str, Any]:
             "devices": device_budgets(models, budget),
         },
         "models": models,
+        # the plan of the last prompt an Offload Report node ran in, beside what was measured (None before one ran)
+        "workflow": _workflow(models),
     }
+
+
+def _workflow(models: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    try:
+        return workflow_check(last_plan(), models)
+    except Exception as e:  # noqa: BLE001 - the comparison is a nicety: never lose the report over it
+        log.warning("Layer Offload: plan beside measured unavailable: %s", e)
+        return None
 
 
 def device_budgets(models: List[Dict[str, Any]], budget: Any) -> Dict[str, Dict[str, Any]]:
@@ -107,7 +118,35 @@ def summary_text(data: Dict[str, Any]) -> str:
     for d in data["models"]:
         lines.append(summarize(d))
         lines.append(step_line(d.get("step") or step_times(dict(d))))
+    lines.extend(workflow_lines(data.get("workflow")))
     return "\n".join(lines)
+
+
+def _fmt(value: Optional[float], unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "ms":
+        return "{:.2f} s".format(value / 1000) if value >= 1000 else "{:.1f} ms".format(value)
+    return "{:.2f} GB".format(value / (1 << 30)) if value >= 1 << 30 else "{:.1f} MB".format(value / (1 << 20))
+
+
+def workflow_lines(w: Optional[Dict[str, Any]]) -> List[str]:
+    """The whole workflow, planned beside measured, for the node's text."""
+    if not w:
+        return []
+    lines = ["Workflow plan on {} beside this run (the offloaded models it names):".format(w.get("card") or "?")]
+    for key, label, unit in (("time_ms", "time", "ms"), ("peak_vram_bytes", "peak VRAM", "b"),
+                             ("host_bytes", "host RAM", "b"), ("disk_bytes", "disk", "b")):
+        pair = w.get(key) or {}
+        off = pair.get("off_by")
+        lines.append("  {}: planned {}, measured {}{}".format(label, _fmt(pair.get("planned"), unit),
+                                                          _fmt(pair.get("measured"), unit),
+                                                          "" if off is None else " ({:+.0%})".format(off)))
+    run = w.get("run") or {}
+    lines.append("  whole run as planned: {}, peak VRAM {}, RAM {} of {} free{}".format(
+        _fmt(run.get("total_ms"), "ms"), _fmt(run.get("peak_vram_bytes"), "b"), _fmt(run.get("ram_needed_bytes"), "b"),
+        _fmt(run.get("ram_free_bytes"), "b"), "" if run.get("fits", True) else "; does not fit the card"))
+    return lines
 
 
 def step_line(step: Dict[str, Any]) -> str:

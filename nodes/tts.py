@@ -7,7 +7,6 @@ the `tts` model folder, the nodes, ComfyUI's memory manager, progress, cancel an
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
@@ -19,7 +18,8 @@ import comfy.utils
 import folder_paths
 from comfy_api.latest import io
 
-from ..offload.tts import FAMILIES, family as family_of_type, family_for, model_type_of
+from ..offload.tts import (FAMILIES, config_readable, family as family_of_type, family_for, find_model_folders,
+                           model_type_of)
 from ..offload.tts.common import TTSRequest, Voice
 from .apply import attach_engine
 from .comfy_patcher import OffloadModelPatcher
@@ -55,14 +55,9 @@ def register_tts_folder() -> None:
 def _listed(path: str) -> bool:
     """A folder the loader lists: its config.json names a supported model type, or cannot be read (so loading it
     says what is wrong); folders of other model types are left out (logged once)."""
-    model_type = model_type_of(path)
-    if model_type in FAMILIES or not os.path.isfile(os.path.join(path, "config.json")):
-        return True
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            json.load(f)
-    except (OSError, ValueError):
-        return True  # half-written: listed, and loading it is a clear error
+    model_type = model_type_of(path)  # a small JSON file only (no FIFO, no 20 GB "config.json" is read)
+    if model_type in FAMILIES or not config_readable(path):
+        return True  # unreadable or half-written: listed, and loading it is a clear error
     log_once("tts-type-" + path, "Layer Offload: %s is a %r model folder; the TTS loader takes %s", path, model_type,
              ", ".join(FAMILIES), level=logging.INFO)
     return False
@@ -79,13 +74,8 @@ def model_folders() -> List[str]:
     for base in bases:
         if not os.path.isdir(base):
             continue
-        for root, dirs, files in os.walk(base, followlinks=True):
-            if "config.json" in files:
-                if _listed(root):
-                    names.append(os.path.relpath(root, base).replace(os.sep, "/"))
-                dirs[:] = []  # a model folder's subfolders (its codec in audio_tokenizer/) are part of it
-            else:
-                dirs.sort()
+        # links followed once each, a depth limit: a link loop under models/tts cannot stop ComfyUI from starting
+        names.extend(find_model_folders(base, _listed))
     return sorted(set(names))
 
 

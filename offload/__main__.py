@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
 
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "contiguous, in execution order, at 4 KiB-aligned offsets, plus index.json")
     pack.add_argument("src", help="the model's .safetensors file")
     pack.add_argument("out_dir", help="the folder to write (give it as disk_path)")
-    pack.add_argument("--shard-gb", type=float, default=4.0, help="largest shard file, in GiB (default 4)")
+    pack.add_argument("--shard-gb", type=_shard_gb, default=4.0, help="largest shard file, in GiB (default 4)")
     pack.add_argument("--force", action="store_true", help="replace a packed model already in OUT_DIR")
     plan = sub.add_parser("plan", help="will a model fit a card, and how slow: the plan and predicted step time per "
                                        "preset, from a config.json or a model file's header (nothing downloaded)")
@@ -31,21 +32,39 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "demo":
-        try:
-            return demo_mod.main(args)
-        except ValueError as exc:  # bad device / preset / size: a message, not a traceback
-            print(f"python -m offload demo: error: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print("python -m offload demo: interrupted", file=sys.stderr)
-            return 130
-    if args.command == "pack":
-        return _pack(args)
-    if args.command == "plan":
-        return plan_cli.main(args)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    run = {"demo": demo_mod.main, "pack": _pack, "plan": plan_cli.main}[args.command]
+    try:
+        return run(args)
+    except (ValueError, OSError, OverflowError) as exc:  # bad device / preset / size / file: a message, no traceback
+        print(f"python -m offload {args.command}: error: {_first_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"python -m offload {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line; the traceback with -v
+        if args.verbose:
+            raise
+        print(f"python -m offload {args.command}: failed: {_first_line(exc)} (run with -v for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0][:500] if text else type(exc).__name__) + ("" if isinstance(exc, ValueError) else
+                                                                          f" ({type(exc).__name__})")
+
+
+def _shard_gb(text: str) -> float:
+    """--shard-gb: a finite size from one page to 1 TiB, in GiB (a usage error otherwise)."""
+    try:
+        value = float(text) if len(text) <= 40 else math.nan
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 4096 / 2 ** 30 <= value <= 1024):
+        raise argparse.ArgumentTypeError(f"--shard-gb takes a size in GiB from {4096 / 2 ** 30:.7f} (one 4 KiB page) "
+                                         f"to 1024, got {text[:40]!r}")
+    return value
 
 
 def _pack(args: argparse.Namespace) -> int:
@@ -57,9 +76,9 @@ def _pack(args: argparse.Namespace) -> int:
     try:
         index = pack_file(args.src, args.out_dir, shard_bytes=max(4096, int(args.shard_gb * 2 ** 30)),
                           overwrite=args.force)
-    except (ValueError, OSError) as exc:  # CorruptFileError is a ValueError
+    except (ValueError, OSError, OverflowError) as exc:  # CorruptFileError is a ValueError
         kind = "bad input" if isinstance(exc, CorruptFileError) else "error"
-        print(f"python -m offload pack: {kind}: {exc}", file=sys.stderr)
+        print(f"python -m offload pack: {kind}: {_first_line(exc)}", file=sys.stderr)
         return 2
     info = json.loads(index.read_text())
     total = sum(s["nbytes"] for s in info["shards"])

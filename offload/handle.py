@@ -26,6 +26,7 @@ from .plan.replan import PlanKeeper
 from .report.metrics import OffloadReport
 from .reporting import ReportBase, build_report
 from .setup import set_up
+from .stream.restage import resized_facts
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,10 @@ class OffloadHandle(BudgetMembership):
         if self.keeper.stale(allowance, remote):
             self.keeper.replan(allowance, place=True, remote=remote)
             self.budget.notify_room()  # a smaller plan may have given bytes back
+
+    def units_resized(self) -> None:
+        """Units were laid out again (adapters added after offloading): plans from now on use their new sizes."""
+        self.keeper.resized(resized_facts(self.keeper.base, self.streamer))
 
     def after_pass(self) -> None:
         """After a forward: the plan may change from what was measured; the first forward corrects the reserve."""

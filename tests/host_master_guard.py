@@ -12,8 +12,10 @@ The engine's own work on those buffers is not a compute read: copies into a slot
 copies with `ctypes.memmove`, or `dst.copy_(src)` for a strided leaf), the byte comparisons of `WriteWatch`,
 staging and detach. An op is the engine's when the innermost Python frame outside torch itself is an engine
 source file (`offload/*.py` and `offload/backends/`; not `offload/model/fp8.py`, `offload/demo/`, `offload/tts/` and
-`offload/generate/kv_cache.py`, which hold model code). View ops (`t()`, `view`, `detach`) read no bytes and are let
-through: the compute op using the view is the one caught. Dispatch modes are thread-local, so copies the sim
+`offload/generate/`, which hold model code). View ops (`t()`, `view`, `detach`) read no bytes and are let
+through: the compute op using the view is the one caught. An op whose schema says it may return a view but that
+copied instead (`aten.to.dtype` casting fp8 up, `reshape` of a strided tensor, `contiguous`; under inference mode
+these reach the guard whole) did read: it is checked by its result, a tensor sharing no storage with its input. Dispatch modes are thread-local, so copies the sim
 backend's copy-engine thread makes are never seen.
 
 Use: ``with host_master_guard(handle): model(x)``, or the `host_guard` pytest fixture (a factory of the same).
@@ -33,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import offload
 
 _ENGINE_DIR = os.path.dirname(os.path.abspath(offload.__file__))
-_NOT_ENGINE = ("fp8.py", "kv_cache.py")  # model code shipped with the engine: its ops are compute
+_NOT_ENGINE = ("fp8.py", "kv_cache.py", "kv_pages.py", "kv_layers.py")  # model code shipped with the engine
 _NOT_ENGINE_DIRS = (os.path.join(_ENGINE_DIR, "demo") + os.sep, os.path.join(_ENGINE_DIR, "tts") + os.sep)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _THIS = os.path.abspath(__file__)
@@ -176,19 +178,40 @@ class HostMasterGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.checked += 1
-        if not getattr(func, "is_view", False) and func not in _METADATA_OPS:
-            tensors = _tensors(args, []) if not kwargs else _tensors(list(kwargs.values()), _tensors(args, []))
-            if tensors:
-                spans = self._spans()
-                if spans:
-                    for arg in tensors:
-                        for t in _inner(arg):
-                            hit = _hit(spans, t)
-                            if hit is not None and not _engine_frame():
-                                raise HostMasterRead(
-                                    f"{func} read a host master on the simulated device: {_name_of(hit, t)}; on a "
-                                    f"GPU this is a device mismatch (the engine never moved that tensor)")
+        if func in _METADATA_OPS:
+            return func(*args, **kwargs)
+        if getattr(func, "is_view", False):
+            out = func(*args, **kwargs)
+            if not _copied(out, args):
+                return out  # a true view reads nothing
+            self._check(func, args, kwargs)
+            return out
+        self._check(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _check(self, func: Any, args: Any, kwargs: dict) -> None:
+        tensors = _tensors(args, []) if not kwargs else _tensors(list(kwargs.values()), _tensors(args, []))
+        if tensors:
+            spans = self._spans()
+            if spans:
+                for arg in tensors:
+                    for t in _inner(arg):
+                        hit = _hit(spans, t)
+                        if hit is not None and not _engine_frame():
+                            raise HostMasterRead(
+                                f"{func} read a host master on the simulated device: {_name_of(hit, t)}; on a "
+                                f"GPU this is a device mismatch (the engine never moved that tensor)")
+
+
+def _copied(out: Any, args: Any) -> bool:
+    """Whether an op that may return a view of its input returned a copy instead (so it read the input)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None or not isinstance(out, torch.Tensor) or first.device.type != "cpu" or first.is_meta:
+        return False
+    try:
+        return out.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _tensors(values: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -62,3 +62,19 @@ def test_failed_copy_raises_in_the_waiter():
         dev.wait(ev)
     ok = dev.copy_h2d(dst, torch.ones(8, dtype=torch.uint8))
     dev.wait(ok)  # the copy engine keeps working after a failure
+
+
+def test_sim_capacity_from_the_environment(monkeypatch):
+    """LAYER_OFFLOAD_SIM_GB sizes a simulated device the config does not size (several ComfyUI processes as cards of
+    different sizes); a bad value names the variable."""
+    from offload.backends.sim import DEFAULT_SIM_CAPACITY, SimBackend
+
+    monkeypatch.delenv("LAYER_OFFLOAD_SIM_GB", raising=False)
+    assert SimBackend().capacity_bytes == DEFAULT_SIM_CAPACITY
+    monkeypatch.setenv("LAYER_OFFLOAD_SIM_GB", "2.5")
+    assert SimBackend().capacity_bytes == int(2.5 * (1 << 30))
+    assert SimBackend(capacity_bytes=1 << 20).capacity_bytes == 1 << 20, "the config's own capacity wins"
+    for bad in ("lots", "0", "-1", "inf"):
+        monkeypatch.setenv("LAYER_OFFLOAD_SIM_GB", bad)
+        with pytest.raises(ValueError, match="LAYER_OFFLOAD_SIM_GB"):
+            SimBackend()

@@ -27,6 +27,15 @@
 //     [data-lo-figure="step|predicted_step"]  ms per forward measured in the last runs, and the plan's prediction
 //                                       for it (offload.predict's ring simulation); "-" while not known
 //     [data-lo-count="resident|streamed|disk"]  block counts
+//   [data-lo-plan]                      the workflow plan of the canvas (POST /layer_offload/plan), holding:
+//     select[data-lo-control="plan-card"]  the card to plan on ("" = the card ComfyUI runs on)
+//     button[data-lo-control="plan"]    plan now; input[data-lo-control="plan-auto"] re-plan when the graph changes
+//     [data-lo-plan-state]              "idle|planning|done|error"; [data-lo-plan-error] the refusal's message
+//     [data-lo-plan-run="fits|total|peak_vram|ram|ram_free|disk"]  the run's figures (data-lo-value: raw number)
+//     [data-lo-plan-model="<key>"]      one row per model, [data-lo-plan-cell="fits|preset|vram|ram|disk|time"]
+//   [data-lo-workflow]                  after an Offload Report node ran: the plan beside the run,
+//     [data-lo-workflow-figure="time|peak_vram|host|disk"] (data-lo-planned / data-lo-measured: raw numbers),
+//     [data-lo-workflow-model="<name>"] per offloaded model
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -34,6 +43,8 @@ const EVENT = "layer_offload.report";
 const ROUTE = "/layer_offload/report";
 const PRIORITY_ROUTE = "/layer_offload/priority";
 const BUDGET_ROUTE = "/layer_offload/budget";
+const PLAN_ROUTE = "/layer_offload/plan";
+const PLAN_POLL_MS = 2000; // how often the canvas is compared with the last planned graph (auto re-plan)
 const TAB_ID = "layer-offload";
 const GIB = 1 << 30;
 const MIB = 1 << 20;
@@ -67,6 +78,18 @@ const state = {
   open: new Set(), // models whose per-block table is open
   toasted: new Set(), // "<model>\0<notice kind>" already toasted
   views: new Set(), // panel roots to render into
+};
+
+const plan = {
+  data: null, // the last answer of the plan route: {plan, card, card_note, ram_bytes, cards}
+  error: "",
+  busy: false,
+  card: "", // the card chosen in the panel ("" = the card ComfyUI runs on)
+  cards: [],
+  auto: true,
+  lastKey: null, // the graph and card last planned
+  seq: 0,
+  timer: null,
 };
 
 // helpers -----------------------------------------------------------------------------------------------------------
@@ -300,7 +323,194 @@ function panel(data) {
       "No offloaded model yet: run a prompt with an Offload loader or Offload Model node."));
   }
   for (const m of models) out.push(modelRow(m, devices));
+  // the plan of the canvas (before a run) and the last run's plan beside its measured figures, after the models
+  out.push(planSection());
+  const check = workflowCheck(data.workflow);
+  if (check) out.push(check);
   return out;
+}
+
+// the workflow plan (issue 34) ---------------------------------------------------------------------------------------
+function seconds(msValue) {
+  if (msValue === null || msValue === undefined || !Number.isFinite(Number(msValue))) return "-";
+  const n = Number(msValue);
+  if (n >= 60000) return `${(n / 60000).toFixed(1)} min`;
+  if (n >= 1000) return `${(n / 1000).toFixed(1)} s`;
+  return `${ms(n)} ms`;
+}
+
+function maybeBytes(v) {
+  return v === null || v === undefined ? "-" : bytes(v);
+}
+
+async function canvasGraph() {
+  const p = await app.graphToPrompt();
+  return (p && p.output) || {};
+}
+
+async function requestPlan(force) {
+  let graph;
+  try {
+    graph = await canvasGraph();
+  } catch (e) {
+    plan.error = `The canvas could not be read (${e.message || e}).`;
+    renderPlan();
+    return;
+  }
+  const key = JSON.stringify([graph, plan.card]);
+  if (!force && key === plan.lastKey) return;
+  plan.lastKey = key;
+  const seq = ++plan.seq;
+  if (!Object.keys(graph).length) {
+    plan.data = null;
+    plan.error = "";
+    plan.busy = false;
+    renderPlan();
+    return;
+  }
+  plan.busy = true;
+  renderPlan();
+  const body = { prompt: graph };
+  if (plan.card) body.card = plan.card;
+  const data = await post(PLAN_ROUTE, body);
+  if (seq !== plan.seq) return; // a newer graph is being planned
+  plan.busy = false;
+  if (data.ok) {
+    plan.data = data;
+    plan.error = "";
+    if (Array.isArray(data.cards) && data.cards.length) plan.cards = data.cards;
+  } else {
+    plan.error = data.error;
+  }
+  renderPlan();
+}
+
+function renderPlan() {
+  // only the plan section: the model rows and their controls stay as they are while a plan comes and goes
+  for (const v of [...state.views]) {
+    const old = v.querySelector("[data-lo-plan]");
+    if (old) old.replaceWith(planSection());
+  }
+}
+
+function panelVisible() {
+  return [...state.views].some((v) => v.isConnected && v.offsetParent !== null);
+}
+
+function startPlanWatch() {
+  if (plan.timer) return;
+  plan.timer = setInterval(() => {
+    if (plan.auto && !plan.busy && panelVisible()) requestPlan(false);
+  }, PLAN_POLL_MS);
+}
+
+function planState() {
+  if (plan.busy) return "planning";
+  if (plan.error) return "error";
+  return plan.data ? "done" : "idle";
+}
+
+function planSection() {
+  const select = el("select", { class: "lo-input lo-select", "data-lo-control": "plan-card",
+    "aria-label": "The card to plan on", title: "Plan on the card ComfyUI runs on, or on another card by name" });
+  const here = plan.data && !plan.card ? plan.data.card_note : "the card ComfyUI runs on";
+  select.append(el("option", { value: "" }, `this machine: ${here}`));
+  for (const name of plan.cards) select.append(el("option", { value: name }, name));
+  select.value = plan.card;
+  select.addEventListener("change", () => {
+    plan.card = select.value;
+    requestPlan(true);
+  });
+  const auto = el("input", { type: "checkbox", "data-lo-control": "plan-auto", checked: plan.auto,
+    title: "Plan again when the workflow on the canvas changes" });
+  auto.addEventListener("change", () => {
+    plan.auto = auto.checked;
+    if (plan.auto) requestPlan(false);
+  });
+  const button = el("button", { class: "lo-button", "data-lo-control": "plan", disabled: plan.busy,
+    title: "Plan the workflow on the canvas: every model it loads, on the card, before it is queued (file headers " +
+      "only: nothing loads)", onclick: () => requestPlan(true) }, plan.busy ? "Planning…" : "Plan workflow");
+  const box = el("div", { class: "lo-section lo-plan", "data-lo-plan": "", "data-lo-plan-state": planState() },
+    el("div", { class: "lo-line" }, el("b", {}, "Workflow plan"),
+      el("label", { class: "lo-muted" }, auto, " auto")),
+    el("div", { class: "lo-line lo-ctl" }, select, button),
+    el("div", { class: "lo-error", role: "alert", "data-lo-plan-error": "", hidden: !plan.error }, plan.error));
+  const p = plan.data && plan.data.plan;
+  if (!p) {
+    box.append(el("div", { class: "lo-muted" }, plan.busy ? "Planning the canvas…"
+      : "Plans the workflow on the canvas before it runs: fits, preset, VRAM, RAM, disk and time per model."));
+    return box;
+  }
+  const run = p.run || {};
+  const ram = p.ram || {};
+  const fig = (key, value, text) => el("b", { "data-lo-plan-run": key, "data-lo-value": value ?? "" }, text);
+  box.append(el("div", { class: "lo-figures lo-plan-run" },
+    el("span", {}, "fits ", fig("fits", run.fits ? 1 : 0, run.fits ? "yes" : "no")),
+    el("span", {}, "run ", fig("total", run.total_ms, seconds(run.total_ms)),
+      run.complete === false ? el("span", { class: "lo-muted" }, " (part not costed)") : null),
+    el("span", {}, "peak VRAM ", fig("peak_vram", run.peak_vram_bytes, maybeBytes(run.peak_vram_bytes))),
+    el("span", {}, "RAM ", fig("ram", ram.needed_bytes, maybeBytes(ram.needed_bytes)), " of ",
+      fig("ram_free", ram.free_bytes, maybeBytes(ram.free_bytes)), " free"),
+    el("span", {}, "disk ", fig("disk", ram.disk_bytes, maybeBytes(ram.disk_bytes)))));
+  const rows = (p.models || []).map((m) => {
+    const cell = (key, label, text, extra) => el("span", {}, label,
+      el("b", { "data-lo-plan-cell": key, ...(extra || {}) }, text));
+    const calls = num(m.calls);
+    const time = m.ms_per_call === null || m.ms_per_call === undefined ? "-"
+      : `${seconds(m.ms_per_call)}${calls > 1 ? ` x ${calls}` : ""}`;
+    return el("div", { class: "lo-plan-model", "data-lo-plan-model": m.key,
+      title: [m.path || m.name, ...(m.notes || [])].join("\n") },
+    el("div", { class: "lo-wrap" }, el("b", {}, m.name || m.key), el("span", { class: "lo-muted" },
+      ` ${[m.role, m.label || m.family].filter(Boolean).join(" · ")}`)),
+    el("div", { class: "lo-figures" },
+      cell("fits", "fits ", !m.found ? "not found" : m.fits === true ? "yes" : m.fits === false ? "no" : "-",
+        { class: m.fits === false || !m.found ? "lo-stall" : "" }),
+      cell("preset", "", m.preset || "-"),
+      cell("vram", "VRAM ", maybeBytes(m.vram_bytes), { title: `of which activations ${maybeBytes(m.activation_bytes)}` }),
+      cell("ram", "RAM ", maybeBytes(m.host_bytes)),
+      cell("disk", "disk ", maybeBytes(m.disk_bytes)),
+      cell("time", "", time)));
+  });
+  box.append(el("div", { class: "lo-plan-models" }, rows));
+  const notes = [...(p.notes || [])];
+  if (notes.length) {
+    box.append(el("ul", { class: "lo-notices", "data-lo-plan-notes": "" }, notes.map((n) => el("li", {}, n))));
+  }
+  const card = p.card || {};
+  box.append(el("div", { class: "lo-muted" }, `on ${card.name || plan.data.card}` +
+    (plan.card ? "" : ` (${plan.data.card_note})`)));
+  return box;
+}
+
+function workflowCheck(w) {
+  if (!w) return null;
+  const pct = (off) => {
+    if (off === null || off === undefined) return "";
+    if (off >= 2) return ` (${(off + 1).toFixed(off >= 99 ? 0 : 1)}x the plan)`;
+    return ` (${off >= 0 ? "+" : ""}${(100 * off).toFixed(0)}%)`;
+  };
+  const line = (key, label, pair, fmt) => {
+    pair = pair || {};
+    return el("div", { class: "lo-line", "data-lo-workflow-figure": key, "data-lo-planned": pair.planned ?? "",
+      "data-lo-measured": pair.measured ?? "" },
+    el("span", { class: "lo-wrap" }, `${label}: planned ${fmt(pair.planned)} · measured ${fmt(pair.measured)}`,
+      el("span", { class: Math.abs(num(pair.off_by)) > 0.3 ? "lo-stall" : "lo-muted" }, pct(pair.off_by))));
+  };
+  const run = w.run || {};
+  return el("div", { class: "lo-section lo-workflow", "data-lo-workflow": "" },
+    el("div", { class: "lo-line" }, el("b", {}, "Plan beside the last run"),
+      el("span", { class: "lo-muted" }, w.card ? `on ${w.card}` : "")),
+    line("time", "time", w.time_ms, seconds),
+    line("peak_vram", "peak VRAM", w.peak_vram_bytes, maybeBytes),
+    line("host", "host RAM", w.host_bytes, maybeBytes),
+    line("disk", "disk", w.disk_bytes, maybeBytes),
+    (w.models || []).map((r) => el("div", { class: "lo-muted", "data-lo-workflow-model": r.name },
+      `${r.name}: ${(r.calls || {}).measured ?? "-"} of ${(r.calls || {}).planned ?? "-"} calls · ` +
+      `${seconds((r.ms_per_call || {}).measured)} per call, planned ${seconds((r.ms_per_call || {}).planned)}` +
+      pct((r.ms_per_call || {}).off_by))),
+    el("div", { class: "lo-muted" }, `whole run as planned: ${seconds(run.total_ms)}, peak VRAM ` +
+      `${maybeBytes(run.peak_vram_bytes)} (not measured here: ${seconds(run.unmeasured_ms)} of phases run by ` +
+      "models ComfyUI keeps)"));
 }
 
 // several devices (issue 21): the devices the report names, the compute device first; [] with one device, so the
@@ -624,6 +834,13 @@ const CSS_TEXT = `
 .lo-table{border-collapse:collapse;width:100%;font-size:11px;font-variant-numeric:tabular-nums;white-space:nowrap}
 .lo-table th,.lo-table td{text-align:right;padding:0 3px}
 .lo-table th:nth-child(2),.lo-table td:nth-child(2){text-align:left}
+.lo-select{width:auto;max-width:70%}
+.lo-button{background:var(--comfy-input-bg,#222);color:var(--input-text,#ddd);border:1px solid var(--border-color,#555);
+  border-radius:4px;padding:2px 8px;font-size:12px;cursor:pointer}
+.lo-button[disabled]{opacity:.6;cursor:default}
+.lo-plan{border-top:1px solid var(--border-color,#444);padding-top:6px}
+.lo-plan-model{border-top:1px dashed var(--border-color,#444);padding:3px 0}
+.lo-workflow{border-top:1px solid var(--border-color,#444);padding-top:6px}
 .lo-toasts{position:fixed;right:12px;bottom:12px;z-index:10000;display:flex;flex-direction:column;gap:6px;
   max-width:340px}
 .lo-toast{background:var(--comfy-menu-bg,#222);color:var(--fg-color,#ddd);border:1px solid #555;
@@ -675,12 +892,14 @@ app.registerExtension({
         render: (container) => {
           container.replaceChildren(makeView());
           refresh();
+          requestPlan(false);
         },
       });
     } else {
       floatingPanel();
     }
     refresh();
+    startPlanWatch();
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (nodeData.name !== "OffloadReport") return;

@@ -11,6 +11,7 @@ import atexit
 import bisect
 import ctypes
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,22 @@ from .pin_gate import pin_host
 log = logging.getLogger(__name__)
 
 DEFAULT_SIM_CAPACITY = 8 << 30
+SIM_GB_ENV = "LAYER_OFFLOAD_SIM_GB"  # the simulated device's capacity (GiB) when the config gives none: tests run
+# several ComfyUI processes (ComfyUI-Distributed workers) as cards of different sizes
+
+
+def default_sim_capacity() -> int:
+    """DEFAULT_SIM_CAPACITY, or LAYER_OFFLOAD_SIM_GB GiB; a bad value is a ValueError naming the variable."""
+    raw = os.environ.get(SIM_GB_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SIM_CAPACITY
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0 or gib == float("inf"):
+        raise ValueError(f"{SIM_GB_ENV}={raw!r} must be a number of GiB above 0")
+    return int(gib * (1 << 30))
 
 
 def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -87,7 +104,7 @@ class SimBackend(Backend):
                  latency_us: float = 0.0, index: int = 0) -> None:
         self.device = torch.device("cpu")
         self.index = index
-        self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else DEFAULT_SIM_CAPACITY)
+        self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else default_sim_capacity())
         self.bandwidth_gbps = bandwidth_gbps
         self.latency_us = float(latency_us)
         self.used_bytes = 0

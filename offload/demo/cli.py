@@ -95,6 +95,7 @@ def _run_demo(device: str, model: str, dim: int, depth: int, tokens: int, iters:
     def elapsed() -> str:
         return f"{time.perf_counter() - started:.0f} s"
 
+    _check_fits_in_ram(dim, depth)
     net, inputs, block, block_inputs = build_demo_model(model, dim, depth, tokens, seed)
     total = weight_bytes(net)
     info: dict[str, Any] = {"device": device, "model": model, "dim": dim, "depth": depth, "tokens": tokens,
@@ -157,14 +158,36 @@ def _run_demo(device: str, model: str, dim: int, depth: int, tokens: int, iters:
     return rows, info
 
 
+_HIGHEST = {"--dim": 16384, "--depth": 1024, "--tokens": 1 << 16, "--iters": 10_000, "--rounds": 1000,
+            "--warmup": 10_000, "--threads": 4096}  # far past a demo; a typo is a usage error, not a killed process
+
+
+def _check_fits_in_ram(dim: int, depth: int) -> None:
+    """Refuse a demo model whose copies (the model, a resident copy, the offloaded runs' buffers) cannot fit the RAM
+    available now, before any is built (a ValueError, not an allocation failure or the OOM killer)."""
+    import psutil
+
+    need = 3 * 4 * (12 * dim * dim * depth + 4 * dim * dim)  # float32; a block holds ~12 dim^2 weights
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ValueError(f"dim={dim} depth={depth} needs about {need / 2 ** 30:.1f} GiB of RAM for the demo's copies "
+                         f"of the model; {available / 2 ** 30:.1f} GiB is available; give a smaller --dim or --depth")
+
+
 def _int_at_least(low: int, what: str) -> Any:
+    high = _HIGHEST.get(what, 1 << 31)
+
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = int(text) if len(text) <= 20 else None
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text!r}") from None
+            value = None
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got {text[:40]!r}")
         if value < low:
             raise argparse.ArgumentTypeError(f"{what} must be at least {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"{what} must be at most {high}, got {value}")
         return value
     return parse
 
@@ -172,9 +195,11 @@ def _int_at_least(low: int, what: str) -> Any:
 def _positive_float(what: str) -> Any:
     def parse(text: str) -> float:
         try:
-            value = float(text)
+            value = float(text) if len(text) <= 40 else None
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
+            value = None
+        if value is None:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text[:40]!r}")
         if not value > 0 or value == float("inf"):
             raise argparse.ArgumentTypeError(f"{what} must be a finite number > 0, got {text}")
         return value

@@ -235,6 +235,11 @@ class TensorLayout:
                     module._buffers[attr] = value
 
 
+# `param.data = value` through torch's own setter: `nn.Parameter.data` may be the engine's watching descriptor
+# (offload/stream/data_watch.py), which a swap of the engine's own must not go through
+_set_data = torch._C.TensorBase.data.__set__
+
+
 def own_version_alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor over `t`'s very memory (storage, offset, shape, strides) with a version counter of its own: a view
     shares its base's counter, so an in-place write to one buffer of a unit would bump every leaf of the unit."""
@@ -307,7 +312,7 @@ class Binding:
 
     def apply(self) -> None:
         for param, value in self.data_swaps:
-            param.data = value
+            _set_data(param, value)
         for d, key, value in self.dict_sets:
             d[key] = value
 
@@ -356,13 +361,17 @@ def unit_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Ten
 
 
 def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> TensorLayout:
-    """Lay out distinct tensors (a tensor met twice is laid out once)."""
+    """Lay out distinct tensors (a tensor met twice is laid out once, except a non-persistent buffer aliasing
+    another: transformers' dynamic RoPE leaves `inv_freq` and `original_inv_freq` as one tensor after a reset, then
+    re-registers `inv_freq` alone in a later forward; a shared leaf would carry the new value into both)."""
     by_id: dict[int, Entry] = {}
     leaves: list[Leaf] = []
     offset = [0]
     entries: list[Entry] = []
     for sub, name, kind, t in tensors:
         entry = by_id.get(id(t))
+        if entry is not None and kind == "buffer" and name in sub._non_persistent_buffers_set:
+            entry = None
         if entry is None:
             recipe = _flatten(t, leaves, offset)
             plain_param = kind == "param" and not is_subclass_tensor(t)

@@ -40,9 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import json
 import logging
-import struct
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -83,20 +81,14 @@ def tie_meta_weights(model: nn.Module, file: Any = None) -> bool:
 
 
 def _saved_aliases(file: Any) -> dict[str, str]:
-    """`{removed: kept}` from a safetensors file's `__metadata__` (what `save_model` writes for shared tensors)."""
-    path = getattr(file, "path", None)
-    if path is None or not str(path).endswith(".safetensors"):
+    """`{removed: kept}` from a safetensors file's `__metadata__` (what `save_model` writes for shared tensors), as
+    the file's reader validated it (never a second, unchecked read of the header)."""
+    meta = getattr(file, "metadata", None)
+    tensors = getattr(file, "tensors", None)
+    if not isinstance(meta, dict) or not isinstance(tensors, dict):
         return {}
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error):
-        return {}
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict):
-        return {}
-    return {k: v for k, v in meta.items() if isinstance(v, str) and k not in header and v in header}
+    return {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, str) and k not in tensors
+            and v in tensors}
 
 
 def _tie_saved_aliases(model: nn.Module, file: Any) -> bool:

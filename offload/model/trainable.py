@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 # dtypes a parameter is trained in: a frozen float8 or integer weight is frozen because it cannot train, so it says
 # nothing about whether the model is being set up for training
 _TRAINABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRAINABLE_DTYPES = _TRAINABLE_DTYPES  # (used by stream/restage.py for adapters added after offloading)
 
 
 def trainable_in_blocks(modules: list[nn.Module], skip: set[int]) -> list[nn.Parameter]:

@@ -100,6 +100,13 @@ class PlanKeeper:
         self._memo = (facts, plan)
         return plan
 
+    def resized(self, base: PlanFacts) -> None:
+        """The units' sizes changed (laid out again): plan from the new facts; what was measured starts over."""
+        self.base = base
+        self.costs = CostTracker(list(base.sizes))
+        self.excess, self._measured_excess, self._memo = None, set(), None
+        self._read_ms = [0.0] * len(base.sizes)
+
     def stale(self, allowance: int, remote: dict[str, int]) -> bool:
         """Whether the plan in place no longer fits the facts (at a pass start)."""
         return (allowance != self.allowance or remote != self.remote or not self.streamer.loaded

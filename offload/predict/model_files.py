@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from ..store.header_check import MAX_BYTES, CorruptFileError, check_no_overlap, open_regular
+
 # safetensors dtype -> bytes per element
 ST_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
             "I8": 1, "U8": 1, "BOOL": 1, "C64": 8, "U16": 2, "U32": 4, "U64": 8}
@@ -37,6 +39,7 @@ _MAX_KV = 1 << 20
 _MAX_STRING = 64 << 20  # one metadata string (a tokenizer's merges list is one array of many short strings)
 _MAX_DIMS = 8
 _MAX_ARRAY = 1 << 24  # items of one metadata array (a tokenizer's vocabulary is ~260k)
+_MAX_NESTING = 8  # arrays of arrays in the metadata (the spec allows them; real files nest at most 2)
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class TensorInfo:
     nbytes: int
 
 
-class ModelFileError(ValueError):
+class ModelFileError(CorruptFileError):
     """A model file the plan cannot read: names the file and what is wrong."""
 
 
@@ -97,7 +100,7 @@ def _string(fh: BinaryIO, path: Path) -> str:
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def _skip_value(fh: BinaryIO, vtype: int, path: Path) -> None:
+def _skip_value(fh: BinaryIO, vtype: int, path: Path, depth: int = 0) -> None:
     if vtype in _SCALAR:
         _need(fh, _SCALAR[vtype], path)
     elif vtype == 8:
@@ -106,11 +109,13 @@ def _skip_value(fh: BinaryIO, vtype: int, path: Path) -> None:
         etype, count = struct.unpack("<IQ", _need(fh, 12, path))
         if count > _MAX_ARRAY:
             raise ModelFileError(f"{path}: GGUF array of {count} items: corrupt header")
+        if depth >= _MAX_NESTING:
+            raise ModelFileError(f"{path}: GGUF arrays nested deeper than {_MAX_NESTING}: corrupt header")
         if etype in _SCALAR:
             fh.seek(_SCALAR[etype] * count, os.SEEK_CUR)
         else:
             for _ in range(count):
-                _skip_value(fh, etype, path)
+                _skip_value(fh, etype, path, depth + 1)
     else:
         raise ModelFileError(f"{path}: unknown GGUF metadata type {vtype}")
 
@@ -118,8 +123,10 @@ def _skip_value(fh: BinaryIO, vtype: int, path: Path) -> None:
 def read_gguf_infos(path: Path) -> dict[str, TensorInfo]:
     """The tensor table of a GGUF file (v2/v3): names, shapes (reversed from ggml's order to torch's), ggml types and
     stored bytes; the metadata key/values are skipped over."""
+    fd = open_regular(path, "GGUF file")  # a FIFO, device or folder is refused before it is opened
     try:
-        with open(path, "rb") as fh:
+        with os.fdopen(fd, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
             if _need(fh, 4, path) != GGUF_MAGIC:
                 raise ModelFileError(f"{path}: not a GGUF file (no GGUF magic)")
             (version,) = struct.unpack("<I", _need(fh, 4, path))
@@ -133,18 +140,27 @@ def read_gguf_infos(path: Path) -> dict[str, TensorInfo]:
                 (vtype,) = struct.unpack("<I", _need(fh, 4, path))
                 _skip_value(fh, vtype, path)
             out: dict[str, TensorInfo] = {}
+            spans: list[tuple[int, int, str]] = []
             for _ in range(n_tensors):
                 name = _string(fh, path)
                 (n_dims,) = struct.unpack("<I", _need(fh, 4, path))
                 if n_dims > _MAX_DIMS:
                     raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dims: corrupt header")
                 dims = struct.unpack(f"<{n_dims}Q", _need(fh, 8 * n_dims, path))
-                gtype, _offset = struct.unpack("<IQ", _need(fh, 12, path))
+                gtype, offset = struct.unpack("<IQ", _need(fh, 12, path))
                 if gtype not in GGML_TYPES:
                     raise ModelFileError(f"{path}: tensor {name!r} has ggml type {gtype}, unknown here")
-                tname, block, size = GGML_TYPES[gtype]
+                tname, block, block_bytes = GGML_TYPES[gtype]
                 numel = math.prod(dims)
-                out[name] = TensorInfo(tuple(int(d) for d in reversed(dims)), tname, -(-numel // block) * size)
+                nbytes = -(-numel // block) * block_bytes
+                if name in out:
+                    raise ModelFileError(f"{path}: tensor {name[:200]!r} is listed twice")
+                if numel > MAX_BYTES or offset + nbytes > size:  # the data section lies inside the file
+                    raise ModelFileError(f"{path}: tensor {name[:200]!r} ({list(dims)} {tname}, {nbytes} bytes at "
+                                         f"data offset {offset}) does not fit the {size}-byte file: corrupt header")
+                out[name] = TensorInfo(tuple(int(d) for d in reversed(dims)), tname, nbytes)
+                spans.append((offset, offset + nbytes, f"tensor {name[:200]!r}"))
+            check_no_overlap(path, spans)  # offsets are relative to the one data section
             return out
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read: {exc}") from None

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .model_inputs import TEXT_TOKENS, VIDEO_FAMILIES, InputSize, make_inputs  # noqa: F401 (names it offered)
+from .plan_inputs import (CorruptFileError, ModelBoundsError, check_model_size, int_in,  # noqa: F401 (parse_bytes:
+                          parse_bytes, read_config)  # used outside)
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +180,7 @@ def spec_from_config(path: Path) -> ModelSpec:
     """A diffusers (`_class_name`) or transformers (`architectures` / `model_type`) config.json."""
     if path.is_dir():
         path = path / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {path} as a config.json: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: a config.json holds a JSON object")
+    config = read_config(path)  # a small regular JSON file only (CorruptFileError, a ValueError, otherwise)
     dtype = {"float16": "fp16", "float32": "fp32"}.get(str(config.get("torch_dtype") or config.get("dtype")), "bf16")
     if "_class_name" in config:
         cls = config["_class_name"]
@@ -205,9 +202,9 @@ def load_spec(path: str | Path) -> ModelSpec:
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{p} does not exist; give a config.json, a model folder or a .safetensors file")
-    if p.suffix == ".safetensors":
-        return spec_from_comfy_file(p)
-    return spec_from_config(p)
+    spec = spec_from_comfy_file(p) if p.suffix == ".safetensors" else spec_from_config(p)
+    check_model_size(spec.config, spec.source)  # a model larger than any released one is refused before it is built
+    return spec
 
 
 # ------------------------------------------------------------------------------------------ model and inputs
@@ -236,18 +233,6 @@ def build_meta_model(spec: ModelSpec) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- the command
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*(gib|gb|g|mib|mb|m)?\s*$", re.I)
-
-
-def parse_bytes(text: str) -> int:
-    """'32GB', '32 GiB', '12g', '512MB' -> bytes (GB and GiB both mean 2**30 here, as a card's '12 GB' does)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a size; write e.g. 32GB or 512MB")
-    unit = (m.group(2) or "gb").lower()
-    return int(float(m.group(1)) * (GIB if unit.startswith("g") else 1 << 20))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `python -m offload plan`."""
     from .cards import CARDS
@@ -269,21 +254,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default=None, choices=["sdpa", "fa2", "fa3"],
                         help="the attention kernel (default sdpa: PyTorch's, as ComfyUI uses)")
     parser.add_argument("--ram", default=None, help="host RAM the model may use, e.g. 32GB (default: not limited)")
-    parser.add_argument("--frames", type=int, default=81, help="video frames (video models; default 81; checked "
-                                                               "against the model's rule: 4k+1 Wan / HunyuanVideo / "
-                                                               "CogVideoX, 8k+1 LTX-Video)")
-    parser.add_argument("--height", type=int, default=None, help="image/video height in pixels (default 1024; "
-                                                                  "video 480)")
-    parser.add_argument("--width", type=int, default=None, help="width in pixels (default 1024; video 832)")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per forward (language models; default 1: "
-                                                                  "one decode step)")
-    parser.add_argument("--text-tokens", type=int, default=TEXT_TOKENS, help="text-encoder tokens a diffusion "
-                                                                              f"model sees (default {TEXT_TOKENS})")
-    parser.add_argument("--batch", type=int, default=1, help="samples per forward (before CFG doubles it)")
+    parser.add_argument("--frames", type=int_in("--frames", 1, 10_001), default=81,
+                        help="video frames (video models; default 81; checked against the model's rule: 4k+1 Wan / "
+                             "HunyuanVideo / CogVideoX, 8k+1 LTX-Video)")
+    parser.add_argument("--height", type=int_in("--height", 16, 32_768), default=None,
+                        help="image/video height in pixels (default 1024; video 480)")
+    parser.add_argument("--width", type=int_in("--width", 16, 32_768), default=None,
+                        help="width in pixels (default 1024; video 832)")
+    parser.add_argument("--tokens", type=int_in("--tokens", 1, 1 << 20), default=None,
+                        help="tokens per forward (language models; default 1: one decode step)")
+    parser.add_argument("--text-tokens", type=int_in("--text-tokens", 1, 1 << 16), default=TEXT_TOKENS,
+                        help=f"text-encoder tokens a diffusion model sees (default {TEXT_TOKENS})")
+    parser.add_argument("--batch", type=int_in("--batch", 1, 256), default=1,
+                        help="samples per forward (before CFG doubles it)")
     parser.add_argument("--cfg", type=float, default=None, help="classifier-free guidance scale: other than 1, each "
                                                                 "step runs cond and uncond as one batch of two")
-    parser.add_argument("--steps", type=int, default=None, help="also print the time of this many sampling steps "
-                                                                "(steps, not forwards: --cfg doubles the batch)")
+    parser.add_argument("--steps", type=int_in("--steps", 1, 100_000), default=None,
+                        help="also print the time of this many sampling steps (steps, not forwards: --cfg doubles "
+                             "the batch)")
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets (default: all)")
     parser.add_argument("--disk", action="store_true", help="the model file may serve blocks RAM cannot hold "
                                                             "(the disk tier; presets that allow it)")
@@ -367,6 +355,8 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     batch = args.batch * (2 if guided else 1)
     try:
         spec = load_spec(args.model)
+    except (CorruptFileError, ModelBoundsError):
+        raise  # a crafted or corrupt file, a model no one released: refused, never planned another way
     except ValueError:
         if Path(args.model).suffix.lower() not in (".safetensors", ".gguf") or not Path(args.model).exists():
             raise
@@ -395,8 +385,12 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         size = InputSize(frames=args.frames if video else 1, height=args.height or (480 if video else 1024),
                          width=args.width or (832 if video else 1024), tokens=args.tokens,
                          text_tokens=args.text_tokens, batch=batch)
-        model = _quiet_build(spec)
-        fargs, fkwargs, tokens = make_inputs(spec, model, size)
+        try:  # the config is untrusted: a value of the wrong type fails inside diffusers / transformers
+            model = _quiet_build(spec)
+            fargs, fkwargs, tokens = make_inputs(spec, model, size)
+        except Exception as exc:  # noqa: BLE001 - diffusers / transformers raise their own validation errors too
+            raise ValueError(f"{spec.source}: {spec.class_name} cannot be built from this config "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
         preds = predict_configs(model, fargs, fkwargs, configs, card, ram_bytes=ram, disk_tier=args.disk,
                                 layout_bytes=(spec.block_bytes, spec.rest_bytes) if spec.block_bytes else None)
         if spec.block_bytes:
@@ -489,6 +483,7 @@ def main(args: argparse.Namespace) -> int:
     """`python -m offload plan`: bad input is a message naming what to change, exit code 2."""
     try:
         return run(args)
-    except ValueError as exc:
-        print(f"python -m offload plan: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, OverflowError) as exc:  # CorruptFileError is a ValueError
+        print(f"python -m offload plan: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+              file=sys.stderr)
         return 2

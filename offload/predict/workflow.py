@@ -206,16 +206,13 @@ def _read(path: str, role: str) -> dict[str, TensorInfo]:
 
 def _tts_family(folder: str) -> str | None:
     """A TTS model folder's model_type from its config.json (read only when small: a config, not weights)."""
-    import json
+    from ..store.header_check import CorruptFileError, read_json_file
 
-    path = os.path.join(folder, "config.json")
-    try:
-        if os.path.getsize(path) > 1 << 20:
-            return None
-        with open(path, encoding="utf-8") as fh:
-            kind = json.load(fh).get("model_type")
-    except (OSError, ValueError, AttributeError):
+    try:  # a regular, small JSON file only: a FIFO or a 20 GB "config.json" is never opened or read
+        config = read_json_file(os.path.join(folder, "config.json"), "config.json", 1 << 20)
+    except CorruptFileError:
         return None
+    kind = config.get("model_type") if isinstance(config, dict) else None
     return kind if isinstance(kind, str) else None
 
 

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from ..store.header_check import read_json_file
 from .workflow import WorkflowPlan, plan_workflow
 
 GIB = 1 << 30
@@ -28,20 +29,9 @@ MAX_WORKFLOW_BYTES = 64 << 20  # a workflow's JSON (graphs with thousands of nod
 
 
 def read_workflow(path: str | os.PathLike) -> Any:
-    """A workflow file's JSON: a regular file of at most MAX_WORKFLOW_BYTES (ValueError naming it otherwise)."""
-    p = Path(path)
-    try:
-        st = p.stat()
-        if not p.is_file():
-            raise ValueError(f"{p}: not a regular file")
-        if st.st_size > MAX_WORKFLOW_BYTES:
-            raise ValueError(f"{p}: {st.st_size} bytes is more than a workflow's JSON holds "
-                             f"({MAX_WORKFLOW_BYTES >> 20} MB at most)")
-        return json.loads(p.read_bytes())
-    except OSError as exc:
-        raise ValueError(f"{p}: cannot read: {exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ValueError(f"{p}: not JSON: {exc}") from None
+    """A workflow file's JSON: a regular file of at most MAX_WORKFLOW_BYTES, with the engine's JSON limits
+    (`store.header_check`; a CorruptFileError, a ValueError, naming it otherwise)."""
+    return read_json_file(path, "workflow", MAX_WORKFLOW_BYTES)
 
 
 def is_workflow(path: str | os.PathLike) -> bool:

@@ -4,13 +4,15 @@ pageable RAM through a bounce buffer, the disk tier), the packed execution-order
 it, `pack_writer` writes it), the host copy several processes offloading the same file share (`shared_host`;
 its segment files: `shm_segment`), and the compressed host form: `codec` (the lossless "expwin" encoding, decoded
 on the device in place), `compressed` (a unit held encoded in RAM: staging and its `CompressedSource`), `spill`
-(the copy-on-write map its tensors view between passes).
+(the copy-on-write map its tensors view between passes). Every header and index is checked by one validator first
+(`header_check`: files are untrusted).
 
 Layer: below plan/, budget/ and stream/; imports only model/, backends/ and the config vocabulary.
 Used from outside: `staging.lay_out_model`, `staging.stage_model`, `staging.StagedModel`, `storage.SafetensorsFile`,
 `storage.CorruptFileError`, `storage.SourceChangedError`, `sources.HostSource` / `BouncedSource` / `DiskSource`,
 `packed.open_weights`, `pack_writer.pack_file`, `pack_writer.pack_handle`, `shared_host.available`,
-`shared_host.SharedUnit` (`written`, `has_private_pages`, `copy.alone` / `give_back`), `codec.encode` /
-`decode_into` / `CODEC`, `compressed.CompressedSource` / `unit_host_bytes` / `unit_compression` /
+`shared_host.SharedUnit` (`written`, `has_private_pages`, `copy.alone` / `give_back`), `header_check.CorruptFileError`,
+`header_check.read_json_object` / `read_json_file` (small JSON files), `header_check.safetensors_tensors`,
+`codec.encode` / `decode_into` / `CODEC`, `compressed.CompressedSource` / `unit_host_bytes` / `unit_compression` /
 `estimate_layout_size` / `measure_decode_gbps`.
 """

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -18,10 +19,10 @@ import torch
 from ..model.blocks import KNOWN_BLOCK_LISTS
 from ..model.layout import ALIGN, align
 from .packed import FORMAT, INDEX, UNIT_ALIGN, VERSION, PackedWeights
-from .storage import _DTYPES, CorruptFileError, SafetensorsFile, _writable_bytes
+from .header_check import CorruptFileError, name_of
+from .storage import SafetensorsFile, _writable_bytes
 
 DEFAULT_SHARD_BYTES = 4 << 30
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _FP8 = {torch.float8_e4m3fn, torch.float8_e5m2}
 _SCALE_SUFFIXES = ("_scale", ".scale")  # <p>.weight -> <p>.weight_scale / <p>.weight.scale
 _SCALE_SIBLINGS = ("scale_weight", "scale")  # <p>.weight -> <p>.scale_weight / <p>.scale
@@ -117,7 +118,7 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 
 def _entry(t: PackTensor, offset: int, scale: str | None) -> dict[str, Any]:
-    return {"name": t.name, "offset": offset, "nbytes": t.nbytes, "dtype": _DTYPE_NAMES[t.dtype],
+    return {"name": t.name, "offset": offset, "nbytes": t.nbytes, "dtype": name_of(t.dtype),
             "shape": list(t.shape), "scale": scale}
 
 
@@ -133,7 +134,7 @@ class _ShardWriter:
     def _open(self) -> None:
         self.close()
         name = f"shard-{len(self.shards):05d}.bin"
-        self.fd = os.open(self.out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o644)
+        self.fd = create_new(self.out / name)
         self.shards.append({"path": name, "nbytes": 0, "sha256": None})
         self.pos = 0
         self.hash = hashlib.sha256()
@@ -182,10 +183,10 @@ def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"{out} is not empty; pass overwrite=True (--force) to replace a packed model there")
     out.mkdir(parents=True, exist_ok=True)
-    if (out / INDEX).exists():
-        (out / INDEX).unlink()  # a half-rewritten folder must not pass as a packed model
+    if os.path.lexists(out / INDEX):
+        (out / INDEX).unlink()  # a half-rewritten folder must not pass as a packed model (a link: the link goes)
     for old in out.glob("shard-*.bin"):
-        old.unlink()
+        old.unlink()  # links included: a shard is written only into a file this call creates
     if shard_bytes < UNIT_ALIGN:
         raise ValueError(f"shard_bytes={shard_bytes} is smaller than one {UNIT_ALIGN}-byte page")
     writer = _ShardWriter(out, shard_bytes)
@@ -213,10 +214,34 @@ def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
         writer.close()
     index = {"format": FORMAT, "version": VERSION, "alignment": UNIT_ALIGN, "source": source,
              "shards": writer.shards, "units": index_units, "other": index_other}
-    tmp = out / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / INDEX)  # the index comes last: a folder without one is not a packed model
+    fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".json.tmp", dir=out)  # O_EXCL | O_NOFOLLOW, ours alone
+    try:
+        _write_all(fd, memoryview(json.dumps(index, indent=1).encode()))
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o644)  # mkstemp makes it private; an index is read like the shards
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, out / INDEX)  # the index comes last: a folder without one is not a packed model
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
     return out / INDEX
+
+
+def create_new(path: Path) -> int:
+    """A descriptor of a file this call creates: O_EXCL | O_NOFOLLOW, so an existing file or a link planted under
+    the name (leading out of the folder) is never written through."""
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+             | getattr(os, "O_BINARY", 0))
+    try:
+        return os.open(path, flags, 0o644)
+    except FileExistsError:
+        raise ValueError(f"{path} appeared while the pack was written (another pack into the same folder?); "
+                         f"pack again") from None
 
 
 def pack_file(src: str | os.PathLike | SafetensorsFile, out_dir: str | os.PathLike,

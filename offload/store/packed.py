@@ -26,18 +26,19 @@ every shard through and checks the SHA-256 recorded when it was written. `open_w
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .storage import _DTYPES, CorruptFileError, FileTensor, SafetensorsFile, _writable_bytes
+from .header_check import (MAX_HEADER_BYTES, PACKED_FORMAT, PACKED_VERSION, CorruptFileError, FileTensor,
+                           check_inside, check_packed_index, read_json_object)
+from .storage import SafetensorsFile, _writable_bytes
 
 INDEX = "index.json"
-FORMAT = "layer-offload-packed"
-VERSION = 1
+FORMAT = PACKED_FORMAT
+VERSION = PACKED_VERSION
 UNIT_ALIGN = 4096
 
 
@@ -54,11 +55,9 @@ class _Shard(SafetensorsFile):
         self._expect = nbytes
         super().__init__(path)
 
-    def _read_header(self) -> dict[str, FileTensor]:
-        try:
-            size = self.path.stat().st_size
-        except OSError as exc:
-            raise CorruptFileError(f"{self.path}: cannot read the packed shard: {exc}") from None
+    _what = "packed shard"
+
+    def _read_header(self, size: int) -> dict[str, FileTensor]:
         if size != self._expect:
             what = "truncated" if size < self._expect else "changed"
             raise CorruptFileError(f"{self.path}: packed shard {what}: {size} bytes, the index records "
@@ -77,48 +76,19 @@ class PackedWeights:
         path = Path(path)
         self.path = path.parent if path.name == INDEX else path
         index_path = self.path / INDEX
-        try:
-            index = json.loads(index_path.read_text())
-        except OSError as exc:
-            raise CorruptFileError(f"{index_path}: cannot read the packed index: {exc}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CorruptFileError(f"{index_path}: the packed index is not JSON: {exc}") from None
-        try:
-            if index.get("format") != FORMAT or int(index.get("version", 0)) > VERSION:
-                raise CorruptFileError(f"{index_path}: not a {FORMAT} index of version <= {VERSION}")
-            # every path the index names is checked before any file is opened or stat'ed (the index is untrusted)
-            for s in index["shards"]:
-                _check_shard_name(index_path, "the shard list", s["path"])
-            for u in index["units"]:
-                _check_shard_name(index_path, f"unit {u.get('name')!r}", u["path"])
-            for t in index["other"]:
-                _check_shard_name(index_path, f"tensor {t.get('name')!r}", t["path"])
-            sizes = {str(s["path"]): int(s["nbytes"]) for s in index["shards"]}
-            self._sha256 = {str(s["path"]): s.get("sha256") for s in index["shards"]}
-            self.units: list[dict[str, Any]] = list(index["units"])
-            self.other: list[dict[str, Any]] = list(index["other"])
-            entries = [(u["path"], t) for u in self.units for t in u["tensors"]] + [(t["path"], t) for t in self.other]
-            by_shard: dict[str, dict[str, FileTensor]] = {p: {} for p in sizes}
-            self.tensors: dict[str, FileTensor] = {}
-            self._shard_of: dict[str, str] = {}
-            for shard, t in entries:
-                ft = _file_tensor(t)
-                name = str(t["name"])
-                if shard not in sizes:
-                    raise CorruptFileError(f"{index_path}: {name!r} names the unknown shard {shard!r}")
-                if name in self.tensors:
-                    raise CorruptFileError(f"{index_path}: {name!r} is listed twice")
-                if ft.end > sizes[shard]:
-                    raise CorruptFileError(f"{index_path}: {name!r} ends at byte {ft.end} past its shard's "
-                                           f"{sizes[shard]} bytes")
-                self.tensors[name] = by_shard[shard][name] = ft
-                self._shard_of[name] = shard
-        except CorruptFileError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CorruptFileError(f"{index_path}: malformed packed index ({exc!r})") from None
+        # the index is untrusted: size-capped, JSON-limited and validated entry by entry before any shard is opened
+        index = check_packed_index(read_json_object(index_path, "packed index", MAX_HEADER_BYTES), index_path)
+        sizes = index.sizes
+        self._sha256 = index.sha256
+        self.units: list[dict[str, Any]] = index.units
+        self.other: list[dict[str, Any]] = index.other
+        self.tensors: dict[str, FileTensor] = index.tensors
+        self._shard_of: dict[str, str] = index.shard_of
+        by_shard: dict[str, dict[str, FileTensor]] = {p: {} for p in sizes}
+        for name, shard in self._shard_of.items():
+            by_shard[shard][name] = self.tensors[name]
         for shard in sizes:
-            _check_inside(self.path, shard, index_path)
+            check_inside(self.path, shard, index_path)  # a regular file, not a link leading out of the folder
         self._shards: dict[str, _Shard] = {}
         try:
             for shard, tensors in by_shard.items():
@@ -184,40 +154,6 @@ class PackedWeights:
             s.close()
 
 
-_SEPARATORS = ("/", "\\", ":", "\x00")
-
-
-def _check_shard_name(index_path: Path, where: str, name: Any) -> None:
-    """A path in a packed index must be a plain file name in the folder: the index is shared like a model file, so
-    an absolute path, `..`, a separator or a hidden name is refused before anything is opened (and nothing about
-    the file it names is read)."""
-    if (not isinstance(name, str) or not name or name.startswith(".") or any(c in name for c in _SEPARATORS)
-            or os.path.isabs(name) or Path(name).name != name):
-        raise CorruptFileError(f"{index_path}: {where} names the shard {name!r}, which is not a plain file name in "
-                               f"the packed folder; pack the model again")
-
-
-def _check_inside(folder: Path, name: str, index_path: Path) -> None:
-    """A shard that is a link must stay in the folder (checked before the shard is opened)."""
-    real_folder = os.path.realpath(folder)
-    real = os.path.realpath(folder / name)
-    if os.path.dirname(real) != real_folder:
-        raise CorruptFileError(f"{index_path}: the shard {name!r} links outside the packed folder; copy the shard "
-                               f"into the folder or pack the model again")
-
-
-def _file_tensor(t: dict[str, Any]) -> FileTensor:
-    dtype = _DTYPES[t["dtype"]]
-    shape = tuple(int(d) for d in t["shape"])
-    start, nbytes = int(t["offset"]), int(t["nbytes"])
-    numel = 1
-    for d in shape:
-        numel *= d
-    if start < 0 or nbytes != numel * dtype.itemsize:
-        raise CorruptFileError(f"{t['name']!r}: {nbytes} bytes at {start} do not hold {shape} x {dtype}")
-    return FileTensor(dtype, shape, start, start + nbytes)
-
-
 def is_packed(path: str | os.PathLike) -> bool:
     """Whether `path` is a packed folder (or its index.json)."""
     p = Path(path)
@@ -228,7 +164,7 @@ def open_weights(path: str | os.PathLike) -> SafetensorsFile | PackedWeights:
     """A model's weights for the disk tier: a packed folder (see the module docstring) or a safetensors file."""
     p = Path(path)
     if p.is_dir() or p.name == INDEX:
-        if not is_packed(p):
+        if not os.path.lexists(p / INDEX if p.is_dir() else p):  # present but not a file: refused when it is read
             raise CorruptFileError(f"{p}: a folder without {INDEX} is not a packed model (python -m offload pack)")
         return PackedWeights(p)
     return SafetensorsFile(p)

@@ -11,50 +11,28 @@ view their bytes between forwards without a copy in RAM. Where a unit's bytes go
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import mmap
 import os
-import struct
 import sys
 import threading
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..model.layout import Leaf
+from .header_check import CorruptFileError, FileTensor, open_regular, read_safetensors_header  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
-
 
 _IOV_MAX = 1024  # iovecs one preadv takes (Linux IOV_MAX)
 _GAP_MAX = 1 << 16  # file ranges at most this far apart are read by one positioned read
 
 
-class CorruptFileError(ValueError):
-    """A safetensors file that is truncated, corrupt or does not match the model: names the file."""
-
-
 class SourceChangedError(RuntimeError):
     """The file a model streams from changed on disk (truncated, rewritten) after it was offloaded."""
-
-
-@dataclass(frozen=True)
-class FileTensor:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    end: int
 
 
 class _ModifyWatch:
@@ -116,57 +94,31 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.tensors = self._read_header()
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        self._watch = _ModifyWatch(self.path)
-        self._identity = self._stat()
+        self._fd = open_regular(self.path, self._what)  # a FIFO, device or folder is refused before it is opened
+        try:
+            self.tensors = self._read_header(os.fstat(self._fd).st_size)
+            self._watch = _ModifyWatch(self.path)
+            self._identity = self._stat()
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._mmap: mmap.mmap | None = None
         self._flat: torch.Tensor | None = None
         self._seek_lock = threading.Lock()  # only where os.preadv is missing (Windows)
         # a model dropped without detach() closes its file too (the mapping goes with the last view of it)
         self._closer = weakref.finalize(self, _close_fds, self._fd, self._watch.fd)
 
+    _what = "safetensors file"
+
     def _fail(self, why: str) -> CorruptFileError:
         return CorruptFileError(f"{self.path}: truncated or corrupt safetensors file ({why})")
 
-    def _read_header(self) -> dict[str, FileTensor]:
-        try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise self._fail(f"only {size} bytes")
-                (n,) = struct.unpack("<Q", head)
-                if n <= 0 or 8 + n > size:
-                    raise self._fail(f"header of {n} bytes does not fit a {size}-byte file")
-                header = json.loads(f.read(n))
-        except OSError as exc:
-            raise CorruptFileError(f"{self.path}: cannot read safetensors file: {exc}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise self._fail(f"header is not JSON: {exc}") from None
-        if not isinstance(header, dict):
-            raise self._fail("header is not a JSON object")
-        base = 8 + n
-        out: dict[str, FileTensor] = {}
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                dtype = _DTYPES[info["dtype"]]
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise self._fail(f"bad entry for {key!r}: {info!r}") from None
-            numel = 1
-            for d in shape:
-                numel *= d
-            if end - begin != numel * dtype.itemsize or begin < 0:
-                raise self._fail(f"{key!r} spans {end - begin} bytes but {shape} x {dtype} needs "
-                                 f"{numel * dtype.itemsize}")
-            if base + end > size:
-                raise self._fail(f"{key!r} ends at byte {base + end} but the file has {size} bytes")
-            out[key] = FileTensor(dtype, shape, base + begin, base + end)
-        return out
+    metadata: dict = {}  # the header's __metadata__ (validated: an object)
+
+    def _read_header(self, size: int) -> dict[str, FileTensor]:
+        """The header's tensors, validated by `header_check` (size cap, JSON limits, dtypes, shapes, spans)."""
+        tensors, self.metadata = read_safetensors_header(self._fd, self.path, size)
+        return tensors
 
     # identity -------------------------------------------------------------------
     def _stat(self) -> tuple[int, int]:
@@ -189,7 +141,8 @@ class SafetensorsFile:
                     f"rewritten in place ({was_size} -> {size} bytes)")
             raise SourceChangedError(
                 f"{self.path}: the model's weights file was {what} while the model streams from it; its "
-                f"blocks can no longer be read as they were. Restore the file, or load the model again")
+                f"blocks can no longer be read as they were. Load the model again (in ComfyUI: reload it, or re-run "
+                f"the loader; in Python: offload it again); restoring the file does not make this copy readable again")
 
     # matching -------------------------------------------------------------------
     def match(self, names: list[str], leaves: list[Leaf]) -> list[str]:
@@ -261,6 +214,10 @@ class SafetensorsFile:
         together, by ONE positioned read scattering into their destinations; a gap goes to a scratch buffer, or
         straight into the destination when it lies as far apart there (the padding of a unit laid out as in the
         file). A unit whose tensors are contiguous in the file (a packed model's unit) is one sequential read."""
+        for lo, hi, dst in spans:  # the lowest level: a span is read only into a destination exactly its length
+            if lo < 0 or dst.dtype != torch.uint8 or not dst.is_contiguous() or dst.numel() != hi - lo:
+                raise CorruptFileError(f"{self.path}: refused to read bytes [{lo}, {hi}) into a {dst.numel()}-byte "
+                                       f"destination (a corrupt index or header laid the unit out wrong)")
         spans = sorted((s for s in spans if s[1] > s[0]), key=lambda s: s[0])
         by_address = sorted(s[2].data_ptr() for s in spans)
         after = dict(zip(by_address, by_address[1:]))  # the next destination in memory: nothing lies between
@@ -284,11 +241,18 @@ class SafetensorsFile:
             self._readv_at([memoryview((ctypes.c_ubyte * p[1]).from_address(p[0])).cast("B")
                             if isinstance(p, list) else p for p in parts], lo)
 
+    def _check_slot(self, dst: torch.Tensor, key: str, off: int, n: int) -> None:
+        """A tensor's place in a destination buffer must lie inside it (never a write past its end)."""
+        if off < 0 or off + n > dst.numel():
+            raise CorruptFileError(f"{self.path}: {key!r} ({n} bytes) does not fit its place at byte {off} of a "
+                                   f"{dst.numel()}-byte buffer; the file does not match the model's layout")
+
     def read_into(self, dst: torch.Tensor, pieces: list[tuple[str, int]]) -> int:
         """Read (key, dst_offset) tensors into a flat uint8 `dst`; returns bytes read. Raises if the file changed."""
         spans = []
         for key, off in pieces:
             ft = self.tensors[key]
+            self._check_slot(dst, key, off, ft.end - ft.start)
             spans.append((ft.start, ft.end, dst[off:off + ft.end - ft.start]))
         self._read_spans(spans)
         self.check_unchanged()  # a write that raced the read must not pass as the original bytes

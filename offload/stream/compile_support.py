@@ -34,6 +34,8 @@ class InFlag:
 
     def __init__(self) -> None:
         self.on = False
+        self.by_method = 0  # the unit was brought in by a method other than forward (offload/stream/hooks.py)
+        self.nested = 0  # its own forward hooks running inside that method: they have nothing to do
 
 
 class ChildHook:

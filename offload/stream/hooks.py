@@ -1,7 +1,8 @@
 """Where the engine's hooks sit on a model, and how they reach the streamer without keeping it alive: the root
 module's pre/post hooks (a pass), each unit's pre/post hooks (prepended, so hooks a user registered earlier see the
 unit's device weights), a pre-hook on each unit's children (models that call a block's layers, never the block),
-a pre-hook on modules outside the blocks (they bring the placement in), and a block's own `.compile()`.
+a pre-hook on modules outside the blocks (they bring the placement in), a block's own `.compile()`, and the other
+methods a unit or its children may be entered through (offload/stream/method_entry.py).
 `ModelStreamer` decides what each hook does; this module only puts them on the model and takes them off.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch.nn as nn
 
 from .compile_support import ChildHook, InFlag, compile_block_forward, register_hook_class, restore_compile
+from .method_entry import UnitHook, unwrap_unit_methods, wrap_unit_methods
 
 
 @register_hook_class  # dynamo calls it eagerly, never traces the engine (offload/stream/compile_support.py)
@@ -39,6 +41,7 @@ class ModelHooks:
     def __init__(self) -> None:
         self.handles: list[Any] = []
         self.compile_overrides: list[nn.Module] = []
+        self.methods: list[tuple[nn.Module, str]] = []
 
     def install(self, streamer: Any, model: nn.Module, units: list[nn.Module], in_flags: list[InFlag],
                 rest_layout: Any) -> None:
@@ -50,8 +53,11 @@ class ModelHooks:
         add(model.register_forward_hook(WeakHook(streamer, cls._root_post), always_call=True))
         for index, module in enumerate(units):
             # prepend: hooks the user registered earlier must already see the unit's device weights
-            add(module.register_forward_pre_hook(WeakHook(streamer, cls._pre, index), prepend=True))
-            add(module.register_forward_hook(WeakHook(streamer, cls._post, index), always_call=True))
+            pre, post = WeakHook(streamer, cls._pre, index), WeakHook(streamer, cls._post, index)
+            flag = in_flags[index]
+            add(module.register_forward_pre_hook(UnitHook(flag, pre, True), prepend=True))
+            add(module.register_forward_hook(UnitHook(flag, post, False), always_call=True))
+            self.methods += wrap_unit_methods(module, flag, pre, post)  # encode(), decode(), forward_gen(), ...
             # Some models never call the block container itself (ComfyUI's UNet iterates a
             # TimestepEmbedSequential and calls its layers): the first child to run brings the unit in.
             for child in module.children():
@@ -69,6 +75,7 @@ class ModelHooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        unwrap_unit_methods(self.methods)
         restore_compile(self.compile_overrides)
         self.compile_overrides.clear()
 

@@ -324,3 +324,25 @@ class PrefetchWorker:
             self._cancel_inflight()
             self.inflight.appendleft((unit, *self._copy_into_free_slot(unit)))
         log.debug("prefetch resync at unit %d (%d so far)", unit, self.resyncs)
+
+
+def fetch_copied(worker: PrefetchWorker, backend: Any, index: int, name: str) -> tuple[int, Any, Any]:
+    """The slot holding unit `index`'s bytes once its copy is done, with the copy's event and the compute stream's
+    event before the wait; a failed copy is retried once into a fresh slot (a transient error is invisible), a second
+    failure raises. No slot is ever lost to the ring."""
+    for attempt in (1, 2):
+        slot, copy_event = worker.take(index)
+        try:
+            ready = backend.record()
+            copy_event = resolve(copy_event)
+            backend.wait(copy_event)
+            return slot, copy_event, ready
+        except Exception as exc:
+            worker.give_back(slot)  # the failed copy's slot is free again
+            if attempt == 2:
+                raise
+            log.warning("copying %s to the device failed (%s); trying once more", name, exc)
+        except BaseException:
+            worker.give_back(slot)
+            raise
+    raise AssertionError("unreachable")

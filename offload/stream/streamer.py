@@ -31,7 +31,6 @@ from ..backends.base import Backend
 from ..model.model_changes import ModelChanges
 from ..plan.planner import DeviceMemoryError  # noqa: F401  (raised through the streamer: importable from here as before)
 from ..report.metrics import MetricsCollector
-from ..store.sources import resolve
 from ..store.staging import StagedModel
 from .backward import (BackwardStreamer, TrainableWeightError, in_backward, refuse_backward, trainable_streamed_weight,
                        trainable_weight_error)
@@ -41,8 +40,9 @@ from .hooks import ModelHooks, WeakHook
 from .host_tiers import HostTiers
 from .outputs import unalias
 from .pass_lock import PassLock, module_call_frame
+from . import restage
 from .placement import DevicePlacement, UnitState
-from .prefetch import PrefetchWorker
+from .prefetch import PrefetchWorker, fetch_copied
 from .write_watch import WriteWatch
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class ModelStreamer:
         self._lock = PassLock(WeakHook(self, ModelStreamer._abandon_pass))
         self._root_calls = 0  # root-module forwards in progress on the owning thread (nested calls count)
         self._pass_owner: int | None = None
-        self._last_unit_outside_root: int | None = None
+        self._outside: set[int] = set()  # units entered in the pass now running outside a root forward
         self._refusal: TrainableWeightError | None = None  # this pass computes with a streamed weight requiring grad
         self._in_flags = [InFlag() for _ in self.units]  # unit i is in: its children's hooks have nothing to do
         self.hooks = ModelHooks()
@@ -115,6 +115,8 @@ class ModelStreamer:
                                     WeakHook(self, ModelStreamer._in_pass),
                                     WeakHook(self, ModelStreamer._engine_hook_ids))
         prepare_dynamo()  # a no-op until torch._dynamo is in use
+        restage.install()
+        self._epoch = restage.epoch()  # registrations (adapters added) looked at up to here
 
     # the placement's figures, read by the handle's report ------------------------------
     @property
@@ -148,7 +150,7 @@ class ModelStreamer:
     # hooks ----------------------------------------------------------------------
     def _rest_pre(self, module: nn.Module, args: Any) -> None:
         if not self.placement.loaded and not in_backward():
-            self.ensure_loaded()
+            self._load_current()  # parked by the budget since (a VAE's conv_in runs before its first block)
 
     def remove_hooks(self) -> None:
         self.hooks.remove()
@@ -188,7 +190,7 @@ class ModelStreamer:
         self._pass_owner = threading.get_ident()
         self._root_calls += 1
         if self._root_calls == 1:
-            self._last_unit_outside_root = None
+            self._outside.clear()
             self._begin_pass()  # if this raises, _root_post (always called) ends the pass and releases
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -228,7 +230,7 @@ class ModelStreamer:
             flag.on = False
         self._root_calls = 0
         self._pass_owner = None
-        self._last_unit_outside_root = None
+        self._outside.clear()
         if not self.order_learned:
             self._seen = []  # a partial pass is not the model's order
 
@@ -237,6 +239,9 @@ class ModelStreamer:
         if self.active is not None:
             self._finish_active()
         prepare_dynamo()  # dynamo was imported since (a torch.compile): the hooks must be guarded and opaque
+        if self._epoch != restage.epoch():  # tensors were registered somewhere: adapters added to this model?
+            self._epoch = restage.epoch()
+            restage.restage(self)
         self.staged.check_sources()
         self.metrics.harvest()
         self.writes.reclaim()
@@ -284,11 +289,21 @@ class ModelStreamer:
             after()
 
     def _enter_outside_root(self, index: int) -> None:
-        """A unit called without the root module (a text encoder entered through another method): a unit at or
-        before the last one seen starts a new pass, which gets the same safe point as a root forward."""
-        if self._last_unit_outside_root is None or index <= self._last_unit_outside_root:
+        """A unit called without the root module (a text encoder entered through another method, a VAE's
+        `decode`): a unit already entered in this pass starts a new one, with the same safe point as a root forward.
+        Not the order of registration: diffusers' VAE decoder registers `up_blocks` before `mid_block` and runs
+        `mid_block` first; the call order is learned from the passes themselves (`_seen`)."""
+        if not self._outside or index in self._outside:
+            self._outside.clear()
             self._begin_pass()
-        self._last_unit_outside_root = index
+        self._outside.add(index)
+
+    def _load_current(self) -> None:
+        """Placed again after the budget parked the model between two of its units: the plan for its share now."""
+        listener = self._listener()
+        if listener is not None:
+            listener.before_pass()
+        self.ensure_loaded()
 
     def _pre(self, index: int, module: nn.Module, args: Any, whole_unit: bool = True) -> None:
         if in_backward():
@@ -309,7 +324,7 @@ class ModelStreamer:
                     self._lock.release()
                 return
             if not self.placement.loaded:
-                self.ensure_loaded()
+                self._load_current()
             u = self.units[index]
             if u.resident_buf is not None:
                 self._resident_start[index] = (self.backend.record(), outside)
@@ -332,25 +347,8 @@ class ModelStreamer:
             raise
 
     def _fetch(self, index: int) -> tuple[int, Any, Any]:
-        """The slot holding `index`'s bytes, once its copy is done; a failed copy is retried once into a fresh slot
-        (a transient error is invisible), a second failure raises. No slot is ever lost to the ring."""
-        for attempt in (1, 2):
-            slot, copy_event = self.worker.take(index)
-            try:
-                ready = self.backend.record()
-                copy_event = resolve(copy_event)
-                self.backend.wait(copy_event)
-                return slot, copy_event, ready
-            except Exception as exc:
-                self.worker.give_back(slot)  # the failed copy's slot is free again
-                if attempt == 2:
-                    raise
-                log.warning("copying %s to the device failed (%s); trying once more", self.units[index].staged.name,
-                            exc)
-            except BaseException:
-                self.worker.give_back(slot)
-                raise
-        raise AssertionError("unreachable")
+        """The slot holding `index`'s bytes, once its copy is done (see `prefetch.fetch_copied`)."""
+        return fetch_copied(self.worker, self.backend, index, self.units[index].staged.name)
 
     def _child_pre(self, index: int, module: nn.Module, args: Any) -> None:
         if in_backward():
@@ -493,6 +491,7 @@ class ModelStreamer:
                 u.slot_bindings.clear()
                 u.staged.master = u.staged.source = self.sources[i] = None
             self.staged.rest.restore_ordinary()
+            self.writes.data.close()
             self.units.clear()  # the list the parts share
             self.sources.clear()
             self.staged.close()

@@ -17,6 +17,7 @@ from ..model.layout import Binding, Entry, TensorLayout
 from ..model.model_changes import ModelChangedError
 from ..store.compressed import master_written
 from ..store.staging import StagedModel
+from .data_watch import DataWatch, read_data
 from .host_tiers import HostTiers
 from .placement import DevicePlacement, UnitState
 from .prefetch import PrefetchWorker
@@ -37,6 +38,14 @@ class WriteWatch:
         self.foreign: set[int] = set()  # units whose parameters another owner's tensors replace this pass
         self._bound_key: list[int] | None = None  # what `_bound` was made for (device copies, host bindings)
         self._bound: list[tuple[Any, int]] = []  # (parameter, where its data starts when bound)
+        self.data = DataWatch()  # parameters reached through `.data` (peft's fuse_lora writes so)
+        self.watch_data()
+
+    def watch_data(self) -> None:
+        """Watch `.data` of every parameter the engine staged (again after a unit was laid out anew)."""
+        pairs = [(u.index, e.param) for u in self.units for e in u.staged.layout.param_entries]
+        pairs += [(-1, e.param) for e in self.staged.rest.layout.param_entries]
+        self.data.watch(pairs)
 
     def reclaim(self) -> None:
         """Take back parameters that hold the engine's own bytes (ComfyUI restoring a backup wraps them in a new
@@ -122,7 +131,7 @@ class WriteWatch:
         restarted. A disk-tier unit written in place leaves the disk tier (its bytes now differ from the file).
         A resident unit's device copy changed: the host master catches up when it is evicted.
         """
-        stale = False
+        stale = self._data_written()
         for u in self.units:
             if u.index in self.foreign:
                 continue
@@ -143,6 +152,30 @@ class WriteWatch:
         if stale:
             log.debug("weights changed in place; restarting the lookahead")
             self.worker.restart()
+
+    def _data_written(self) -> bool:
+        """Units whose parameters were reached through `.data` since the last look (a write the version counters
+        miss: peft's fuse_lora): a resident copy is newer than its host master, a streamed unit's queued copies are
+        stale, a disk-tier unit whose views now differ from the file gets a RAM master. True: restart the lookahead."""
+        touched = self.data.take()
+        stale = False
+        for i in touched:
+            if i == -1:
+                self.placement.rest_device_newer |= self.placement.rest_buf is not None
+                continue
+            if i >= len(self.units) or i in self.foreign:
+                continue
+            u = self.units[i]
+            u.mark = u.staged.layout.version()
+            if u.resident_buf is not None:
+                u.device_newer = True
+            else:
+                if u.master.host is None and self.host.differs_from_file(u):
+                    self.host.promote_to_ram(u)
+                stale = True
+        if touched:
+            log.debug("%d unit(s) reached through .data since the last pass: taken as written", len(touched))
+        return stale
 
     def _check_rest(self) -> None:
         p = self.placement
@@ -186,7 +219,7 @@ def _binding_intact(binding: Binding) -> bool:
 def _replacement(entry: Entry, layout: TensorLayout, where: str) -> torch.Tensor:
     """The data a parameter holds now, checked to fit its place in the layout."""
     param = entry.own()
-    new = param.data
+    new = read_data(param)
     leaf = layout.leaves[entry.recipe]
     if tuple(new.shape) != tuple(leaf.shape) or new.dtype != leaf.dtype or new.is_meta:
         module, attr, _ = entry.locations[0]

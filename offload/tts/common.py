@@ -9,7 +9,6 @@ new file, not a new branch in the nodes. Plain PyTorch + transformers, no ComfyU
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -21,18 +20,14 @@ import torch
 import torch.nn as nn
 
 from ..model.fp8 import FP8_DTYPES, adopt_fp8_checkpoint, quantize_linears
-from ..store.storage import CorruptFileError, SafetensorsFile
+from .folders import (AUDIO_TOKENIZER_DIR, TTSModelError, check_codec_folder, check_weights,  # noqa: F401
+                      has_tokenizer_files, read_config, weight_files)
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_CHOICES = ("default", *DTYPES, *FP8_DTYPES)
-AUDIO_TOKENIZER_DIR = "audio_tokenizer"
 _SPEAKER_LINE = re.compile(r"^\s*speaker\s*(\d+)\s*[:：]\s*(.*)$", re.IGNORECASE)
-
-
-class TTSModelError(ValueError):
-    """A TTS model folder that cannot be loaded as it is: says what is wrong and what to do."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -96,76 +91,6 @@ class FolderInfo:
     model_type: str = ""
 
 
-def read_config(path: Path) -> dict:
-    """config.json of a model folder (a clear error when it is missing or half-written)."""
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise TTSModelError(f"{path}: no config.json; a TTS model folder is what transformers' save_pretrained writes "
-                            f"(config.json, model.safetensors or shards, the tokenizer and processor files)")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        raise TTSModelError(f"{config_path}: not valid JSON ({e}); the file looks half-written") from None
-    if not isinstance(config, dict):
-        raise TTSModelError(f"{config_path}: not a model config (a JSON object is expected)")
-    return config
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """model.safetensors, or the shards model.safetensors.index.json names (all present)."""
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise TTSModelError(f"{index}: unreadable shard index ({e}); the download looks incomplete") from None
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise TTSModelError(f"{folder}: shard(s) {missing[:3]} named in model.safetensors.index.json are missing; "
-                                f"the download looks incomplete")
-        return [folder / n for n in names]
-    return []
-
-
-def check_weights(path: Path, files: list[Path]) -> int:
-    """Validate every safetensors header against its file size (truncation); the number of float8 tensors."""
-    if not files:
-        raise TTSModelError(f"{path}: no model.safetensors (or model.safetensors.index.json with its shards); the "
-                            f"download looks incomplete")
-    fp8 = 0
-    for f in files:
-        try:
-            header = SafetensorsFile(f)
-        except CorruptFileError as e:
-            raise TTSModelError(f"{path}: {e}; the download looks incomplete") from None
-        try:
-            fp8 += sum(1 for t in header.tensors.values() if t.dtype in FP8_DTYPES.values())
-        finally:
-            header.close()
-    return fp8
-
-
-def check_codec_folder(path: Path, model_type: str, model: str, repo: str) -> None:
-    """The codec a model needs, in `<folder>/audio_tokenizer/` (whatever id the processor config names)."""
-    codec = path / AUDIO_TOKENIZER_DIR
-    where = (f"{model} needs its audio codec ({repo}, a separate repository) in {codec}/: put that repository's "
-             f"config.json and model.safetensors there")
-    if not codec.is_dir():
-        raise TTSModelError(f"{path}: no {AUDIO_TOKENIZER_DIR}/ folder. {where}")
-    config = read_config(codec)
-    if config.get("model_type") != model_type:
-        raise TTSModelError(f"{codec}: config.json says model_type {config.get('model_type')!r}, not "
-                            f"{model_type!r}. {where}")
-    check_weights(codec, weight_files(codec))
-
-
-def has_tokenizer_files(path: Path) -> bool:
-    return any((path / n).is_file() for n in ("tokenizer.json", "vocab.json", "tokenizer.model"))
-
-
 @contextlib.contextmanager
 def offline() -> Iterator[None]:
     """Never reach for a hub while loading a local folder."""
@@ -192,6 +117,15 @@ def own_memory(module: nn.Module) -> None:
     """Parameters and buffers off the file's memory map and aligned (CPU kernels' results depend on alignment)."""
     for p in list(module.parameters()) + list(module.buffers()):
         p.data = p.data.clone()
+
+
+def _file_errors() -> tuple[type[BaseException], ...]:
+    """The safetensors library's own error (not an OSError or ValueError), where it is installed."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return ()
+    return (SafetensorError,)
 
 
 def adopt_fp8(model: nn.Module, info: FolderInfo) -> int:
@@ -437,13 +371,17 @@ class TTSFamily:
                 processor = self.load_processor(transformers, info)
         except TTSModelError:
             raise
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, *_file_errors()) as e:
             raise TTSModelError(f"{info.path}: could not be loaded ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''})") from None
         model.eval()
         own_memory(model)
         if info.fp8_keys:
-            adopted = adopt_fp8(model, info)
+            try:
+                adopted = adopt_fp8(model, info)
+            except (OSError, *_file_errors()) as e:
+                raise TTSModelError(f"{info.path}: the float8 weights could not be read ({type(e).__name__}: "
+                                    f"{str(e)[:200]})") from None
             log.info("%s: %d float8 linear layer(s) kept as stored with their scales", info.path.name, adopted)
         elif dtype in FP8_DTYPES:
             n = sum(quantize_linears(model.get_submodule(p), FP8_DTYPES[dtype], per_channel=True)

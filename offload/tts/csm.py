@@ -54,13 +54,9 @@ class CsmFamily(TTSFamily):
 
     @staticmethod
     def _checkpoint_has_codec(path: Path) -> bool:
-        from safetensors import safe_open
+        from ..store.header_check import safetensors_tensors
 
-        for f in weight_files(path):
-            with safe_open(str(f), framework="pt") as sf:
-                if any(k.startswith("codec_model.") for k in sf.keys()):
-                    return True
-        return False
+        return any(k.startswith("codec_model.") for f in weight_files(path) for k in safetensors_tensors(f))
 
     def load_processor(self, transformers: Any, info: FolderInfo) -> Any:
         processor = transformers.AutoProcessor.from_pretrained(str(info.path), local_files_only=True)

@@ -147,12 +147,9 @@ def dia_text(text: str) -> str:
 def paged_encoder_decoder_cache(model: nn.Module, pager: Any) -> contextlib.AbstractContextManager[None]:
     """While inside, the cache `generate` makes is an EncoderDecoderCache of two caches in `pager` (self-attention
     keys and values grow a frame at a time; the cross-attention ones are written once from the encoder)."""
-    from transformers.cache_utils import EncoderDecoderCache
+    from ..generate.kv_cache import paged_generation
 
-    from ..generate.kv_cache import generation_cache
-
-    return generation_cache(model, lambda num_layers, args, kwargs: EncoderDecoderCache(
-        pager.new_cache(num_layers), pager.new_cache(num_layers)))
+    return paged_generation(model, pager)  # transformers' own EncoderDecoderCache, both halves paged
 
 
 FAMILY = DiaFamily()

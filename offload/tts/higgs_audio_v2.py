@@ -22,7 +22,6 @@ import builtins
 import contextlib
 import importlib
 import importlib.util
-import json
 import logging
 import sys
 import threading
@@ -33,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from ..store.header_check import CorruptFileError, read_json_object
 from .audio import finite_audio, mono, resample
 from .common import (AUDIO_TOKENIZER_DIR, FolderInfo, TTSFamily, TTSModelError, TTSRequest, TTSResult,
                      check_codec_folder, codec_units, kv_bytes_per_token, layer_units, module_bytes, prompt_length,
@@ -77,9 +77,9 @@ class HiggsAudioV2Family(TTSFamily):
         for name in ("processor_config.json", "preprocessor_config.json"):
             if (path / name).is_file():
                 try:
-                    settings = json.loads((path / name).read_text())
-                except ValueError as e:
-                    raise TTSModelError(f"{path / name}: not valid JSON ({e}); the file looks half-written") from None
+                    settings = read_json_object(path / name, name)
+                except CorruptFileError as e:
+                    raise TTSModelError(f"{e}; the file looks half-written") from None
                 break
         chat_template = settings.get("chat_template")
         if (path / "chat_template.jinja").is_file():

@@ -68,6 +68,7 @@ class ComfyServer:
         self.log_path = os.path.join(base_dir, "comfyui.log")
         self.proc: Optional[subprocess.Popen] = None
         self.client_id = uuid.uuid4().hex
+        self.extra_env: Dict[str, str] = {}  # set before start(): this server's own environment variables
 
     def __enter__(self) -> "ComfyServer":
         self.start()
@@ -90,6 +91,7 @@ class ComfyServer:
         env = dict(os.environ)
         env.pop("COMFYUI_PATH", None)
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.extra_env)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=self.comfy_path, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env)

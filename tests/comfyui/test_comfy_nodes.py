@@ -119,8 +119,8 @@ def test_loader_inputs_match_comfy(env):
 
 
 WIDGET_KEYS = ("default", "min", "max", "step", "tooltip", "multiline")
-ADDED_INPUTS = ("devices", "per_device", "voice_text", "temperature", "top_k", "top_p",  # newer than node_defs_v1.json
-                "host_compression")
+ADDED_INPUTS = ("devices", "per_device", "budget_share", "voice_text", "temperature", "top_k", "top_p",  # newer than
+                "host_compression")  # node_defs_v1.json
 RETEXTED = ("OffloadTTSLoader", "OffloadTTSGenerate")  # issue 28: their tooltips / descriptions name every TTS model
 
 

@@ -80,12 +80,33 @@ def test_devices_text_resolves_to_engine_names(env, monkeypatch):
     assert resolve("auto", "sim") is None, "auto with one visible device is one device"
 
 
+def test_devices_this_process_lacks_are_left_out_with_one_notice(env, caplog):
+    """ComfyUI-Distributed sends the master's workflow to every worker: a device named there that a worker lacks is
+    left out (one log notice per text, not per call) instead of failing the worker's prompt."""
+    resolve = env["common"].resolve_devices
+    with caplog.at_level("WARNING", logger="layer_offload"):
+        assert resolve("sim:0, sim:7", "sim") is None, "sim:7 left out: the compute device alone"
+        assert resolve("sim:0, sim:7", "sim") is None
+        assert resolve("sim:0, sim:1, sim:3", "sim") == ["sim:0", "sim:1"]
+        assert resolve("cuda:0, cuda:1", "sim") is None, "a GPU list on a CPU worker: the compute device only"
+        assert resolve("sim:5", "sim") is None
+    notes = [r.getMessage() for r in caplog.records if "does not have" in r.getMessage()]
+    assert len(notes) == 4, notes  # one per text: the repeated 'sim:0, sim:7' logged once
+    assert "sim:7" in notes[0] and "it has sim:0, sim:1" in notes[0] and "left out" in notes[0], notes[0]
+    before = len(env["status"].build_report()["models"])
+    model = env["M"]["OffloadDiffusionModelLoader"]().load(UNET, "default", "auto", None, 0, "cuda:0, cuda:1")[0]
+    assert len(env["status"].build_report()["models"]) == before + 1, "the prompt runs on this process's device"
+    assert model.model.diffusion_model.__dict__["_layer_offload"].handle.config.devices in (None, (), ("sim:0",))
+    del model
+    gc.collect()
+
+
 @pytest.mark.parametrize("text,needle", [
-    ("sim:0, sim:7", "'sim:7' is not a visible device; valid devices: sim:0, sim:1"),
-    ("cuda:0, cuda:1", "valid devices: sim:0, sim:1"),
+    ("sim:0, gpu7", "'gpu7' is not a device name; valid devices: sim:0, sim:1"),
+    ("sim:0, cuda:x", "'cuda:x' is not a device name"),
     ("sim:1", "must include the compute device"),
     ("sim:0, sim:0, sim:1", "twice"),
-], ids=["unknown", "cuda-on-cpu", "no-compute", "twice"])
+], ids=["malformed", "malformed-index", "no-compute", "twice"])
 def test_bad_devices_text_is_a_clear_error(env, text, needle):
     plain = env["nodes"].UNETLoader().load_unet(UNET, "default")[0]
     before = len(env["status"].build_report()["models"])
@@ -101,11 +122,15 @@ def test_bad_devices_text_is_a_clear_error(env, text, needle):
     ("sim:1=lots", "not a number of GB"),
     ("sim:1", "not 'device=size'"),
     ("sim:0=1", "compute device"),
-    ("sim:5=1GB", "valid devices: sim:1"),
+    ("sim:x=1GB", "not a device name; valid devices other than the compute device (sim:0): sim:1"),
+    ("sim:5=lots", "not a number of GB"),
     ("sim:1=1000GB", "larger than the device"),
     ("sim:1=1MB", "below the minimum"),
     ("sim:1=1, sim:1=2", "twice"),
-], ids=["not-a-number", "no-size", "compute", "unknown", "over-device", "tiny", "twice"])
+    ("sim:1=" + "9" * 400, "not a number of GB"),  # was an OverflowError (issue 35)
+    ("sim:1=" + "9" * 400 + "%", "not a number of GB"),
+], ids=["not-a-number", "no-size", "compute", "malformed", "absent-bad-size", "over-device", "tiny", "twice",
+          "400-nines", "400-nines-pct"])
 def test_bad_per_device_text_is_a_clear_error_and_changes_nothing(env, text, needle):
     budget = env["offload"].default_budget()
     second = env["offload"].default_budget("sim:1")
@@ -114,6 +139,40 @@ def test_bad_per_device_text_is_a_clear_error_and_changes_nothing(env, text, nee
         env["M"]["OffloadVramBudget"]().set_budget(1.0, "budget", text)
     assert "per_device" in str(e.value) and needle in str(e.value), str(e.value)
     assert (budget.total_bytes, second.total_bytes) == before
+
+
+def test_per_device_naming_a_device_this_process_lacks_leaves_it_out(env, caplog):
+    second = env["offload"].default_budget("sim:1")
+    with caplog.at_level("WARNING", logger="layer_offload"):
+        spec = env["M"]["OffloadVramBudget"]().set_budget(1.0, "budget", "sim:1=20MB, sim:5=2GB, cuda:3=50%")[0]
+    assert spec.per_device == {"sim:1": 20 * MIB} and second.total_bytes == 20 * MIB
+    notes = [r.getMessage() for r in caplog.records if "does not have" in r.getMessage()]
+    assert len(notes) == 1 and "sim:5, cuda:3" in notes[0] and "per_device" in notes[0], notes
+
+
+@pytest.mark.parametrize("share,capacity_gib", [("50%", 8), ("12.5 %", 8), ("100%", 8)])
+def test_budget_share_is_a_share_of_this_process_card(env, share, capacity_gib):
+    spec = env["M"]["OffloadVramBudget"]().set_budget(0.0, "auto", "", share)[0]
+    want = int(capacity_gib * GIB * float(share.replace("%", "")) / 100)
+    assert spec.total_bytes == want == env["offload"].default_budget().total_bytes
+    assert "budget_share" in env["offload"].default_budget().origin
+
+
+@pytest.mark.parametrize("gb,share,needle", [
+    (0.0, "50", "a share of the card such as '50%'"),
+    (0.0, "4GB", "for GB use budget_gb"),
+    (0.0, "0%", "above 0%"),
+    (0.0, "150%", "at most 100%"),
+    (2.0, "50%", "both set"),
+    (100.0, "", "budget_share (e.g. '50%'"),
+], ids=["no-percent", "gb", "zero", "over", "both", "gb-over-card-hints-share"])
+def test_bad_budget_share_is_a_clear_error_and_changes_nothing(env, gb, share, needle):
+    budget = env["offload"].default_budget()
+    before = budget.total_bytes
+    with pytest.raises(ValueError) as e:
+        env["M"]["OffloadVramBudget"]().set_budget(gb, "auto", "", share)
+    assert needle in str(e.value), str(e.value)
+    assert budget.total_bytes == before
 
 
 def test_two_devices_sample_like_the_plain_loader_with_blocks_on_each(env):

@@ -73,6 +73,7 @@ def page(tmp_path_factory):
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET))
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_HI))
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_MD))
+    example_models(base)
     server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
     server.seed_settings()
     old_env = os.environ.get("LAYER_OFFLOAD_SIM_DEVICES")
@@ -94,6 +95,48 @@ def page(tmp_path_factory):
         if driver is not None:
             driver.quit()
         server.stop()
+
+
+EXAMPLE = os.path.join(cs.REPO_ROOT, "example_workflows", "wan2.1_t2v_layer_offload.json")
+
+
+def header_only(path: str, shapes: dict, dtype: str = "BF16") -> None:
+    """A .safetensors file of these tensors whose data is a hole: the plan reads headers only (as
+    tests/test_workflow_plan.py's write_safetensors)."""
+    import json
+    import math
+    import struct
+
+    size = {"BF16": 2, "F16": 2, "F8_E4M3": 1}[dtype]
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        n = size * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def example_models(base: str) -> None:
+    """The files the Wan 2.1 example workflow names, in the server's model folders: the tiny Wan under the 1.3B's
+    name, a three-block umT5-shaped text encoder and a Wan VAE's header."""
+    models = os.path.join(base, "models")
+    tiny_wan.write_wan(os.path.join(models, "diffusion_models", "wan2.1_t2v_1.3B_fp16.safetensors"))
+    t5 = {"shared.weight": (1000, 64)}
+    for i in range(3):
+        for x in "qkvo":
+            t5["encoder.block.{}.layer.0.SelfAttention.{}.weight".format(i, x)] = (64, 64)
+        t5["encoder.block.{}.layer.1.DenseReluDense.wi_0.weight".format(i)] = (128, 64)
+        t5["encoder.block.{}.layer.1.DenseReluDense.wo.weight".format(i)] = (64, 128)
+    header_only(os.path.join(models, "text_encoders", "umt5_xxl_fp8_e4m3fn_scaled.safetensors"), t5, "F8_E4M3")
+    header_only(os.path.join(models, "vae", "wan_2.1_vae.safetensors"), {
+        "decoder.middle.0.residual.0.gamma": (384, 1, 1, 1), "decoder.head.0.gamma": (96, 1, 1, 1),
+        "encoder.conv1.weight": (96, 3, 3, 3, 3), "decoder.conv1.weight": (384, 16, 3, 3, 3),
+        "decoder.head.2.weight": (3, 96, 3, 3, 3)})
 
 
 def q(driver, css):
@@ -343,3 +386,106 @@ def test_two_devices_draw_a_bar_each(page, tmp_path):
     console += browser.console_entries(driver)
     ours = browser.errors_from(console, OURS)
     assert not [m for m in ours if not ("/api/layer_offload/" in m and "status of 400" in m)], "\n".join(ours)
+
+
+def read_attrs(driver, css: str, key: str, *attrs: str) -> dict:
+    """{element's `key` attribute: (text, *attrs)} of every element matching css, read in the page in one go (no
+    stale element while the panel re-renders)."""
+    return driver.execute_script(
+        "const out = {}; for (const e of document.querySelectorAll(arguments[0])) "
+        "out[e.getAttribute(arguments[1])] = [e.textContent.trim(), ...arguments[2].map((a) => e.getAttribute(a))];"
+        "return out;", css, key, list(attrs))
+
+
+def test_the_canvas_is_planned_in_the_panel(page, tmp_path):
+    """The Wan 2.1 example workflow loaded onto the canvas: the panel plans it (POST /layer_offload/plan) on the
+    card ComfyUI runs on and shows each model's figures and the run's; choosing a card plans it again on that card;
+    a change on the canvas re-plans it by itself; nothing is loaded."""
+    import json
+
+    server, driver = page
+    console = browser.console_entries(driver)
+    before = [m["name"] for m in server.get_json("/layer_offload/report")["models"]]
+    with open(EXAMPLE) as f:
+        workflow = json.load(f)
+    driver.execute_script("return window.app.loadGraphData(arguments[0]);", workflow)
+    browser.open_sidebar_tab(driver, TAB)
+    browser.wait_for(lambda: q(driver, '[data-lo-plan] button[data-lo-control="plan"]'), 30, "the button")
+    driver.execute_script("document.querySelector('[data-lo-plan] button[data-lo-control=\"plan\"]').click();")
+
+    def plan_rows():
+        if not q(driver, '[data-lo-plan][data-lo-plan-state="done"]'):
+            return None
+        return read_attrs(driver, "[data-lo-plan] [data-lo-plan-model]", "data-lo-plan-model")
+
+    rows = browser.wait_for(plan_rows, 60, "the plan's rows")
+    assert set(rows) == {"2", "4", "10"}, rows  # the loaders: diffusion model, CLIP, VAE
+
+    def cells(key):
+        found = read_attrs(driver, '[data-lo-plan-model="{}"] [data-lo-plan-cell]'.format(key), "data-lo-plan-cell")
+        return {k: v[0] for k, v in found.items()}
+
+    diffusion = cells("2")
+    assert diffusion["fits"] == "yes" and diffusion["preset"] == "consumer", diffusion
+    assert diffusion["time"].endswith("x 30"), diffusion  # 30 steps, cond and uncond in one batch (cfg 6)
+    assert diffusion["vram"].endswith(("MB", "GB")) and diffusion["ram"].endswith(("MB", "GB")), diffusion
+    assert cells("4")["preset"] == "budget", cells("4")  # Offload CLIP's preset
+    run = read_attrs(driver, "[data-lo-plan] [data-lo-plan-run]", "data-lo-plan-run", "data-lo-value")
+    assert set(run) == {"fits", "total", "peak_vram", "ram", "ram_free", "disk"}, run
+    assert run["fits"][0] in ("yes", "no")
+    for key in ("total", "peak_vram", "ram", "ram_free"):
+        assert float(run[key][1]) > 0, (key, run[key])
+    assert "sim (" in q(driver, "[data-lo-plan]")[0].text
+    total_here = float(run["total"][1])
+
+    # another card, chosen by name: planned again on it
+    driver.execute_script("const s = document.querySelector('select[data-lo-control=\"plan-card\"]');"
+                          "s.value = 'rtx3060-12gb'; s.dispatchEvent(new Event('change'));")
+    browser.wait_for(lambda: "on rtx3060-12gb" in driver.execute_script(
+        "const e = document.querySelector('[data-lo-plan][data-lo-plan-state=\"done\"]');"
+        "return e ? e.textContent : '';"), 60, "the plan on the RTX 3060")
+    run = read_attrs(driver, "[data-lo-plan] [data-lo-plan-run]", "data-lo-plan-run", "data-lo-value")
+    assert float(run["total"][1]) != total_here
+
+    # a change on the canvas (20 steps instead of 30) is planned again without a click
+    driver.execute_script("const n = window.app.graph.getNodeById(9);"
+                          "const w = n.widgets.find((x) => x.name === 'steps'); w.value = 20;"
+                          "window.app.graph.setDirtyCanvas(true, true);")
+    browser.wait_for(lambda: cells("2").get("time", "").endswith("x 20"), 60, "the plan of 20 steps")
+
+    shot = str(tmp_path / "panel_plan.png")  # LO_PANEL_PLAN_PNG=path writes a copy
+    driver.execute_script("const r = document.querySelector('[data-lo-plan]'); r && r.scrollIntoView();")
+    assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
+    if os.environ.get("LO_PANEL_PLAN_PNG"):
+        shutil.copyfile(shot, os.environ["LO_PANEL_PLAN_PNG"])
+    # nothing loaded: the report lists the same models as before
+    assert [m["name"] for m in server.get_json("/layer_offload/report")["models"]] == before
+    console += browser.console_entries(driver)
+    ours = browser.errors_from(console, OURS)
+    assert not ours, "\n".join(ours)
+
+
+def test_after_a_run_the_panel_shows_the_plan_beside_the_measured_figures(page):
+    """A prompt with an Offload Report node: the report node plans the prompt it ran in and the panel shows the
+    workflow's planned and measured time, peak VRAM and host RAM side by side."""
+    server, driver = page
+    browser.open_sidebar_tab(driver, TAB)
+    entry = server.wait(server.queue(prompt(seed=8)), timeout=120)
+    assert entry.get("status", {}).get("status_str") == "success", entry.get("status")
+    texts = cs.ui_texts(entry, "7")
+    assert texts and "Workflow plan on sim (" in texts[0] and "time: planned" in texts[0], texts
+    w = server.get_json("/layer_offload/report")["workflow"]
+    assert {r["name"] for r in w["models"]} == {UNET, UNET_HI}, w["models"]
+
+    def figures():
+        found = read_attrs(driver, "[data-lo-workflow] [data-lo-workflow-figure]", "data-lo-workflow-figure",
+                           "data-lo-planned", "data-lo-measured")
+        names = list(read_attrs(driver, "[data-lo-workflow-model]", "data-lo-workflow-model"))
+        return (found, names) if UNET in names and UNET_HI in names else None
+
+    found, names = browser.wait_for(figures, 30, "the plan beside the run of both models")
+    assert set(found) == {"time", "peak_vram", "host", "disk"}, found
+    for key in ("time", "peak_vram", "host"):
+        assert float(found[key][1]) > 0 and float(found[key][2]) > 0, (key, found[key])
+        assert "planned" in found[key][0] and "measured" in found[key][0], found[key][0]
+    assert float(found["time"][2]) == pytest.approx(w["time_ms"]["measured"])

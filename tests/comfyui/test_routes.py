@@ -135,8 +135,9 @@ def test_priority_change_shows_in_the_report_at_once(env):
     {"priority": 3},
     {"model": "", "priority": 3},
     {"model": 5, "priority": 3},
+    {"model": UNET, "priority": 10 ** 400},
 ], ids=["string", "nan", "inf", "fraction", "too-high", "too-low", "bool", "null", "no-priority", "no-model",
-        "empty-model", "model-not-a-string"])
+        "empty-model", "model-not-a-string", "int-beyond-float"])
 def test_invalid_priority_is_refused_and_changes_nothing(env, body):
     post(env, "priority", {"model": UNET, "priority": 2})
     try:
@@ -192,8 +193,12 @@ def test_budget_change_by_gb_and_bytes(env):
     ({"total_gb": [4]}, "number"),
     ({}, "total_gb"),
     ({"budget": 4}, "total_gb"),
+    ({"total_bytes": 10 ** 400}, "number"),  # beyond float range: was an OverflowError and a 500 (issue 35)
+    ({"total_gb": 10 ** 400}, "number"),
+    ({"total_gb": "9" * 400}, "number"),
+    ({"total_gb": 1e308}, "number"),  # x GiB is inf
 ], ids=["over-device-gb", "over-device-bytes", "tiny", "zero", "negative", "string", "nan", "inf", "null", "bool",
-        "list", "empty", "wrong-key"])
+        "list", "empty", "wrong-key", "int-beyond-float", "gb-beyond-float", "400-nines", "gb-overflows"])
 def test_invalid_budget_is_refused_and_unchanged(env, body, needle):
     msg = assert_refused(env, "budget", body)
     assert needle in msg, msg
@@ -343,6 +348,6 @@ def test_report_schema(env):
 def test_post_answers_carry_the_same_report_shape(env):
     status, data = post(env, "priority", {"model": UNET, "priority": 0})
     assert status == 200
-    assert set(data["report"]) == {"time", "budget", "models"}
+    assert set(data["report"]) == {"time", "budget", "models", "workflow"}
     m = [x for x in data["report"]["models"] if x["name"] == UNET][0]
     check_types(m, MODEL_KEYS, "model")

@@ -327,3 +327,24 @@ def test_higgs_audio_tokenizer_without_torchaudio_uses_a_scoped_stand_in():
         stand_in.load("voice.wav")
     with pytest.raises(TTSModelError, match="torchaudio"):
         stand_in.functional.resample(x, 24000, 16000, resampling_method="sinc_interp_kaiser")
+
+
+def test_speech_streamed_with_kv_pages_leaving_the_device_passes_the_host_read_guard(folder):
+    """Every block streamed, the KV pages offloaded under a share with no room for them, the codec entered through
+    its own methods (CSM's Mimi quantizer `.decode()`, Higgs' and Dia's codecs): transformers' own tokens and audio,
+    and no op reads a host master (tests/host_master_guard.py)."""
+    from tests.host_master_guard import host_master_guard
+
+    request = _request(folder)
+    tokens, audio = transformers_generation(folder, request)
+    fam, model, processor, handle = _offloaded(folder, "budget")
+    pager = handle.kv_pager(page_tokens=2, offload=True)
+    handle.budget.set_total(handle.budget_for(0) + 1024, origin="test")
+    with host_master_guard(handle) as guard:
+        result = fam.speak(model, processor, request, pager=pager)
+    assert guard.checked > 0
+    assert len(result.tokens) == len(tokens) and all(torch.equal(a, b) for a, b in zip(result.tokens, tokens))
+    assert torch.equal(result.audio.reshape(-1), audio.detach().float().reshape(-1))
+    kv = handle.report().kv
+    assert kv["caches"] >= 1 and kv["offloads"] >= request.max_new_tokens, kv
+    handle.detach()
