@@ -16,8 +16,8 @@ from comfy_api.latest import io
 from ..offload import offload_module
 from . import dynamic, patches, status
 from .comfy_patcher import add_report_wrapper, as_offload_patcher
-from .common import (ANY, CATEGORY, devices_input, engine_device, io_type, log_once, make_config, optional_inputs,
-                     preset_input, resolve_budget, resolve_devices)
+from .common import (ANY, CATEGORY, devices_input, engine_device, host_compression_input, host_compression_override,
+                     io_type, log_once, make_config, optional_inputs, preset_input, resolve_budget, resolve_devices)
 from .registry import Managed, detach_managed, register, state_of, track_patcher
 
 log = logging.getLogger("layer_offload")
@@ -149,7 +149,7 @@ def _clone_backups(patcher: Any) -> Dict[str, Any]:
 
 def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int, name: str, kind: str,
                   disk_path: Optional[str] = None, units: Optional[List[str]] = None,
-                  devices: Any = None) -> Optional[Managed]:
+                  devices: Any = None, host_compression: Any = None) -> Optional[Managed]:
     """Offload `root` with the engine (or reuse/refresh an existing handle); None when the device is unsupported.
 
     `disk_path`: the file the weights came from; blocks it holds byte for byte may stream from it when host RAM
@@ -161,6 +161,7 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
     overrides: Dict[str, Any] = {}
     if disk_path:
         overrides.update(disk_path=disk_path, disk_optional=True)
+    overrides.update(host_compression_override(host_compression))
     cfg = make_config(preset, device, resolve_devices(devices, device), **overrides)
     vbudget = resolve_budget(budget)
     existing = state_of(root)
@@ -190,7 +191,7 @@ def attach_engine(root: torch.nn.Module, preset: str, budget: Any, priority: int
 
 def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, priority: int = 0,
                     name: Optional[str] = None, kind: str = "model", disk_path: Optional[str] = None,
-                    shared: bool = True, devices: Any = None) -> ModelPatcher:
+                    shared: bool = True, devices: Any = None, host_compression: Any = None) -> ModelPatcher:
     """An offload patcher for `patcher`'s model, whose root module the engine streams.
 
     `shared`: the model came from another node (whose cached output keeps using it); False for a model the caller
@@ -220,7 +221,8 @@ def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, prio
     root = inner if kind == "model" and isinstance(inner, torch.nn.Module) else model
     if name is None:
         name = "{}:{}".format(kind, type(root).__name__)
-    managed = attach_engine(root, preset, budget, priority, name, kind, disk_path=disk_path, devices=devices)
+    managed = attach_engine(root, preset, budget, priority, name, kind, disk_path=disk_path, devices=devices,
+                            host_compression=host_compression)
     if managed is not None:
         track_patcher(n, managed)
         add_report_wrapper(n, status.publish)
@@ -230,11 +232,12 @@ def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, prio
 def _reoffload(patcher: ModelPatcher, src: Managed) -> ModelPatcher:
     """Offload a patcher's private copy of a managed model (clone(force_deepcopy=True)) as `src` is now."""
     return offload_patcher(patcher, src.preset, src.budget, src.priority, kind=src.kind, shared=False,
-                           disk_path=getattr(src.config, "disk_path", None))
+                           disk_path=getattr(src.config, "disk_path", None),
+                           host_compression=getattr(src.config, "host_compression", None))
 
 
 def offload_clip(clip: Any, preset: str, budget: Any = None, priority: int = 0, name: Optional[str] = None,
-                 devices: Any = None) -> Any:
+                 devices: Any = None, host_compression: Any = None) -> Any:
     """A clone of a CLIP object whose text encoder the engine streams."""
     if engine_device() is None:
         return clip
@@ -242,7 +245,7 @@ def offload_clip(clip: Any, preset: str, budget: Any = None, priority: int = 0, 
     inner = type(getattr(out, "cond_stage_model", None)).__name__
     same = getattr(out, "cond_stage_model", None) is out.patcher.model
     out.patcher = offload_patcher(out.patcher, preset, budget, priority, name or "clip:{}".format(inner), kind="clip",
-                                  devices=devices)
+                                  devices=devices, host_compression=host_compression)
     if same and out.cond_stage_model is not out.patcher.model:  # a private copy: the clone encodes with the copy
         out.cond_stage_model = out.patcher.model
     return out
@@ -276,15 +279,16 @@ def _find_modules(obj: Any, depth: int, seen: set, found: List[Tuple[str, Any]],
 
 
 def offload_anything(anything: Any, preset: str, budget: Any = None, priority: int = 0,
-                     max_depth: int = 4, devices: Any = None) -> Any:
+                     max_depth: int = 4, devices: Any = None, host_compression: Any = None) -> Any:
     """Offload every nn.Module found inside an arbitrary object (in place); return the object."""
     if engine_device() is None:
         return anything
     resolve_devices(devices)  # a bad devices text is an error before anything changes
     if isinstance(anything, ModelPatcher):
-        return offload_patcher(anything, preset, budget, priority, kind="model", devices=devices)
+        return offload_patcher(anything, preset, budget, priority, kind="model", devices=devices,
+                               host_compression=host_compression)
     if hasattr(anything, "patcher") and hasattr(anything, "cond_stage_model") and hasattr(anything, "clone"):
-        return offload_clip(anything, preset, budget, priority, devices=devices)
+        return offload_clip(anything, preset, budget, priority, devices=devices, host_compression=host_compression)
     found: List[Tuple[str, Any]] = []
     _find_modules(anything, max_depth, set(), found, "")
     if not found:
@@ -294,12 +298,13 @@ def offload_anything(anything: Any, preset: str, budget: Any = None, priority: i
     for path, obj in found:
         if isinstance(obj, ModelPatcher):
             patched = offload_patcher(obj, preset, budget, priority, name="any:" + path, kind="model",
-                                      devices=devices)
+                                      devices=devices, host_compression=host_compression)
             _replace_in_place(anything, path, obj, patched)
             continue
         if not any(True for _ in obj.parameters()):
             continue
-        attach_engine(obj, preset, budget, priority, "any:" + path, kind="module", devices=devices)
+        attach_engine(obj, preset, budget, priority, "any:" + path, kind="module", devices=devices,
+                      host_compression=host_compression)
     return anything
 
 
@@ -332,18 +337,20 @@ class OffloadModel(io.ComfyNode):
             node_id="OffloadModel", display_name="Offload Model", category=CATEGORY,
             description="Stream a MODEL block by block from host RAM under the pack's VRAM budget.",
             inputs=[io.Model.Input("model", tooltip="The diffusion model to stream (from any loader)."),
-                    preset_input(), *optional_inputs(), devices_input()],
+                    preset_input(), *optional_inputs(), devices_input(), host_compression_input()],
             outputs=[io.Model.Output(tooltip="The same model; its blocks now stream from host RAM.")])
 
     @classmethod
     def execute(cls, model: Any, preset: str, budget: Any = None, priority: int = 0,
-                devices: str = "") -> io.NodeOutput:
-        return io.NodeOutput(*cls.apply(model, preset, budget, priority, devices))
+                devices: str = "", host_compression: str = "preset") -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(model, preset, budget, priority, devices, host_compression))
 
     @classmethod
-    def apply(cls, model: Any, preset: str, budget: Any = None, priority: int = 0, devices: str = "") -> Tuple[Any]:
+    def apply(cls, model: Any, preset: str, budget: Any = None, priority: int = 0, devices: str = "",
+              host_compression: str = "preset") -> Tuple[Any]:
         """The node's work, as a tuple of its outputs."""
-        return (offload_patcher(model, preset, budget, priority, kind="model", devices=devices),)
+        return (offload_patcher(model, preset, budget, priority, kind="model", devices=devices,
+                                host_compression=host_compression),)
 
 
 class OffloadCLIP(io.ComfyNode):
@@ -355,18 +362,19 @@ class OffloadCLIP(io.ComfyNode):
             node_id="OffloadCLIP", display_name="Offload CLIP", category=CATEGORY,
             description="Stream a CLIP text encoder block by block from host RAM under the pack's VRAM budget.",
             inputs=[io.Clip.Input("clip", tooltip="The text encoder to stream (from any loader)."),
-                    preset_input(), *optional_inputs(), devices_input()],
+                    preset_input(), *optional_inputs(), devices_input(), host_compression_input()],
             outputs=[io.Clip.Output(tooltip="The same CLIP; its encoder blocks now stream from host RAM.")])
 
     @classmethod
     def execute(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0,
-                devices: str = "") -> io.NodeOutput:
-        return io.NodeOutput(*cls.apply(clip, preset, budget, priority, devices))
+                devices: str = "", host_compression: str = "preset") -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(clip, preset, budget, priority, devices, host_compression))
 
     @classmethod
-    def apply(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0, devices: str = "") -> Tuple[Any]:
+    def apply(cls, clip: Any, preset: str, budget: Any = None, priority: int = 0, devices: str = "",
+              host_compression: str = "preset") -> Tuple[Any]:
         """The node's work, as a tuple of its outputs."""
-        return (offload_clip(clip, preset, budget, priority, devices=devices),)
+        return (offload_clip(clip, preset, budget, priority, devices=devices, host_compression=host_compression),)
 
 
 class OffloadAny(io.ComfyNode):
@@ -380,17 +388,18 @@ class OffloadAny(io.ComfyNode):
                          "it; use it for model objects of other packs."),
             inputs=[io.AnyType.Input("anything", tooltip="Any object: its nn.Modules (found a few attribute levels "
                                                          "deep) are offloaded in place."),
-                    preset_input(), *optional_inputs(), devices_input()],
+                    preset_input(), *optional_inputs(), devices_input(), host_compression_input()],
             outputs=[io_type(ANY).Output(display_name="anything",
                                          tooltip="The same object, its modules now streamed.")])
 
     @classmethod
     def execute(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0,
-                devices: str = "") -> io.NodeOutput:
-        return io.NodeOutput(*cls.apply(anything, preset, budget, priority, devices))
+                devices: str = "", host_compression: str = "preset") -> io.NodeOutput:
+        return io.NodeOutput(*cls.apply(anything, preset, budget, priority, devices, host_compression))
 
     @classmethod
     def apply(cls, anything: Any, preset: str, budget: Any = None, priority: int = 0,
-              devices: str = "") -> Tuple[Any]:
+              devices: str = "", host_compression: str = "preset") -> Tuple[Any]:
         """The node's work, as a tuple of its outputs."""
-        return (offload_anything(anything, preset, budget, priority, devices=devices),)
+        return (offload_anything(anything, preset, budget, priority, devices=devices,
+                                 host_compression=host_compression),)

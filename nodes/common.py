@@ -5,9 +5,11 @@ import logging
 import os
 import re
 import threading
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from ..offload import DEFAULT_PRESET, PRESETS, OffloadConfig, VramBudget, default_budget, preset_tooltip
+
+HOST_COMPRESSION = ("auto", "lossless", "off")  # OffloadConfig.host_compression
 
 log = logging.getLogger("layer_offload")
 
@@ -47,6 +49,30 @@ def preset_input(name: str = "preset", tooltip: Optional[str] = None) -> Any:
 
     return io.Combo.Input(name, options=list(PRESET_CHOICES), default=DEFAULT_PRESET,
                           tooltip=tooltip if tooltip is not None else preset_tooltip())
+
+
+HOST_COMPRESSION_CHOICES = ("preset",) + HOST_COMPRESSION
+TIP_HOST_COMPRESSION = ("Blocks held losslessly compressed in host RAM and decoded on the GPU (outputs bit for bit "
+                        "the same): preset = the preset's choice (auto); auto = only the blocks that would otherwise "
+                        "stream from disk or not fit your RAM; lossless = every block where it pays (bf16 about 75% "
+                        "of the RAM, fp16 about 90%); off = never.")
+
+
+def host_compression_input() -> Any:
+    """The optional `host_compression` override of the Offload nodes (default: the preset's)."""
+    from comfy_api.latest import io
+
+    return io.Combo.Input("host_compression", options=list(HOST_COMPRESSION_CHOICES), default="preset",
+                          optional=True, tooltip=TIP_HOST_COMPRESSION)
+
+
+def host_compression_override(choice: Optional[str]) -> Dict[str, Any]:
+    """OffloadConfig overrides for the node's `host_compression` choice ("preset": none)."""
+    if not choice or choice == "preset":
+        return {}
+    if choice not in HOST_COMPRESSION:
+        raise ValueError(f"host_compression must be one of {', '.join(HOST_COMPRESSION_CHOICES)}, got {choice!r}")
+    return {"host_compression": choice}
 
 
 def optional_inputs() -> List[Any]:

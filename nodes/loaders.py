@@ -13,8 +13,8 @@ import folder_paths
 from comfy_api.latest import io
 
 from .apply import offload_clip, offload_patcher
-from .common import (CATEGORY, WEIGHT_DTYPES_FALLBACK, devices_input, optional_inputs, preset_input,
-                     resolve_devices)
+from .common import (CATEGORY, WEIGHT_DTYPES_FALLBACK, devices_input, host_compression_input,
+                     host_compression_override, optional_inputs, preset_input, resolve_devices)
 
 log = logging.getLogger("layer_offload")
 
@@ -76,24 +76,26 @@ class OffloadDiffusionModelLoader(io.ComfyNode):
                                    tooltip="A diffusion model file from models/diffusion_models."),
                     io.Combo.Input("weight_dtype", options=weight_dtype_choices(),
                                    tooltip="Storage dtype of the weights, as in ComfyUI's Load Diffusion Model node."),
-                    preset_input(), *optional_inputs(), devices_input()],
+                    preset_input(), *optional_inputs(), devices_input(), host_compression_input()],
             outputs=[io.Model.Output(tooltip="The diffusion model, streamed block by block from pinned RAM.")])
 
     @classmethod
     def execute(cls, unet_name: str, weight_dtype: str, preset: str, budget: Any = None,
-                priority: int = 0, devices: str = "") -> io.NodeOutput:
-        return io.NodeOutput(*cls.load(unet_name, weight_dtype, preset, budget, priority, devices))
+                priority: int = 0, devices: str = "", host_compression: str = "preset") -> io.NodeOutput:
+        return io.NodeOutput(*cls.load(unet_name, weight_dtype, preset, budget, priority, devices, host_compression))
 
     @classmethod
     def load(cls, unet_name: str, weight_dtype: str, preset: str, budget: Any = None,
-             priority: int = 0, devices: str = "") -> Tuple[Any]:
+             priority: int = 0, devices: str = "", host_compression: str = "preset") -> Tuple[Any]:
         """The node's work, as a tuple of its outputs."""
         resolve_devices(devices)  # a bad devices text is an error before the file is read
+        host_compression_override(host_compression)  # a bad choice is an error before the file is read
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         model = comfy.sd.load_diffusion_model(path, model_options=unet_model_options(weight_dtype),
                                               **_non_dynamic_kwargs(comfy.sd.load_diffusion_model))
         return (offload_patcher(model, preset, budget, priority, name=unet_name, kind="model",
-                                disk_path=_streamable_file(path), shared=False, devices=devices),)
+                                disk_path=_streamable_file(path), shared=False, devices=devices,
+                                host_compression=host_compression),)
 
 
 class OffloadCheckpointLoader(io.ComfyNode):
@@ -106,21 +108,22 @@ class OffloadCheckpointLoader(io.ComfyNode):
             description="Load a checkpoint; its diffusion model and text encoder stream from pinned host RAM.",
             inputs=[io.Combo.Input("ckpt_name", options=folder_paths.get_filename_list("checkpoints"),
                                    tooltip="A checkpoint file from models/checkpoints."),
-                    preset_input(), *optional_inputs(), devices_input()],
+                    preset_input(), *optional_inputs(), devices_input(), host_compression_input()],
             outputs=[io.Model.Output(tooltip="The diffusion model, streamed."),
                      io.Clip.Output(tooltip="The text encoder, streamed."),
                      io.Vae.Output(tooltip="The VAE, loaded as ComfyUI does.")])
 
     @classmethod
     def execute(cls, ckpt_name: str, preset: str, budget: Any = None, priority: int = 0,
-                devices: str = "") -> io.NodeOutput:
-        return io.NodeOutput(*cls.load(ckpt_name, preset, budget, priority, devices))
+                devices: str = "", host_compression: str = "preset") -> io.NodeOutput:
+        return io.NodeOutput(*cls.load(ckpt_name, preset, budget, priority, devices, host_compression))
 
     @classmethod
     def load(cls, ckpt_name: str, preset: str, budget: Any = None, priority: int = 0,
-             devices: str = "") -> Tuple[Any, Any, Any]:
+             devices: str = "", host_compression: str = "preset") -> Tuple[Any, Any, Any]:
         """The node's work, as a tuple of its outputs."""
         resolve_devices(devices)  # a bad devices text is an error before the file is read
+        host_compression_override(host_compression)  # a bad choice is an error before the file is read
         path = folder_paths.get_full_path_or_raise("checkpoints", ckpt_name)
         out = comfy.sd.load_checkpoint_guess_config(path, output_vae=True, output_clip=True,
                                                     embedding_directory=folder_paths.get_folder_paths("embeddings"),
@@ -128,7 +131,9 @@ class OffloadCheckpointLoader(io.ComfyNode):
         model, clip, vae = out[:3]
         if model is not None:
             model = offload_patcher(model, preset, budget, priority, name=ckpt_name, kind="model",
-                                    disk_path=_streamable_file(path), shared=False, devices=devices)
+                                    disk_path=_streamable_file(path), shared=False, devices=devices,
+                                    host_compression=host_compression)
         if clip is not None:
-            clip = offload_clip(clip, preset, budget, priority, name=ckpt_name + ":clip", devices=devices)
+            clip = offload_clip(clip, preset, budget, priority, name=ckpt_name + ":clip", devices=devices,
+                                host_compression=host_compression)
         return (model, clip, vae)

@@ -24,6 +24,7 @@ class PresetPolicy:
     prefetch: int  # lookahead in streamed units
     allow_disk: bool  # may units whose bytes do not fit the RAM budget stay on disk
     suits: str  # the cards it is meant for
+    host_compression: str = "auto"  # blocks held compressed in host RAM (OffloadConfig.host_compression)
 
 
 PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
@@ -42,6 +43,7 @@ PRESETS: Mapping[str, PresetPolicy] = MappingProxyType({
                            suits="4-8 GB, or models far larger than the card"),
 })
 DEFAULT_PRESET = "auto"
+HOST_COMPRESSION = ("auto", "lossless", "off")  # OffloadConfig.host_compression
 SHARE_HOST_CHOICES = ("auto", "off")  # OffloadConfig.share_host
 
 
@@ -104,6 +106,10 @@ class OffloadConfig:
     sim_latency_us: float = 0.0
     # several devices: the compute device first, then devices whose memory holds resident blocks (None: one device)
     devices: tuple[str, ...] | None = None
+    # blocks held losslessly compressed in host RAM, decoded on the device: "auto" (none while the blocks fit; all
+    # that pay under a ram_budget_bytes they break; else those that would go to the disk tier), "lossless" (every
+    # block where it pays), "off"
+    host_compression: str = "auto"
     # several processes offloading the same file (ComfyUI-Distributed's local workers): "auto" holds the blocks kept
     # in RAM in one read-only host copy they all map (the first fills it; a block a process writes becomes its own);
     # "off": every process stages its own copy. Needs disk_path (the file names the copy) and Linux's /dev/shm.
@@ -131,6 +137,9 @@ class OffloadConfig:
             raise ValueError(f"vram_fraction must be within 0..1, got {self.vram_fraction!r}")
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(_unknown_preset(self.preset))
+        if self.host_compression not in HOST_COMPRESSION:
+            raise ValueError(f"host_compression must be one of {', '.join(map(repr, HOST_COMPRESSION))}, got "
+                             f"{self.host_compression!r}")
         if self.share_host not in SHARE_HOST_CHOICES:
             raise ValueError(f"share_host must be one of {', '.join(map(repr, SHARE_HOST_CHOICES))}, got "
                              f"{self.share_host!r}")
@@ -161,7 +170,7 @@ class OffloadConfig:
             raise ValueError(_unknown_preset(name))
         policy = PRESETS[name]
         values: dict[str, Any] = dict(preset=name, prefetch=policy.prefetch, allow_disk=policy.allow_disk,
-                                      vram_fraction=policy.vram_fraction)
+                                      vram_fraction=policy.vram_fraction, host_compression=policy.host_compression)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:

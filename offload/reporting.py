@@ -8,6 +8,7 @@ from typing import Any
 
 from .plan.planner import Plan
 from .report.metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
+from .store.compressed import unit_compression, unit_host_bytes
 from .stream.streamer import ModelStreamer
 
 
@@ -52,6 +53,7 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
             b.predicted_stall_ms, b.placement = unit.predicted_stall_ms, unit.reason
     for b, u in zip(blocks, s.units):
         b.device = u.home or device_name
+        b.host_bytes, b.raw_bytes, b.compression = unit_host_bytes(u.staged), u.nbytes, unit_compression(u.staged)
         b.shared = u.master is not None and u.master.shared is not None
     host = s.host_memory()
     h2d, compute, stall, nbytes = s.metrics.totals()
@@ -69,6 +71,7 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
         prefetch_hits=s.worker.prefetch_hits - base.prefetch_hits,
         predicted_step_ms=plan.predicted_step_ms if plan is not None else None,
         step_ms=(sum(b.compute_ms + b.stall_ms for b in blocks) / forwards) if forwards else None,
+        host_bytes=sum(b.host_bytes for b in blocks), host_raw_bytes=sum(b.raw_bytes for b in blocks),
         host_private_bytes=host["ram"] - host["shared"], host_shared_bytes=host["shared"],
         **fields)
 

@@ -31,6 +31,8 @@ from .model.blocks import find_units
 from .model.layout import unit_tensors
 from .plan import planner
 from .plan.planner import GIB, HostFacts, Plan, PlanFacts, estimate_reserve, read_host_memory
+from .store.codec import scratch_estimate
+from .store.compressed import estimate_layout_size, unit_compression
 from .store import shared_host
 from .store.packed import open_weights
 from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
@@ -94,7 +96,8 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
             log.log(level, "%s", message)
         # 4. stage
         staged = stage_model(laid, plan.host_tiers, backend, config.pin_memory, plan.bounce_count,
-                             plan.bounce_bytes, progress, plan.shared_units)
+                             plan.bounce_bytes, progress, plan.shared_units - plan.host_plan.compressed,
+                             plan.host_plan.compressed, plan.host_plan.rest_spilled)
     except BaseException:
         if file is not None:
             file.close()
@@ -103,6 +106,7 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
     streamer = ModelStreamer(model, staged, backend, listener, config.pin_memory, config.prefetch, config.profile)
     secondaries.attach(streamer.placement, backend, [u.staged.module for u in streamer.units])
     tiers = tuple(u.tier for u in streamer.units)
+    forms = tuple(unit_compression(u.staged) for u in streamer.units)
     notices = {}
     if config.pin_memory and backend.supports_pinned_host and any(
             u.master.host is not None and not u.master.pinned for u in staged.units):
@@ -111,7 +115,7 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
     if "disk" in tiers:
         notices["disk_tier"] = f"{tiers.count('disk')} block(s) stream from {file_path}: host RAM is short"
     return SetUp(backend, device_name, vbudget, secondaries, ReserveMeter(reserve, config.reserve_bytes is not None),
-                 replace(facts, host=None, host_tiers=tiers), plan, streamer, file_path, notices)
+                 replace(facts, host=None, host_tiers=tiers, host_forms=forms), plan, streamer, file_path, notices)
 
 
 def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str, budget: VramBudget,
@@ -127,7 +131,12 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
                      config.allow_disk and file_path is not None, backend.supports_pinned_host, config.disk_optional,
                      file_path, config.share_host == "auto" and file_path is not None and shared_host.available())
     sizes = tuple(laid.sizes)
+    packed: tuple[int, ...] = ()
+    if config.host_compression != "off" and sizes:
+        packed = tuple(estimate_layout_size(layout) for layout in laid.layouts)
     return PlanFacts(
+        host_compression=config.host_compression, packed_sizes=packed,
+        decode_scratch=scratch_estimate(leaf for layout in laid.layouts for leaf in layout.leaves) if packed else 0,
         name=name, sizes=sizes, names=tuple(u.name for u in laid.units), rest_bytes=laid.rest_bytes,
         prefetch=config.prefetch, stream_all=config.vram_fraction <= 0, device=device_name,
         allowance=max(laid.rest_bytes + max(sizes), budget.total_bytes or 0),

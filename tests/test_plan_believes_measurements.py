@@ -176,7 +176,7 @@ def test_a_slow_disk_read_counts_before_its_copy(tmp_path, monkeypatch):
 
         monkeypatch.setattr(SafetensorsFile, name, slow)
     cfg = OffloadConfig.from_preset("auto", device="sim", prefetch=1, disk_path=str(path),
-                                    ram_budget_bytes=7 * size + 8 * 4096)
+                                    ram_budget_bytes=7 * size + 8 * 4096, host_compression="off")
     h = offload_module(model, cfg, budget=VramBudget(6 * size))
     host = [b.tier for b in h.report().blocks]
     assert host[:4] == ["pageable"] * 4 and host[4:] == ["disk"] * 4, host

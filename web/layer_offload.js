@@ -619,6 +619,17 @@ function modelDevices(m, devices) {
       (num(d.activation_bytes) ? ` · activations moved ${bytes(d.activation_bytes)}` : ""))));
 }
 
+// The blocks' host RAM: what their masters hold (encoded where compressed) against their raw bytes (issue 36).
+function hostLine(m) {
+  const compressed = (m.blocks || []).filter((b) => b.compression && b.compression !== "none").length;
+  if (!compressed) return null;
+  const raw = num(m.host_raw_bytes);
+  const held = num(m.host_bytes);
+  return el("div", { class: "lo-muted", "data-lo-host": "compressed" },
+    `host RAM ${bytes(held)} for ${bytes(raw)} of blocks · ${compressed} block(s) compressed ` +
+    `(${raw ? Math.round((100 * held) / raw) : 100}%, decoded on the device)`);
+}
+
 function modelRow(m, devices) {
   const { counts, sizes } = tierCounts(m);
   const streamed = num(counts.pinned) + num(counts.pageable);
@@ -641,6 +652,7 @@ function modelRow(m, devices) {
         ` disk · ${bytes(sizes.disk)}`)),
     el("div", { class: "lo-muted" }, `device ${bytes(m.device_bytes)} (peak ${bytes(m.peak_device_bytes)}) · ` +
       `resident total ${bytes(m.resident_bytes)} · ${num(m.forwards)} forward(s)`),
+    hostLine(m),
     modelDevices(m, devices || []),
     chart(m, devices || []),
     el("div", { class: "lo-figures" },

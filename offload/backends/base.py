@@ -44,6 +44,14 @@ class Backend(abc.ABC):
         """
         return self.copy_h2d(dst, src, after)
 
+    def then(self, event: Any, fn: Callable[[], None]) -> Any:
+        """Run `fn` (device ops: a decode into the slot) on the transfer stream after the copy behind `event`;
+        returns an event that completes after `fn` and spans the copy and `fn` (`copy_span_ms`). This default
+        runs it on the host once the copy is done."""
+        self.event_synchronize(event)
+        fn()
+        return event
+
     @abc.abstractmethod
     def wait(self, event: Any) -> float:
         """Make the compute stream wait for `event`; returns seconds the host was blocked (0 when GPU-side)."""

@@ -118,6 +118,18 @@ class CudaBackend(Backend):
             event.end.record(self.copy_stream)
         return event
 
+    def then(self, event: Any, fn: Callable[[], None]) -> CudaCopyEvent:
+        done = CudaCopyEvent()
+        with torch.cuda.stream(self.copy_stream):
+            if isinstance(event, CudaCopyEvent):
+                done.start = event.start  # the span covers the copy and the decode
+            else:
+                self.copy_stream.wait_event(event)
+                done.start.record(self.copy_stream)
+            fn()  # queued on the copy stream, after the copy (same stream, in order)
+            done.end.record(self.copy_stream)
+        return done
+
     def wait(self, event: Any) -> float:
         end = event.end if isinstance(event, CudaCopyEvent) else event
         torch.cuda.current_stream(self.device).wait_event(end)

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -208,6 +208,24 @@ class SimBackend(Backend):
         self._queue.put((dst, src, after, event))
         return event
 
+    def then(self, event: SimEvent, fn: Callable[[], None]) -> SimEvent:
+        """`fn` (a decode) on the copy engine after the copy behind `event`; the event spans both."""
+        if not self._throttled and self._queued == 0 and event.is_set():
+            done = SimEvent(event.start)
+            done.error = event.error
+            if done.error is None:
+                try:
+                    fn()
+                except BaseException as exc:  # reported where the decode is waited for
+                    done.error = exc
+            done.time = time.perf_counter()
+            return done
+        done = SimEvent()
+        with self._lock:
+            self._queued += 1
+        self._queue.put((None, fn, event, done))
+        return done
+
     def _run(self) -> None:
         while True:
             item = self._queue.get()
@@ -219,6 +237,12 @@ class SimBackend(Backend):
                 if after is not None:
                     after.wait()
                 start = time.perf_counter()
+                if dst is None:  # a decode queued behind its copy (`then`): on the device, not over the bus
+                    if after is not None and after.error is not None:
+                        raise after.error
+                    src()
+                    event.set(after.start if after is not None else start, time.perf_counter())
+                    continue
                 _copy_bytes(dst, src)
                 if self.bandwidth_gbps or self.latency_us:
                     target = self.latency_us * 1e-6

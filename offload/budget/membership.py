@@ -21,13 +21,14 @@ class BudgetMembership:
 
     def floor_bytes(self) -> int:
         """The least this model can run in: the non-block weights plus one slot of its largest unit."""
-        return self.streamer.rest_bytes + max(self.keeper.base.sizes)
+        return self.streamer.rest_bytes + self.keeper.base.scratch_bytes + max(self.keeper.base.sizes)
 
     def want_bytes(self) -> int:
         """The most this model asks for: every unit, or its preset's share of the budget (a full ring at least)."""
         cfg = self.config
-        return want_bytes(cfg.prefetch, cfg.vram_fraction, cfg.vram_budget_bytes, self.streamer.rest_bytes,
-                          list(self.keeper.base.sizes), self.budget.total_bytes)
+        return want_bytes(cfg.prefetch, cfg.vram_fraction, cfg.vram_budget_bytes,
+                          self.streamer.rest_bytes + self.keeper.base.scratch_bytes, list(self.keeper.base.sizes),
+                          self.budget.total_bytes)
 
     def device_bytes(self) -> int:
         """Device bytes this model holds now (resident units, the slot ring, the non-block weights)."""

@@ -22,6 +22,9 @@ class HostPlan:
     ram_bytes: int
     pinned_bytes: int
     bounce_bytes: int | None = None  # size of each bounce buffer under a RAM ceiling (None: the largest unit)
+    compressed: frozenset[int] = frozenset()  # units held compressed in RAM (plan_compress.py)
+    host_sizes: list[int] | None = None  # each unit's host bytes (its encoded size where compressed)
+    rest_spilled: bool = False  # the weights outside the blocks keep no RAM copy (their master: the spill map)
     shared: frozenset[int] = frozenset()  # units whose RAM master is the host copy shared between processes
 
 
@@ -56,7 +59,7 @@ def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: boo
 
 
 def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_limit: int, allow_disk: bool,
-                     pin: bool, prefetch: int, bounces_pageable: bool) -> HostPlan:
+                     pin: bool, prefetch: int, bounces_pageable: bool, biggest: int | None = None) -> HostPlan:
     """Host tiers under a hard RAM ceiling: the non-block weights, the blocks kept in RAM and the read-ahead
     thread's bounce buffers together stay within `ram_budget`; the rest of the blocks go to the disk tier.
 
@@ -66,7 +69,7 @@ def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_lim
     a block is then read in ranges. A ceiling below the least such a plan needs raises RamCeilingError.
     """
     count = bounce_buffers(prefetch)
-    biggest = max(sizes, default=0)
+    biggest = max(sizes, default=0) if biggest is None else biggest  # a disk-tier unit is read raw
     least_bounce = count * min(biggest, MIN_BOUNCE)
     avail = ram_budget - rest_bytes
     in_ram = plan_host(sizes, max(0, avail), pin_limit, False, pin)  # every block in RAM

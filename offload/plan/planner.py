@@ -28,6 +28,8 @@ from .plan_device import (DeviceMemoryError, PlanError, UnitPlan, across_devices
                           plan_units, ring_slots, spread, want_bytes)
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
                         bounce_buffers, host_ram_bytes, plan_host, plan_host_capped, shared_units)
+from ..store.codec import CODEC
+from .plan_compress import choose_compressed
 from .ring_sim import UnitCosts, simulate_pass
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,15 @@ class PlanFacts:
     excess_ms: tuple[float, ...] | None = None  # per unit: stall measured beyond the prediction under `current`
     order: tuple[int, ...] | None = None  # the call order (None: index order)
     current: "Plan | None" = None  # the plan in place: kept unless a new one clearly saves stall
+    host_compression: str = "off"  # auto | lossless | off: which units' host masters may be held compressed
+    packed_sizes: tuple[int, ...] = ()  # per unit: its encoded size (measured or estimated; empty: unknown)
+    host_forms: tuple[str, ...] = ()  # the forms in place when `host` is None ("none" or the codec's name)
+    decode_scratch: int = 0  # device bytes a compressed unit's decode holds beside the slot
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The decode's scratch where a staged unit is held compressed (0 otherwise): held beside the rest."""
+        return self.decode_scratch if any(f != "none" for f in self.host_forms) else 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,7 @@ class UnitPlacement:
     host_tier: str  # where its master lives: pinned | pageable | disk
     predicted_stall_ms: float  # per pass (0 until costs are known, or when it cannot stall)
     reason: str
+    compression: str = "none"  # the form its host master is held in: "none" or the codec's name
 
 
 @dataclass
@@ -100,6 +112,11 @@ class Plan:
     predicted_step_ms: float | None  # compute plus predicted stall of one pass (None: nothing measured yet)
     messages: list[tuple[int, str]] = field(default_factory=list)  # (log level, text) for the caller to log
     compute_device: str = ""
+
+    @property
+    def compressed(self) -> frozenset[int]:
+        """The units whose host masters are held compressed."""
+        return frozenset(i for i, u in enumerate(self.units) if u.compression != "none")
 
     # the device side, as the placement applies it
     @property
@@ -189,9 +206,12 @@ def make_plan(facts: PlanFacts) -> Plan:
     host = _host_plan(facts, messages) if facts.host is not None else None
     if host is not None:
         tiers = [host.tiers.get(i, "pinned") for i in range(len(facts.sizes))]
+        forms = [CODEC if i in host.compressed else "none" for i in range(len(facts.sizes))]
     else:
         tiers = list(facts.host_tiers) or ["pinned"] * len(facts.sizes)
-    device = _device_plan(facts)
+        forms = list(facts.host_forms) or ["none"] * len(facts.sizes)
+    scratch = facts.decode_scratch if any(f != "none" for f in forms) else 0
+    device = _device_plan(replace(facts, rest_bytes=facts.rest_bytes + scratch) if scratch else facts)
     remote = device.remote or {}
     n = len(facts.sizes)
     stalls = device.predicted_stall_ms or [0.0] * n
@@ -207,7 +227,7 @@ def make_plan(facts: PlanFacts) -> Plan:
             placed, tier, reason, stall = facts.device, "vram", reasons[i], 0.0
         else:
             placed, tier, reason, stall = None, tiers[i], reasons[i], stalls[i]
-        units.append(UnitPlacement(facts.names[i], placed, tier, tiers[i], stall, reason))
+        units.append(UnitPlacement(facts.names[i], placed, tier, tiers[i], stall, reason, forms[i]))
     step = None
     if facts.costs is not None:
         streamed_on_ring = device.resident | set(remote)
@@ -225,7 +245,9 @@ def settled_plan(facts: PlanFacts, costs_of: Callable[[list[str]], UnitCosts]) -
     `offload.predict` predicts with). `costs_of(host tiers)` costs each unit from where its master lives."""
     first = make_plan(facts)
     tiers = [first.host_tiers.get(i, "pinned") for i in range(len(facts.sizes))]
-    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), costs=costs_of(tiers), current=first))
+    forms = tuple(u.compression for u in first.units)
+    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), host_forms=forms, costs=costs_of(tiers),
+                                current=first))
     settled.host_plan = first.host_plan
     return settled
 
@@ -259,7 +281,47 @@ def _count_reasons(facts: PlanFacts, plan: UnitPlan) -> list[str]:
 
 
 def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
-    """Host tiers for the units' masters: pinned RAM, pageable RAM, or the disk file.
+    """Host tiers and forms for the units' masters (plan_compress.py decides which are held compressed; each
+    candidate's tiers come from `_host_tiers` with its host sizes)."""
+    h = facts.host
+    said: dict[int, list[tuple[int, str]]] = {}
+
+    def plan_for(sizes: list[int]) -> HostPlan:
+        notes: list[tuple[int, str]] = []
+        # with units compressed, the weights outside the blocks (on the device the whole run) keep no RAM copy:
+        # their host master is the spill file's map, read only when they are unloaded
+        spill_rest = list(sizes) != list(facts.sizes)
+        plan = _host_tiers(facts, sizes, notes, 0 if spill_rest else facts.rest_bytes)
+        plan.host_sizes = sizes
+        plan.rest_spilled = spill_rest
+        said[id(plan)] = notes
+        return plan
+
+    def fits(plan: HostPlan) -> bool:
+        if any(t == "disk" for t in plan.tiers.values()):
+            return False
+        if h.hard:
+            rest = 0 if plan.rest_spilled else facts.rest_bytes
+            return host_ram_bytes(plan.host_sizes, rest, plan.tiers, plan.bounce_bytes, facts.prefetch,
+                                  h.bounces_pageable) <= h.ram_budget
+        return plan.ram_bytes <= h.ram_budget
+
+    plan, compressed = choose_compressed(facts.host_compression, list(facts.sizes), list(facts.packed_sizes),
+                                         plan_for, fits, h.hard)
+    plan.compressed = frozenset(i for i in compressed if plan.tiers.get(i) != "disk")
+    plan.rest_spilled = plan.rest_spilled and bool(plan.compressed)
+    compressed = plan.compressed
+    messages.extend(said.get(id(plan), []))
+    if compressed:
+        raw = sum(facts.sizes[i] for i in compressed)
+        held = sum(plan.host_sizes[i] for i in compressed)
+        messages.append((logging.INFO, f"{facts.name}: {len(compressed)} unit(s) held compressed in RAM "
+                                       f"({raw / MIB:.1f} MB in {held / MIB:.1f} MB, decoded on the device)"))
+    return plan
+
+
+def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, str]], rest_bytes: int) -> HostPlan:
+    """Host tiers for the units' masters: pinned RAM, pageable RAM, or the disk file (`sizes`: host bytes).
 
     A hard ceiling (`ram_budget_bytes`) bounds everything the engine holds in host RAM for this model (the weights
     outside the blocks, the blocks kept in RAM and the read-ahead bounce buffers); without it the plan fits the
@@ -267,11 +329,10 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
     stays in pageable RAM.
     """
     h = facts.host
-    sizes = list(facts.sizes)
     pin_limit = h.pin_limit if h.pin else 0
     if h.hard:
-        plan = plan_host_capped(sizes, facts.rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
-                                facts.prefetch, h.bounces_pageable)
+        plan = plan_host_capped(sizes, rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
+                                facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0))
     else:
         plan = plan_host(sizes, h.ram_budget, pin_limit, h.allow_disk, h.pin)
         if plan.ram_bytes > h.ram_budget:
@@ -280,14 +341,15 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
                                               f"disk_path (its safetensors file) to stream the rest from disk"))
     disk_ok = facts.disk_ok or (False,) * len(sizes)
     tiers = {i: t if t != "disk" or disk_ok[i] else "pageable" for i, t in plan.tiers.items()}
-    plan = HostPlan(tiers, plan.ram_bytes, plan.pinned_bytes, plan.bounce_bytes, shared_units(tiers, h.share))
+    plan = HostPlan(tiers, plan.ram_bytes, plan.pinned_bytes, plan.bounce_bytes,
+                    shared=shared_units(tiers, h.share))
     disk = sum(1 for t in tiers.values() if t == "disk")
     if disk:
         messages.append((logging.INFO, f"{facts.name}: {disk} unit(s) stream from {h.file_path} (RAM budget "
                                        f"{h.ram_budget / MIB:.1f} MB)"))
     if h.hard:
-        ram = host_ram_bytes(sizes, facts.rest_bytes, tiers, plan.bounce_bytes, facts.prefetch,
-                             h.bounces_pageable)
+        held = [facts.sizes[i] if tiers.get(i) == "disk" else s for i, s in enumerate(sizes)]  # disk: read raw
+        ram = host_ram_bytes(held, rest_bytes, tiers, plan.bounce_bytes, facts.prefetch, h.bounces_pageable)
         if ram > h.ram_budget:
             kept = sum(1 for t in tiers.values() if t != "disk")
             if not h.disk_optional:

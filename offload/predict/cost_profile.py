@@ -41,3 +41,7 @@ class Profile:
     busy_compute_ms: list[float] | None = None
     busy_rest_ms: float | None = None
     model_name: str = ""
+    # the host form (issue 36): each unit's encoded size (estimated from its dtypes) and the device's decode rate in
+    # GB/s of raw bytes (measured on the device for "measure"; None: the codec's default estimate)
+    packed_sizes: list[int] | None = None
+    decode_gbps: float | None = None

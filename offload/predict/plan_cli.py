@@ -348,6 +348,9 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     if unknown:
         raise ValueError(f"unknown preset(s) {unknown}; valid presets: {', '.join(PRESETS)}")
     configs = {p: OffloadConfig.from_preset(p, device="sim") for p in presets}
+    if ram is not None:  # the same presets without the compressed host form: what compression keeps off the disk
+        configs.update({f"{p}:{_RAW}": OffloadConfig.from_preset(p, device="sim", host_compression="off")
+                        for p in presets})
     guided = args.cfg is not None and abs(args.cfg - 1.0) > 1e-6
     batch = args.batch * (2 if guided else 1)
     try:
@@ -399,6 +402,7 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
             weights = sum(sizes) + rest
         family, cls, dtype, source = spec.family, spec.class_name, spec.dtype, spec.source
         described = size.describe(spec.family)
+    raw = {p[:-len(_RAW) - 1]: preds.pop(p) for p in list(preds) if p.endswith(":" + _RAW)}
     first = next(iter(preds.values()))
     need = weights + first.activation_bytes + CONTEXT_BYTES
     resident = {"fits": need <= card.vram_bytes, "needs_bytes": need, "weights_bytes": weights,
@@ -422,7 +426,28 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         f"{CONTEXT_BYTES / GIB:.2f}) of the card's {card.vram_bytes / GIB:.2f}; {first.resident_step_ms:.0f} ms/step"
         + ("" if resident["fits"] else "; the presets below stream what does not fit"))
     out(format_table(preds, args.steps))
+    for line in compression_lines(preds, raw):
+        out(line)
     return 0
+
+
+_RAW = "host_compression=off"
+
+
+def compression_lines(preds: dict[str, Any], raw: dict[str, Any]) -> list[str]:
+    """Per preset, what holding blocks compressed in RAM (host_compression, default auto) keeps out of the disk tier
+    and off the RAM ceiling, against the same preset with host_compression="off"."""
+    lines = []
+    for name, p in preds.items():
+        if not p.compressed_blocks:
+            continue
+        off = raw.get(name)
+        kept = f"; off: {off.disk_bytes / GIB:.2f} GiB on disk" if off is not None else ""
+        if off is not None and not math.isfinite(off.step_ms):
+            kept = "; off: no plan fits the RAM"
+        lines.append(f"{name}: {p.compressed_blocks} block(s) held compressed in RAM "
+                     f"({p.compressed_bytes / GIB:.2f} GiB saved), {p.disk_bytes / GIB:.2f} GiB on disk{kept}")
+    return lines
 
 
 def format_table(preds: dict[str, Any], steps: int | None = None) -> str:

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch.nn as nn
 
+from ..backends import get_backend
 from ..budget.reserve import reserve_from_peak
 from ..budget.vram_budget import VramBudget
 from ..config import OffloadConfig
@@ -37,9 +38,10 @@ from ..model.blocks import Unit, find_units
 from ..model.layout import plan_layout, unit_tensors
 from ..model.trainable import trainable_in_blocks
 from ..plan.plan_host import host_ram_bytes
-from ..plan.planner import (MIB, HostFacts, Plan, PlanError, PlanFacts, RamCeilingError, default_reserve,
+from ..plan.planner import (MIB, HostFacts, Plan, PlanError, PlanFacts, RamCeilingError, default_reserve, make_plan,
                             estimate_reserve, read_host_memory, settled_plan, want_bytes)
 from ..plan.ring_sim import UnitCosts, simulate_pass
+from ..store.compressed import DEFAULT_DECODE_GBPS, estimated_packed_sizes, measure_decode_gbps
 from ..store.staging import shared_tensor_ids
 from .cards import Card, get_card
 from .cost_profile import Profile
@@ -90,6 +92,8 @@ class Prediction:
     slot_bytes: int = 0
     rest_compute_ms: float = 0.0  # compute outside the blocks (embeddings, heads)
     notes: list[str] = field(default_factory=list)
+    compressed_blocks: int = 0  # blocks held compressed in host RAM (OffloadConfig.host_compression)
+    compressed_bytes: int = 0  # host RAM their compression saves
 
     @property
     def slowdown(self) -> float:
@@ -213,6 +217,9 @@ def profile_model(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | Non
         profile.reserve_estimate = estimate_reserve(model, profile.device_total, profile.backend_name)
     profile.names, profile.sizes, profile.rest_bytes = [u.name for u in found], sizes, rest_bytes
     profile.model_name = type(model).__name__
+    profile.packed_sizes = estimated_packed_sizes([u.module for u in found], sizes)
+    if not named:
+        profile.decode_gbps = measure_decode_gbps(get_backend(config))
     log.info("costed %s on %s in %.2f s", profile.model_name, profile.card.get("name"), time.perf_counter() - started)
     return profile
 
@@ -310,12 +317,21 @@ def predict_profile(profile: Profile, config: OffloadConfig, *, budget: "VramBud
     allowance = _allowance(config, total, rest_bytes, sizes)
     resident_step = profile.rest_ms + sum(profile.compute_ms)
     host = _host_facts(config, profile, ram_bytes, disk_tier)
+    packed = list(profile.packed_sizes or [])
     facts = PlanFacts(name=profile.model_name or "model", sizes=tuple(sizes), names=tuple(names), rest_bytes=rest_bytes,
                       prefetch=config.prefetch, stream_all=config.vram_fraction <= 0, device="predicted",
-                      allowance=allowance, disk_ok=(host.allow_disk,) * n, host=host)
+                      allowance=allowance, disk_ok=(host.allow_disk,) * n, host=host,
+                      host_compression=config.host_compression if len(packed) == n else "off",
+                      packed_sizes=tuple(packed) if len(packed) == n else ())
+    try:  # which units the host side holds compressed: their copies move the encoded bytes and decode after
+        compressed = make_plan(facts).compressed
+    except (PlanError, RamCeilingError):
+        compressed = frozenset()
+    decode_gbps = profile.decode_gbps or DEFAULT_DECODE_GBPS
 
     def copies(tiers: list[str]) -> list[float]:
-        return [_copy_ms(sizes[i], tiers[i], profile, disk_gbps) for i in range(n)]
+        return [_copy_ms(packed[i], tiers[i], profile, disk_gbps) + sizes[i] / (decode_gbps * 1e6)
+                if i in compressed else _copy_ms(sizes[i], tiers[i], profile, disk_gbps) for i in range(n)]
 
     common = dict(card=profile.card, preset=config.preset, activation_bytes=profile.activation_bytes,
                   allowance_bytes=allowance, rest_compute_ms=profile.rest_ms)
@@ -348,7 +364,8 @@ def predict_profile(profile: Profile, config: OffloadConfig, *, budget: "VramBud
     step = rest_ms + sum(compute) + sum(b.stall_ms for b in blocks) + hooks
     hp = plan.host_plan
     bounce = hp.bounce_bytes if hp is not None else None
-    host_bytes = host_ram_bytes(sizes, rest_bytes, plan.host_tiers, bounce, config.prefetch, host.bounces_pageable)
+    held = [packed[i] if i in plan.compressed else sizes[i] for i in range(n)]
+    host_bytes = host_ram_bytes(held, rest_bytes, plan.host_tiers, bounce, config.prefetch, host.bounces_pageable)
     disk_bytes = sum(sizes[i] for i in plan.disk_units)
     fits = True
     room = (profile.device_total - CONTEXT_BYTES) if profile.named else profile.device_total
@@ -363,7 +380,9 @@ def predict_profile(profile: Profile, config: OffloadConfig, *, budget: "VramBud
     if config.devices and len(config.devices) > 1:
         notes.append("several devices are not predicted: this is the compute device alone")
     return Prediction(step, resident_step, plan.device_bytes, host_bytes, disk_bytes, fits, blocks,
-                      slots=plan.n_slots, slot_bytes=plan.slot_bytes, notes=notes, **common)
+                      slots=plan.n_slots, slot_bytes=plan.slot_bytes, notes=notes,
+                      compressed_blocks=len(plan.compressed),
+                      compressed_bytes=sum(sizes[i] - packed[i] for i in plan.compressed), **common)
 
 
 def _profile_on_card(analysis: MetaAnalysis, card: Card) -> Profile:

@@ -35,6 +35,11 @@ class BlockReport:
     predicted_stall_ms: float = 0.0
     placement: str = ""
     device: str = ""  # the device its resident copy lives on, or the compute device it streams to
+    # its host master: bytes it holds in host RAM (encoded where compressed, 0 on the disk tier), its raw bytes, and
+    # the form it is held in ("none" or the codec's name: decoded on the device after each copy)
+    host_bytes: int = 0
+    raw_bytes: int = 0
+    compression: str = "none"
     shared: bool = False  # its host master is the copy shared with other processes offloading the same file
 
 
@@ -76,6 +81,10 @@ class OffloadReport:
     # (the blocks' compute plus stall per forward since the last reset; None before a forward)
     predicted_step_ms: float | None = None
     step_ms: float | None = None
+    # the blocks' host masters: bytes held in host RAM (encoded where compressed, none for the disk tier) and the
+    # raw bytes of every block (what raw RAM masters would hold)
+    host_bytes: int = 0
+    host_raw_bytes: int = 0
     # host RAM of the model: what this process holds on its own (blocks, non-block weights, bounce buffers), and the
     # blocks in the copy shared with other processes offloading the same file (OffloadConfig.share_host)
     host_private_bytes: int = 0
@@ -122,6 +131,10 @@ def summarize(d: dict[str, Any]) -> str:
     head += (f" on {d['device']} (preset {d.get('preset')}, priority {d.get('priority')}): {tiers['vram']} resident / "
              f"{tiers['pinned'] + tiers['pageable']} streamed from RAM / {tiers['disk']} from disk blocks; "
              f"device {d['device_bytes'] / mb:.1f} MB (peak {d['peak_device_bytes'] / mb:.1f} MB)")
+    compressed = sum(1 for b in d.get("blocks", ()) if b.get("compression", "none") != "none")
+    if compressed:
+        head += (f"; host RAM {d['host_bytes'] / mb:.1f} MB for {d['host_raw_bytes'] / mb:.1f} MB of blocks "
+                 f"({compressed} compressed)")
     runs = (f"  last runs: {d['forwards']} forward(s), {d['total_bytes_streamed'] / mb:.1f} MB streamed, "
             f"overlap {d['overlap_ratio']:.2f}, {d['effective_gbps']:.2f} GB/s, stall {d['stall_ms']:.1f} ms")
     if d.get("host_shared_bytes"):

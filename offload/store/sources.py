@@ -30,12 +30,13 @@ from .storage import SafetensorsFile
 class DeferredCopy:
     """A copy whose device event exists only once the read-ahead thread has filled its bounce buffer."""
 
-    __slots__ = ("_done", "event", "error")
+    __slots__ = ("_done", "event", "error", "then")
 
-    def __init__(self) -> None:
+    def __init__(self, then: Callable[[Any], Any] | None = None) -> None:
         self._done = threading.Event()
         self.event: Any = None
         self.error: BaseException | None = None
+        self.then = then  # queued on the transfer stream after the last range's copy (a decode); its event is the job's
 
     def resolve(self) -> Any:
         self._done.wait()
@@ -84,6 +85,8 @@ def _read_ahead(jobs: queue.Queue, free: queue.Queue, backend: Any, counters: Re
                 job.event = event
                 if last:
                     counters.reads += 1
+                    if job.then is not None:
+                        job.event = job.then(event)
         except BaseException as exc:  # surfaced to the forward that waits for this unit
             job.error = exc
         finally:
@@ -119,12 +122,13 @@ class BounceReader:
         self._stop = weakref.finalize(self, _stop_read_ahead, self._jobs, thread)  # also runs at exit
 
     def submit(self, fill: Callable[[torch.Tensor, int, int], int], nbytes: int, dst: torch.Tensor,
-               after: Any) -> DeferredCopy:
+               after: Any, then: Callable[[Any], Any] | None = None) -> DeferredCopy:
         """Queue `nbytes` into `dst` after event `after`, in ranges of at most one bounce buffer each:
-        `fill(buf, start, end)` puts the bytes [start, end) into `buf` and returns the bytes it read from files."""
+        `fill(buf, start, end)` puts the bytes [start, end) into `buf` and returns the bytes it read from files;
+        `then(copy event)` (a decode) is queued after the last copy and gives the job's event."""
         if not self._stop.alive:
             raise RuntimeError("the read-ahead thread was stopped (the model was detached)")
-        job = DeferredCopy()
+        job = DeferredCopy(then)
         step = self.bounce_bytes
         starts = list(range(0, nbytes, step)) or [0]
         for k, start in enumerate(starts):

@@ -22,8 +22,10 @@ from ..model.blocks import Unit
 from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
 from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
 from ..model.trainable import trainable_in_blocks
+from .compressed import CompressedSource, bind_master, stage_compressed
 from .shared_host import SharedHostCopy, SharedSource, SharedUnit
 from .sources import BouncedSource, BounceReader, DiskSource, HostSource, UnitSource
+from .spill import SpillFile, release_free_heap
 from .storage import CorruptFileError, SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,19 @@ class StagingBuffer:
     host_binding: Binding
     file: SafetensorsFile | None = None  # disk tier: the file and each leaf's key in it
     keys: list[str] | None = None
+    encoded: Any = None  # held compressed (codec.Encoded): `host` is then a map of the spill file (compressed.py)
+    spilled: bool = False  # `host` maps the spill file (no RAM of its own until read)
+
+    @classmethod
+    def compressed(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
+                   pin: bool, spill: SpillFile, file: SafetensorsFile | None = None,
+                   keys: list[str] | None = None, encode: bool = True) -> "StagingBuffer":
+        """Hold the unit compressed in RAM, its modules viewing the spill map (`compressed.stage_compressed`); without
+        `encode`, the spill map alone (the weights outside the blocks, which live on the device)."""
+        sources = [file.read_tensor(keys[i]) if src.is_meta or layout.leaves[i].meta else src
+                   for i, src in enumerate(layout.sources())]
+        host, _, pinned, encoded = stage_compressed(layout, sources, None, spill, alloc_host, pin, encode)
+        return cls(layout, host, pinned, bind_master(layout, host), encoded=encoded, spilled=True)
     shared: SharedUnit | None = None  # the host copy shared between processes (`host` is this process's view)
 
     @classmethod
@@ -384,21 +399,27 @@ def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
 
 def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, bounce_count: int,
                 bounce_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
-                shared: frozenset[int] = frozenset()) -> StagedModel:
+                shared: frozenset[int] = frozenset(), compressed: frozenset[int] | set[int] = frozenset(),
+                spill_rest: bool = False) -> StagedModel:
     """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk; the units in `shared` in the
-    host copy shared with other processes offloading the same file), one unit at a time, and the read-ahead thread
-    (`bounce_count` buffers of at most `bounce_bytes`) for the units that are bounced."""
+    host copy shared with other processes offloading the same file) and form (`compressed`: held in RAM in the
+    codec's form), one unit at a time, and the read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`)
+    for the units that are bounced."""
     units, layouts, file, keys = laid.units, laid.layouts, laid.file, laid.keys
     masters: list[StagingBuffer] = []
     total = len(units) + 1
     notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
     reader = rest = None
+    spill = SpillFile() if spill_rest or any(tiers.get(i) != "disk" for i in compressed) else None
     copy = (SharedHostCopy.open(file.path, layouts, [u.name for u in units], shared)
             if shared and file is not None else None)
     try:
         for i, layout in enumerate(layouts):
             if tiers.get(i) == "disk":
                 masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
+            elif i in compressed:
+                pinned = pin and tiers.get(i) != "pageable"
+                masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pinned, spill, file, keys.get(i)))
             else:
                 master = (StagingBuffer.in_shared(i, layout, copy, file, keys.get(i))
                           if copy is not None and i in shared else None)
@@ -414,11 +435,15 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
                     unit = copy.unit(m.shared.index, m.host, m.layout)
                     masters[k] = replace(m, pinned=unit.pinned, shared=unit)
         # Non-block tensors: always resident; the host copy stays the master for unload and detach.
-        rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
+        if spill_rest and laid.rest.nbytes:
+            rest = StagingBuffer.compressed(laid.rest, backend.alloc_host, False, spill, file, laid.rest_keys,
+                                            encode=False)
+        else:
+            rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
         # the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
         # pinning refused) on a device with pinned memory, whose straight copies would block the forward
-        bounced = [m.layout.nbytes for m in masters if m.host is None or
-                   (not m.pinned and backend.supports_pinned_host)]
+        bounced = [m.layout.nbytes if m.encoded is None else m.encoded.size for m in masters
+                   if m.host is None or (not m.pinned and backend.supports_pinned_host)]
         if bounced:
             size = max(bounced) if bounce_bytes is None else min(max(bounced), bounce_bytes)
             reader = BounceReader(backend, size, bounce_count)  # a smaller buffer reads a unit in ranges
@@ -428,6 +453,10 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
         if copy is not None:
             copy.close()
         raise
+    finally:
+        if spill is not None:
+            spill.close()  # the maps handed out keep their bytes
+            release_free_heap()  # the encoder's transient buffers: freed, handed back to the OS
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
         source: UnitSource = (DiskSource(file, keys[i], master.layout.leaves, master.layout.nbytes, reader)
@@ -441,7 +470,11 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
 
 def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:
     """The source for a RAM master: straight copies when pinned (or no pinned memory exists), else bounced; a unit
-    in the shared host copy from its registered shared mapping (SharedSource) where the copy is pinned."""
+    in the shared host copy from its registered shared mapping (SharedSource) where the copy is pinned; a compressed
+    master's encoded bytes, decoded on the device."""
+    if master.encoded is not None:
+        return CompressedSource(master.encoded, master.encoded.blob, master.pinned, backend, reader,
+                                master.host, list(master.layout.leaves), backend.alloc_host)
     if master.shared is not None and master.shared.pinned:
         return SharedSource(master.shared, backend)
     if not master.pinned and backend.supports_pinned_host and reader is not None:

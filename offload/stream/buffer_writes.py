@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ..model.layout import TensorLayout
+from ..store.compressed import master_written
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -237,6 +238,7 @@ class ModelBufferWrites:
                     watch.leaf_bytes(u.master.host, k).copy_(watch.leaf_bytes(slot, k))
             for k, value in reassigned:
                 watch.leaf_view(u.master.host, k).copy_(value)
+            master_written(u.staged.source)
         u.mark = u.staged.layout.version()  # the host master changed on purpose: nothing queued holds this unit
         if any(queued[0] == index for queued in self.worker.inflight):
             self.worker.restart()  # a copy queued for the unit's next call in this pass holds the old bytes

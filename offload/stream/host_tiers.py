@@ -13,6 +13,7 @@ import torch
 
 from ..backends.base import Backend
 from ..plan.planner import bounce_buffers
+from ..store.compressed import unit_host_bytes
 from ..store.sources import BounceReader, DiskSource
 from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
 from .placement import UnitState, quiesce
@@ -91,21 +92,24 @@ class HostTiers:
 
     def host_memory(self) -> dict[str, int]:
         """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, of which in the copy
-        shared with other processes, and on disk."""
-        ram = pinned = disk = shared = 0
+        shared with other processes, and on disk; the blocks' raw bytes in RAM (`blocks_raw`: what `ram` holds
+        compressed, counted as raw)."""
+        ram = pinned = disk = shared = raw = 0
         for u in self.units:
             if u.master.host is None:
                 disk += u.nbytes
             else:
-                ram += u.nbytes
-                pinned += u.nbytes if u.master.pinned else 0
+                held = unit_host_bytes(u.staged)
+                ram += held
+                raw += u.nbytes
+                pinned += held if u.master.pinned else 0
                 shared += u.nbytes if u.master.shared is not None else 0
-        ram += self.staged.rest.layout.nbytes
+        ram += 0 if self.staged.rest.spilled else self.staged.rest.layout.nbytes
         reader = self.staged.reader
         if reader is not None:
             ram += reader.bounce_bytes * reader.count
             pinned += reader.bounce_bytes * reader.count if reader.pinned else 0
-        return {"ram": ram, "pinned": pinned, "disk": disk, "shared": shared}
+        return {"ram": ram, "pinned": pinned, "disk": disk, "shared": shared, "blocks_raw": raw}
 
     def release_host_memory(self, nbytes: int, order: list[int]) -> int:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
@@ -139,12 +143,13 @@ class HostTiers:
             quiesce(staged, self.backend)  # no read or copy may still use the RAM master about to go
             if staged.reader is None or staged.reader.bounce_bytes < u.nbytes:
                 cost += self._replace_reader(biggest)
+            held = unit_host_bytes(u.staged)  # a compressed unit frees its encoded blob
             u.staged.master = StagingBuffer.on_disk(u.staged.layout, file, keys, apply=u.resident_buf is None)
             u.staged.source = self.sources[u.index] = DiskSource(file, keys, u.staged.layout.leaves, u.nbytes,
                                                                   staged.reader)
             u.mark = u.staged.layout.version()
             if shared is None or shared.copy.give_back(shared.index):
-                freed += u.nbytes
+                freed += held
         if refused:
             log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
                         f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")

@@ -15,6 +15,7 @@ import torch
 
 from ..backends.base import Backend
 from ..model.layout import Binding
+from ..store.compressed import master_written
 from ..store.sources import HostSource, resolve
 from ..store.staging import StagedModel, StagedUnit, StagingBuffer
 from .prefetch import PrefetchWorker
@@ -228,6 +229,7 @@ class DevicePlacement:
             return
         self.backend.synchronize()
         u.master.host.copy_(u.resident_buf)
+        master_written(u.staged.source)
 
     def free_slots(self) -> None:
         """Give the slot ring back to the device (the worker forgets it)."""

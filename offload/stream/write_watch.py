@@ -15,6 +15,7 @@ import torch
 
 from ..model.layout import Binding, Entry, TensorLayout
 from ..model.model_changes import ModelChangedError
+from ..store.compressed import master_written
 from ..store.staging import StagedModel
 from .data_watch import DataWatch, read_data
 from .host_tiers import HostTiers
@@ -84,6 +85,7 @@ class WriteWatch:
                 self.host.promote_to_ram(u)  # a disk-tier unit: its RAM master is made from the new values
             else:
                 _take_into_host(layout, binding, u.master.host, u.staged.name)
+                master_written(u.staged.source)
             u.master.host_binding.apply()
             u.mark = layout.version()
             stale = True
@@ -141,6 +143,7 @@ class WriteWatch:
                 else:
                     if u.master.host is None:
                         self.host.promote_to_ram(u)
+                    master_written(u.staged.source)
                     stale = True
             if u.master.shared is not None and u.master.shared.written():
                 self.host.privatize(u)  # the other processes sharing its host copy keep the original bytes
@@ -193,6 +196,8 @@ class WriteWatch:
                 self.host.promote_to_ram(u)
             elif u.master.shared is not None and u.master.shared.has_private_pages():
                 self.host.privatize(u)
+            else:
+                master_written(u.staged.source)
         p.rest_device_newer = p.rest_buf is not None
         p.rest_mark = self.staged.rest.layout.version()
         if computing is None:

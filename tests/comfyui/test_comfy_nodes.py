@@ -119,7 +119,8 @@ def test_loader_inputs_match_comfy(env):
 
 
 WIDGET_KEYS = ("default", "min", "max", "step", "tooltip", "multiline")
-ADDED_INPUTS = ("devices", "per_device", "budget_share", "voice_text", "temperature", "top_k", "top_p")  # newer than node_defs_v1.json
+ADDED_INPUTS = ("devices", "per_device", "budget_share", "voice_text", "temperature", "top_k", "top_p",  # newer than
+                "host_compression")  # node_defs_v1.json
 RETEXTED = ("OffloadTTSLoader", "OffloadTTSGenerate")  # issue 28: their tooltips / descriptions name every TTS model
 
 
@@ -164,7 +165,8 @@ def test_v3_nodes_keep_the_saved_workflow_contract(env):
         assert got["input_order"][:n] == want["input_order"], node_id
         for name in got["input_order"][n:]:
             assert name in ADDED_INPUTS and got["inputs"][name]["section"] == "optional", (node_id, name)
-            assert got["inputs"][name]["options"].get("default") in ("", 0), (node_id, name)  # "" / 0: as before
+            # "" / 0: as before; "preset": the preset's own choice, as before (host_compression, issue 36)
+            assert got["inputs"][name]["options"].get("default") in ("", 0, "preset"), (node_id, name)
         for name, item in want["inputs"].items():
             g = got["inputs"][name]
             assert (g["section"], g["type"]) == (item["section"], item["type"]), (node_id, name, g)
@@ -220,6 +222,22 @@ def test_lora_matches_plain_loader_with_lora(env):
     # the host master stays unpatched: the offloaded model without the LoRA still gives the base result
     assert torch.equal(base, sample(env, off))
     assert torch.equal(ref, sample(env, patched))
+
+
+def test_compressed_host_ram_with_lora_is_bitwise(env):
+    """host_compression="lossless" (issue 36): every block held compressed in RAM, decoded on the device; the
+    sampler's output and a LoRA on top are those of the plain model, and the unpatched master stays unpatched."""
+    lora_node = env["nodes"].LoraLoaderModelOnly()
+    base = sample(env, plain_model(env))
+    ref = sample(env, lora_node.load_lora_model_only(plain_model(env), LORA, 0.8)[0])
+    off = env["M"]["OffloadDiffusionModelLoader"]().load(UNET, "default", "budget", None, 0, "", "lossless")[0]
+    assert torch.equal(base, sample(env, off))
+    report = handle_of(off).report()
+    assert all(b.compression != "none" and b.host_bytes < b.raw_bytes for b in report.blocks)
+    assert torch.equal(ref, sample(env, lora_node.load_lora_model_only(off, LORA, 0.8)[0]))
+    assert torch.equal(base, sample(env, off))
+    with pytest.raises(ValueError, match="host_compression"):
+        env["M"]["OffloadModel"]().apply(plain_model(env), "budget", None, 0, "", "zstd")
 
 
 def test_lora_on_resident_units_matches(env):

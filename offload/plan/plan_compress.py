@@ -1,0 +1,83 @@
+"""Which units' host masters are held compressed (the codec's lossless form, decoded on the device): part of the
+host side of a plan, called only by `planner.make_plan`.
+
+- "off": none.
+- "lossless": every unit whose encoded size pays (below `codec.UNIT_PAYS` of raw).
+- "auto": none when every unit fits in RAM raw; under a hard RAM ceiling (`ram_budget_bytes`) that raw units break,
+  all that pay (the ceiling asks for RAM) when that keeps every unit in RAM; else (the RAM the machine has
+  available) the fewest units, from the last in the order RAM fills (the ones that would go to the disk tier
+  first), that keep every unit in RAM. When compression cannot keep every unit off the disk tier, the plan is the
+  one without it (compressed only when no plan without it keeps a hard ceiling at all). Never a unit that would
+  not pay.
+
+The host plan is then made with each unit's host size (its encoded size where compressed).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..store.codec import UNIT_PAYS
+from .plan_host import HostPlan, RamCeilingError
+
+def paying(sizes: list[int], packed: list[int]) -> list[int]:
+    """The units whose encoded size pays."""
+    if not packed:
+        return []
+    return [i for i, (s, p) in enumerate(zip(sizes, packed)) if s and p < UNIT_PAYS * s]
+
+
+def choose_compressed(mode: str, sizes: list[int], packed: list[int],
+                      plan_for: Callable[[list[int]], HostPlan], fits: Callable[[HostPlan], bool],
+                      hard: bool = False) -> tuple[HostPlan, frozenset[int]]:
+    """(host plan, compressed units) for `mode`. `plan_for(host sizes)` makes the host plan (it may raise
+    RamCeilingError); `fits(plan)` says whether a plan keeps every unit in RAM within the RAM the model may use."""
+    candidates = paying(sizes, packed)
+    if mode == "off" or not candidates:
+        return plan_for(sizes), frozenset()
+
+    def with_compressed(chosen: list[int]) -> list[int]:
+        eff = list(sizes)
+        for i in chosen:
+            eff[i] = packed[i]
+        return eff
+
+    if mode == "lossless":
+        return plan_for(with_compressed(candidates)), frozenset(candidates)
+    error: RamCeilingError | None = None
+    raw: HostPlan | None = None
+    try:
+        raw = plan_for(sizes)
+        if fits(raw):
+            return raw, frozenset()
+    except RamCeilingError as exc:
+        error = exc
+    if hard:  # the ceiling asks for RAM: every unit that pays, when that keeps them all in RAM
+        try:
+            plan = plan_for(with_compressed(candidates))
+            if fits(plan):
+                return plan, frozenset(candidates)
+        except RamCeilingError:
+            pass
+    else:  # the units RAM fills last go to the disk tier first: the fewest from the end that keep all in RAM
+        order = list(reversed(candidates))
+        lo, hi = 1, len(order)
+        best: tuple[HostPlan, frozenset[int]] | None = None
+        while lo <= hi:  # more units compressed never needs more RAM: bisection
+            mid = (lo + hi) // 2
+            try:
+                plan = plan_for(with_compressed(order[:mid]))
+                ok = fits(plan)
+            except RamCeilingError:
+                ok = False
+            if ok:
+                best, hi = (plan, frozenset(order[:mid])), mid - 1
+            else:
+                lo = mid + 1
+        if best is not None:
+            return best
+    if raw is not None:
+        return raw, frozenset()  # compression cannot keep every unit off the disk tier: the plan as without it
+    try:  # no raw plan keeps the ceiling: compressed, if that one does
+        return plan_for(with_compressed(candidates)), frozenset(candidates)
+    except RamCeilingError:
+        raise error from None

@@ -1,0 +1,221 @@
+"""A unit held compressed in host RAM: staged once (encoded, its raw bytes spilled), streamed as its encoded bytes
+and decoded on the device into the slot.
+
+`stage_compressed` stages one unit the way `StagingBuffer.in_ram` does, with one more step: its raw bytes go into
+a transient buffer, are encoded (`codec.encode`), written to the spill file (its modules view a copy-on-write map
+of it between passes, see `spill.py`) and let go; RAM keeps only the encoded blob (pinned where allowed). Peak
+host memory while staging rises by about one unit, as for raw staging.
+
+`CompressedSource` is the unit's `UnitSource`: the copy engine moves the blob into the tail of the slot (straight
+from pinned RAM, or through the read-ahead thread's bounce buffers), then the decode runs on the transfer stream
+after it (`Backend.then`), so the compute stream's wait on the returned event covers copy and decode, and the
+copy time the metrics measure includes the decode. A master written in place (`invalidate`) is encoded again
+before its next copy.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..model.layout import Leaf, TensorLayout
+from . import codec
+from .sources import BounceReader
+from .spill import SpillFile
+
+log = logging.getLogger(__name__)
+
+
+class CompressedSource:
+    """A unit's encoded blob in host RAM, decoded on the device after its copy (see the module docstring)."""
+
+    compression = codec.CODEC
+
+    def __init__(self, encoded: codec.Encoded, blob: torch.Tensor, pinned: bool, backend: Any,
+                 reader: BounceReader | None, master: torch.Tensor, leaves: list, alloc_host: Callable) -> None:
+        self.encoded = encoded
+        self.blob = blob  # the encoded bytes in host RAM (pinned where allowed)
+        self.pinned = pinned
+        self.tier = "pinned" if pinned else "pageable"
+        self.nbytes = encoded.nbytes
+        self.backend = backend
+        self.reader = reader
+        self.master = master  # the raw bytes as the modules see them between passes (the spill map)
+        self.leaves = leaves
+        self.alloc_host = alloc_host
+        self.reads = 0
+        self.read_ms = 0.0
+        self.decode_ms = 0.0  # CPU time spent encoding again after writes
+        self._stale = False
+        self._lock = threading.Lock()
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.blob.numel())
+
+    def invalidate(self) -> None:
+        """The raw master was written in place: encode it again before the next copy."""
+        self._stale = True
+
+    def _refresh(self) -> None:
+        with self._lock:
+            if not self._stale:
+                return
+            t0 = time.perf_counter()
+            encoded = codec.encode(self.master, self.leaves)
+            blob, pinned = self.alloc_host(encoded.size, self.pinned)
+            blob.copy_(encoded.blob)
+            self.encoded, self.blob, self.pinned = encoded, blob, pinned
+            self.tier = "pinned" if pinned else "pageable"
+            self._stale = False
+            self.decode_ms += (time.perf_counter() - t0) * 1e3
+            log.debug("a compressed unit was written in place: encoded again (%d bytes)", encoded.size)
+
+    def _decode(self, dst: torch.Tensor, encoded: codec.Encoded) -> Callable[[], None]:
+        return lambda: codec.decode_into(dst, encoded.chunks, encoded.nbytes, encoded.size)
+
+    def _fill(self, blob: torch.Tensor) -> Callable[[torch.Tensor, int, int], int]:
+        def fill(buf: torch.Tensor, start: int, end: int) -> int:
+            t0 = time.perf_counter()
+            buf[:end - start].copy_(blob[start:end])
+            self.read_ms += (time.perf_counter() - t0) * 1e3
+            return 0
+        return fill
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        if self._stale:
+            self._refresh()
+        encoded, blob = self.encoded, self.blob
+        n, m = encoded.nbytes, encoded.size
+        tail = dst[n - m:n]
+        decode = self._decode(dst, encoded)
+        if self.pinned or not self.backend.supports_pinned_host or self.reader is None:
+            return self.backend.then(self.backend.copy_h2d(tail, blob, after), decode)
+        self.reads += 1
+        return self.reader.submit(self._fill(blob), m, tail, after,
+                                  then=lambda event: self.backend.then(event, decode))
+
+
+def estimate_layout_size(layout: TensorLayout, sample_elems: int = 1 << 16) -> int:
+    """A unit's encoded size before anything is encoded: each codable tensor sampled evenly (a tensor still on the
+    meta device is estimated from its dtype)."""
+    total = layout.nbytes
+    with torch.no_grad():
+        for leaf, src in zip(layout.leaves, layout.sources()):
+            if not codec.codable(leaf.dtype) or leaf.nbytes < codec.MIN_CODED_BYTES:
+                continue
+            if src.is_meta or leaf.meta:
+                total -= leaf.nbytes - codec.estimate_by_dtype([leaf], leaf.nbytes)
+                continue
+            flat = src.detach().reshape(-1)
+            step = max(1, flat.numel() // sample_elems)
+            sample = flat[::step].contiguous().view(torch.uint8)
+            guess = codec.estimate_size(sample, [codec_leaf(sample.numel(), leaf.dtype)], sample_elems)
+            total -= leaf.nbytes - min(leaf.nbytes, int(leaf.nbytes * guess / max(1, sample.numel())))
+    return total
+
+
+def codec_leaf(nbytes: int, dtype: torch.dtype) -> Any:
+    """A stand-in leaf (offset 0) for encoding one tensor's bytes on their own."""
+    return Leaf(0, nbytes, dtype, (nbytes,), None)
+
+
+def unit_host_bytes(staged: Any) -> int:
+    """Host RAM a staged unit's master holds: its encoded blob when compressed, its raw bytes in RAM, 0 on disk."""
+    source = staged.source
+    if isinstance(source, CompressedSource):
+        return source.host_bytes
+    return 0 if staged.master.host is None else staged.master.layout.nbytes
+
+
+def unit_compression(staged: Any) -> str:
+    """The form a unit's host master is held in: the codec's name, or "none"."""
+    return source_compression(staged.source)
+
+
+def source_compression(source: Any) -> str:
+    return source.compression if isinstance(source, CompressedSource) else "none"
+
+
+def master_written(source: Any) -> None:
+    """A unit's raw host master was written in place: a compressed source encodes it again before its next copy."""
+    invalidate = getattr(source, "invalidate", None)
+    if invalidate is not None:
+        invalidate()
+
+
+def bind_master(layout: TensorLayout, host: torch.Tensor) -> Any:
+    """Point the unit's modules at views of `host` (its new master) and return that binding."""
+    layout.rebind_fresh(layout.leaf_views(host))
+    binding = layout.build(host, master=True)
+    binding.apply()
+    layout.adopt_params()
+    return binding
+
+
+def stage_compressed(layout: TensorLayout, sources: list[torch.Tensor], encoded_in: codec.Encoded | None,
+                     spill: SpillFile, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
+                     pin: bool, encode: bool = True) -> tuple[torch.Tensor, Any, bool, Any]:
+    """One unit's compressed host form: (raw master viewing the spill file, blob, pinned, encoding); without
+    `encode`, the spill map alone (blob and encoding None: the weights outside the blocks, kept on the device).
+
+    `sources` are the leaves' tensors (read from the file already where they were on the meta device); the raw
+    bytes exist only transiently here."""
+    raw = torch.empty(layout.nbytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for view, src in zip(layout.leaf_views(raw), sources):
+            view.copy_(src)
+    if not encode:
+        master = spill.put(raw)
+        return master, None, False, None
+    encoded = encoded_in or codec.encode(raw, layout.leaves)
+    master = spill.put(raw)
+    del raw
+    blob, pinned = alloc_host(encoded.size, pin)
+    blob.copy_(encoded.blob)
+    encoded.blob = blob
+    return master, blob, pinned, encoded
+
+
+DEFAULT_DECODE_GBPS = 100.0  # decode rate (GB/s of raw bytes) assumed for a named card until measured on it
+_decode_rates: dict[int, float] = {}
+
+
+def estimated_packed_sizes(modules: list, sizes: list[int]) -> list[int]:
+    """Each unit's encoded size estimated from its tensors' dtypes (`codec.estimate_by_dtype`), scaled to `sizes`
+    (the bytes a unit streams: a model file's where it is known)."""
+    out = []
+    for module, size in zip(modules, sizes):
+        leaves = [codec_leaf(t.numel() * t.element_size(), t.dtype)
+                  for t in list(module.parameters()) + list(module.buffers())]
+        raw = sum(leaf.nbytes for leaf in leaves)
+        ratio = codec.estimate_by_dtype(leaves, raw) / raw if raw else 1.0
+        out.append(int(size * ratio))
+    return out
+
+
+def measure_decode_gbps(backend: Any, nbytes: int = 16 << 20) -> float:
+    """The device's decode rate in GB/s of raw bytes: a unit of bf16 weights drawn like trained ones, encoded on the
+    CPU, decoded on the device in place after its copy (the copy not timed); best of three, measured once."""
+    key = id(backend)
+    if key not in _decode_rates:
+        g = torch.Generator().manual_seed(0)
+        raw = (torch.randn(nbytes // 2, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)
+        encoded = codec.encode(raw, [codec_leaf(nbytes, torch.bfloat16)])
+        buf = backend.alloc(nbytes)
+        try:
+            best = float("inf")
+            for _ in range(3):
+                copy = backend.copy_h2d(buf[nbytes - encoded.size:], encoded.blob)
+                backend.event_synchronize(copy)
+                t0 = time.perf_counter()
+                backend.event_synchronize(backend.then(copy, lambda: codec.decode_into(buf, encoded.chunks, nbytes,
+                                                                                         encoded.size)))
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            backend.release(buf)
+        _decode_rates[key] = nbytes / max(best, 1e-9) / 1e9
+    return _decode_rates[key]
