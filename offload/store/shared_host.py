@@ -173,8 +173,8 @@ class SharedHostCopy:
             os.unlink(path)
             os.close(fd)
             raise
-        log.info("filling the shared host copy %s (%.1f MB) for other processes offloading the same file", path,
-                 total / 2 ** 20)
+        log.debug("filling the shared host copy %s (%.1f MB) for other processes offloading the same file", path,
+                  total / 2 ** 20)
         return copy
 
     @classmethod

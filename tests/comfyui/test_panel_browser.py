@@ -408,7 +408,7 @@ def test_the_canvas_is_planned_in_the_panel(page, tmp_path):
     before = [m["name"] for m in server.get_json("/layer_offload/report")["models"]]
     with open(EXAMPLE) as f:
         workflow = json.load(f)
-    driver.execute_script("return window.app.loadGraphData(arguments[0]);", workflow)
+    driver.execute_script("return Promise.resolve(window.app.loadGraphData(arguments[0])).then(() => true);", workflow)
     browser.open_sidebar_tab(driver, TAB)
     browser.wait_for(lambda: q(driver, '[data-lo-plan] button[data-lo-control="plan"]'), 30, "the button")
     driver.execute_script("document.querySelector('[data-lo-plan] button[data-lo-control=\"plan\"]').click();")
