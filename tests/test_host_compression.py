@@ -133,6 +133,20 @@ def test_auto_compresses_only_what_would_go_to_disk():
     with pytest.raises(RamCeilingError):
         choose_compressed("auto", sizes, [90] * 6, refuse, lambda p: True)
 
+    def small(eff):  # RAM for 400 bytes
+        tiers, used = {}, 0
+        for i, s in enumerate(eff):
+            tiers[i] = "pageable" if used + s <= 400 else "disk"
+            used += s if tiers[i] != "disk" else 0
+        return HostPlan(tiers, used, 0)
+
+    # no choice keeps every unit in RAM: compressed, one unit read from disk instead of two (auto never does worse
+    # than off); where compression saves no disk read, nothing is compressed
+    for hard in (False, True):
+        plan, chosen = choose_compressed("auto", sizes, [80] * 6, small, fits, hard=hard)
+        assert chosen == frozenset(range(6)) and list(plan.tiers.values()).count("disk") == 1
+        assert choose_compressed("auto", sizes, [90] * 6, plan_for, fits, hard=hard)[1] == frozenset()
+
 
 # bitwise through the engine ---------------------------------------------------------------------------------------
 

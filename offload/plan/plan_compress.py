@@ -6,9 +6,10 @@ host side of a plan, called only by `planner.make_plan`.
 - "auto": none when every unit fits in RAM raw; under a hard RAM ceiling (`ram_budget_bytes`) that raw units break,
   all that pay (the ceiling asks for RAM) when that keeps every unit in RAM; else (the RAM the machine has
   available) the fewest units, from the last in the order RAM fills (the ones that would go to the disk tier
-  first), that keep every unit in RAM. When compression cannot keep every unit off the disk tier, the plan is the
-  one without it (compressed only when no plan without it keeps a hard ceiling at all). Never a unit that would
-  not pay.
+  first), that keep every unit in RAM. When compression cannot keep every unit off the disk tier, every unit that
+  pays is compressed if that leaves fewer bytes to read from the disk tier than the plan without it (a decode on
+  the device costs far less than a read from disk), else the plan is the one without it (compressed only when no
+  plan without it keeps a hard ceiling at all). Never a unit that would not pay.
 
 The host plan is then made with each unit's host size (its encoded size where compressed).
 """
@@ -24,6 +25,11 @@ def paying(sizes: list[int], packed: list[int]) -> list[int]:
     if not packed:
         return []
     return [i for i, (s, p) in enumerate(zip(sizes, packed)) if s and p < UNIT_PAYS * s]
+
+
+def disk_bytes(plan: HostPlan, sizes: list[int]) -> int:
+    """Raw bytes a pass reads from the disk tier with this plan (a disk-tier unit is read raw)."""
+    return sum(sizes[i] for i, tier in plan.tiers.items() if tier == "disk")
 
 
 def choose_compressed(mode: str, sizes: list[int], packed: list[int],
@@ -75,8 +81,14 @@ def choose_compressed(mode: str, sizes: list[int], packed: list[int],
                 lo = mid + 1
         if best is not None:
             return best
-    if raw is not None:
-        return raw, frozenset()  # compression cannot keep every unit off the disk tier: the plan as without it
+    if raw is not None:  # compression cannot keep every unit off the disk tier: the fewer disk bytes win
+        try:
+            every = plan_for(with_compressed(candidates))
+        except RamCeilingError:
+            return raw, frozenset()
+        if disk_bytes(every, sizes) < disk_bytes(raw, sizes):
+            return every, frozenset(candidates)
+        return raw, frozenset()
     try:  # no raw plan keeps the ceiling: compressed, if that one does
         return plan_for(with_compressed(candidates)), frozenset(candidates)
     except RamCeilingError:
