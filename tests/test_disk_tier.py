@@ -59,6 +59,9 @@ def _cfg(path, ram_units=2, preset="budget", **kw):
     """`ram_units` blocks' worth of RAM; 0: the least that streams every block from disk (the weights outside the
     blocks plus one block's worth, shared by the bounce buffers: ram_budget_bytes caps the engine's host RAM)."""
     kw.setdefault("device", "sim")
+    # the disk tier's own mechanics: no block held compressed in RAM instead (host_compression "auto" keeps blocks
+    # off the disk tier where that saves disk reads; tests/test_host_compression.py)
+    kw.setdefault("host_compression", "off")
     ram = ram_units * BLK if ram_units else REST + BLK
     return OffloadConfig.from_preset(preset, disk_path=str(path), ram_budget_bytes=ram, **kw)
 
