@@ -308,7 +308,10 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
 
     plan, compressed = choose_compressed(facts.host_compression, list(facts.sizes), list(facts.packed_sizes),
                                          plan_for, fits, h.hard)
-    plan.compressed = frozenset(i for i in compressed if plan.tiers.get(i) != "disk")
+    compressed = frozenset(i for i in compressed if plan.tiers.get(i) != "disk")
+    if not compressed and plan.rest_spilled:  # every unit chosen went to the disk tier (read raw): nothing is held
+        plan = plan_for(list(facts.sizes))  # compressed, so the weights outside the blocks keep their RAM copy
+    plan.compressed = compressed
     plan.rest_spilled = plan.rest_spilled and bool(plan.compressed)
     compressed = plan.compressed
     messages.extend(said.get(id(plan), []))
