@@ -182,6 +182,7 @@ def _offload_under(case: Case, ceiling: int, mode: str, path: str | None, ref: l
     report, ram = handle.report(), handle.host_memory()["ram"]
     assert ram <= ceiling, f"{what}: {ram} bytes of host RAM"
     assert report.host_bytes <= ceiling, f"{what}: the blocks hold {report.host_bytes} bytes"
+    assert report.host_private_bytes + report.host_shared_bytes == ram, what
     for b in report.blocks:
         if b.compression == "none":
             assert b.host_bytes == (0 if b.tier == "disk" else b.raw_bytes), (what, b.name, b.tier, b.host_bytes)
