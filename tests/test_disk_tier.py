@@ -202,8 +202,9 @@ def test_no_disk_when_the_preset_forbids_it(tmp_path, offload):
     path = _save(model, tmp_path / "m.safetensors")
     from offload.plan.planner import RamCeilingError
 
-    with pytest.raises(RamCeilingError, match=f"at least {REST + DEPTH * BLK}"):  # a ceiling it cannot keep
+    with pytest.raises(RamCeilingError, match=f"at least {REST + DEPTH * BLK}") as info:  # a ceiling it cannot keep
         offload(model, _cfg(path, ram_units=1, preset="high_end"))
+    assert "allow the disk tier" in str(info.value) and "give disk_path" not in str(info.value)  # it was given
     assert torch.equal(run(model, (x,)), ref)
     h = offload(model, _cfg(path, ram_units=DEPTH + 1, preset="high_end"))
     assert "disk" not in [b.tier for b in h.report().blocks]

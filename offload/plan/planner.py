@@ -335,7 +335,8 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     pin_limit = h.pin_limit if h.pin else 0
     if h.hard:
         plan = plan_host_capped(sizes, rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
-                                facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0))
+                                facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0),
+                                file_given=h.file_path is not None)
     else:
         plan = plan_host(sizes, h.ram_budget, pin_limit, h.allow_disk, h.pin)
         if plan.ram_bytes > h.ram_budget:
