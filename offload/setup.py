@@ -35,7 +35,8 @@ from .store.codec import CODEC, scratch_estimate
 from .store.compressed import estimate_layout_size, unit_compression
 from .store import shared_host
 from .store.packed import open_weights
-from .store.staging import ModelLayout, lay_out_model, stage_model, stored_units, verify_for_disk
+from .store.file_keys import stored_units
+from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
 from .stream.devices import SecondaryDevices
 from .stream.streamer import ModelStreamer, PassListener
 

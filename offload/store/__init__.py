@@ -15,5 +15,5 @@ Used from outside: `staging.lay_out_model`, `staging.stage_model`, `staging.Stag
 `shared_host.SharedUnit` (`written`, `has_private_pages`, `copy.alone` / `give_back`), `header_check.CorruptFileError`,
 `header_check.read_json_object` / `read_json_file` (small JSON files), `header_check.safetensors_tensors`,
 `codec.encode` / `decode_into` / `CODEC`, `compressed.CompressedSource` / `unit_host_bytes` / `unit_compression` /
-`estimate_layout_size` / `measure_decode_gbps` / `disk_source` / `StoredDiskSource`, `staging.stored_units`.
+`estimate_layout_size` / `measure_decode_gbps` / `disk_source` / `StoredDiskSource`, `file_keys.stored_units`.
 """

@@ -16,7 +16,7 @@ from .storage import CorruptFileError, SafetensorsFile
 log = logging.getLogger("offload.store.staging")  # the messages keep the logger they always had
 
 
-def _key_namer(model: nn.Module) -> Callable[[nn.Module, str], str]:
+def key_namer(model: nn.Module) -> Callable[[nn.Module, str], str]:
     paths: dict[int, str] = {}
     for path, mod in model.named_modules(remove_duplicate=False):
         paths.setdefault(id(mod), path)
@@ -27,7 +27,7 @@ def _key_namer(model: nn.Module) -> Callable[[nn.Module, str], str]:
     return key_of
 
 
-def _entry_name(file: SafetensorsFile, entry: Any, key_of: Callable[[nn.Module, str], str]) -> str:
+def entry_name(file: SafetensorsFile, entry: Any, key_of: Callable[[nn.Module, str], str]) -> str:
     """The state-dict name a tensor is saved under: of a tensor several modules share (tied embeddings), the name
     the file holds (`safetensors.torch.save_model` keeps one of them), else the first."""
     names = [key_of(mod, attr) for mod, attr, _ in entry.locations]
@@ -38,16 +38,16 @@ def _entry_name(file: SafetensorsFile, entry: Any, key_of: Callable[[nn.Module, 
     return names[0]
 
 
-def _file_keys(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str]) -> list[str]:
-    return file.match([_entry_name(file, e, key_of) for e in layout.entries], layout.leaves)
+def file_keys(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str]) -> list[str]:
+    return file.match([entry_name(file, e, key_of) for e in layout.entries], layout.leaves)
 
 
-def _meta_file_keys(file: SafetensorsFile, layout: TensorLayout,
+def meta_file_keys(file: SafetensorsFile, layout: TensorLayout,
                     key_of: Callable[[nn.Module, str], str]) -> list[str | None]:
     """The file key of every leaf still on the meta device (None for the others: already in RAM, such as the
     recomputed non-persistent buffers, which no checkpoint holds)."""
     meta = [e for e in layout.entries if layout.leaves[e.recipe].meta]
-    matched = file.match([_entry_name(file, e, key_of) for e in meta], [layout.leaves[e.recipe] for e in meta])
+    matched = file.match([entry_name(file, e, key_of) for e in meta], [layout.leaves[e.recipe] for e in meta])
     keys: list[str | None] = [None] * len(layout.leaves)
     for entry, key in zip(meta, matched):
         keys[entry.recipe] = key
@@ -73,7 +73,7 @@ def persistent_buffers_from_file(file: SafetensorsFile, layouts: list[TensorLayo
             if leaf.meta or not all(kind == "buffer" and name not in mod._non_persistent_buffers_set
                                     for mod, name, kind in entry.locations):
                 continue
-            if _entry_name(file, entry, key_of) in suffixes:
+            if entry_name(file, entry, key_of) in suffixes:
                 leaf.meta = True
                 marked += 1
     if marked:
@@ -81,7 +81,7 @@ def persistent_buffers_from_file(file: SafetensorsFile, layouts: list[TensorLayo
     return marked
 
 
-def _non_persistent(layout: TensorLayout) -> str | None:
+def non_persistent_buffer(layout: TensorLayout) -> str | None:
     """The name of a non-persistent buffer in the layout (no checkpoint holds it), if any."""
     for entry in layout.entries:
         for mod, name, kind in entry.locations:
@@ -96,12 +96,12 @@ def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Calla
     keys, or values: ComfyUI may cast or convert weights when it loads a file): CorruptFileError when `strict`,
     else None (logged), and the unit stays in RAM. A unit holding a non-persistent buffer (in no checkpoint, so not
     in the file) stays in RAM without complaint."""
-    buffer = _non_persistent(layout)
+    buffer = non_persistent_buffer(layout)
     if buffer is not None:
         log.debug("a block with the non-persistent buffer %r stays in RAM (no checkpoint holds it)", buffer)
         return None
     try:
-        keys = _file_keys(file, layout, key_of)
+        keys = file_keys(file, layout, key_of)
         for key, src in zip(keys, layout.sources()):
             if not torch.equal(src.reshape(-1).view(torch.uint8), file.read_tensor(key).reshape(-1).view(torch.uint8)):
                 raise CorruptFileError(f"{file.path}: {key!r} holds other values than the model's weight")
@@ -135,7 +135,7 @@ def stored_units(laid: Any) -> list[Any]:
         keys = laid.keys.get(i)
         if keys is None and layout.plain:
             try:
-                keys = _file_keys(laid.file, layout, laid.key_of)
+                keys = file_keys(laid.file, layout, laid.key_of)
             except (CorruptFileError, KeyError):
                 keys = None
         out.append(stored_unit_of(laid.file, keys, layout))

@@ -24,9 +24,8 @@ from ..model.meta_buffers import materialize_non_persistent_buffers, materialize
 from ..model.trainable import trainable_in_blocks
 from .compressed import CompressedSource, bind_master, disk_source, stage_compressed
 from .shared_host import SharedHostCopy, SharedSource, SharedUnit
-from .file_keys import (_entry_name, _file_keys, _key_namer, _meta_file_keys, _non_persistent,  # noqa: F401
-                        file_keys_holding, in_stored_order, persistent_buffers_from_file, stored_unit_of,
-                        stored_units)
+from .file_keys import (file_keys, file_keys_holding, in_stored_order, key_namer, meta_file_keys,
+                        non_persistent_buffer, persistent_buffers_from_file, stored_unit_of)
 from .sources import BouncedSource, BounceReader, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
 from .storage import SafetensorsFile
@@ -253,7 +252,7 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     shared |= {id(p) for p in trainable_in_blocks([u.module for u in units], shared)}
     layouts: list[TensorLayout] = []
     in_units: set[tuple[int, str, str]] = set()
-    key_of = _key_namer(model)
+    key_of = key_namer(model)
     for unit in units:
         tensors = in_stored_order([t for t in unit_tensors(unit.module) if id(t[3]) not in shared], file, key_of)
         in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
@@ -269,16 +268,16 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
         if any(leaf.meta for leaf in layout.leaves):
             if file is None or not _fillable(layout):
                 _refuse_meta(units[i].name, layout, file)
-            laid.keys[i] = _meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
+            laid.keys[i] = meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
             # part of the unit is in RAM already (recomputed buffers): no file view; a misaligned tensor neither
             ok = ok and all(k is not None for k in laid.keys[i]) and all(file.aligned(k) for k in laid.keys[i])
-        elif (file is not None and not file_optional and layout.plain and _non_persistent(layout) is None):
-            _file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
+        elif (file is not None and not file_optional and layout.plain and non_persistent_buffer(layout) is None):
+            file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
         laid.disk_ok.append(ok)
     if any(leaf.meta for leaf in rest_layout.leaves):
         if file is None or not _fillable(rest_layout):
             _refuse_meta("the weights outside the blocks", rest_layout, file)
-        laid.rest_keys = _meta_file_keys(file, rest_layout, laid.key_of)
+        laid.rest_keys = meta_file_keys(file, rest_layout, laid.key_of)
     return laid
 
 
