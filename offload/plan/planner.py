@@ -78,6 +78,8 @@ class PlanFacts:
     packed_sizes: tuple[int, ...] = ()  # per unit: its encoded size (measured or estimated; empty: unknown)
     host_forms: tuple[str, ...] = ()  # the forms in place when `host` is None ("none" or the codec's name)
     decode_scratch: int = 0  # device bytes a compressed unit's decode holds beside the slot
+    file_forms: tuple[str, ...] = ()  # per unit: the form its file stores it in (a packed folder's `pack --compress`
+    # units: the codec's name), which it streams in from the disk tier (empty: every unit stored raw)
 
     @property
     def scratch_bytes(self) -> int:
@@ -206,7 +208,9 @@ def make_plan(facts: PlanFacts) -> Plan:
     host = _host_plan(facts, messages) if facts.host is not None else None
     if host is not None:
         tiers = [host.tiers.get(i, "pinned") for i in range(len(facts.sizes))]
-        forms = [CODEC if i in host.compressed else "none" for i in range(len(facts.sizes))]
+        stored = facts.file_forms or ("none",) * len(facts.sizes)
+        forms = [CODEC if i in host.compressed else stored[i] if tiers[i] == "disk" else "none"
+                 for i in range(len(facts.sizes))]
     else:
         tiers = list(facts.host_tiers) or ["pinned"] * len(facts.sizes)
         forms = list(facts.host_forms) or ["none"] * len(facts.sizes)

@@ -326,6 +326,71 @@ def scratch_estimate(leaves: Iterable) -> int:
     return peak
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the stored form of a unit's chunks (a packed model's index, `pack --compress`): untrusted when read back
+# ---------------------------------------------------------------------------------------------------------------
+
+_FIELDS = ("dst", "nbytes", "src", "size", "elem", "sbits", "rbits", "k", "base", "n_esc")
+_CODED_FORMS = {(e, s, r) for e, s, r in _FORMS.values()}
+MAX_CHUNKS = 1 << 20  # far more than any unit (CHUNK_ELEMS elements each) has
+
+
+def chunks_to_list(chunks: Iterable[Chunk]) -> list[list[int]]:
+    """The chunks as plain lists of integers (JSON), in `_FIELDS` order."""
+    return [[getattr(c, f) for f in _FIELDS] for c in chunks]
+
+
+def coded_size(elem: int, sbits: int, rbits: int, k: int, n_esc: int, nbytes: int) -> int:
+    """Encoded bytes of a coded chunk of `nbytes` raw bytes: the other bytes' planes, the packed fields, escapes."""
+    n = nbytes // elem
+    return (elem - 1) * n + ((n + 7) // 8) * (sbits + rbits + k) + n_esc * ESCAPE_BYTES
+
+
+def chunks_from_list(value: object, nbytes: int, size: int) -> tuple[Chunk, ...]:
+    """Chunks read back from a stored index, checked so that decoding them can only write inside the unit's
+    `nbytes` raw bytes and read inside its `size` encoded bytes (`decode_into`'s invariants): raw ranges tile
+    [0, nbytes) in order, encoded ranges tile [0, size) in order, no chunk larger encoded than raw, every coded
+    chunk of a form the codec writes with its exact encoded size. Raises ValueError saying what is wrong."""
+    if not isinstance(value, list) or len(value) > MAX_CHUNKS:
+        raise ValueError("'chunks' is not a list of chunks")
+    out: list[Chunk] = []
+    dst = src = 0
+    for i, item in enumerate(value):
+        if (not isinstance(item, list) or len(item) != len(_FIELDS)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)):
+            raise ValueError(f"chunk {i} is not {len(_FIELDS)} whole numbers >= 0 ({', '.join(_FIELDS)})")
+        c = Chunk(*item)
+        if c.dst != dst or c.src != src or c.nbytes <= 0 or c.size > c.nbytes:
+            raise ValueError(f"chunk {i} does not follow the one before it (raw bytes at {c.dst}, encoded at {c.src}; "
+                             f"expected {dst} and {src}) or is larger encoded than raw")
+        if c.coded:
+            ebits = 8 - c.sbits - c.rbits
+            if ((c.elem, c.sbits, c.rbits) not in _CODED_FORMS or not 1 <= c.k <= ebits or c.base >= 1 << ebits
+                    or c.nbytes % c.elem or c.n_esc > c.nbytes // c.elem
+                    or c.size != coded_size(c.elem, c.sbits, c.rbits, c.k, c.n_esc, c.nbytes)):
+                raise ValueError(f"chunk {i} is not a chunk the codec writes (form, code width, base, escapes or "
+                                 f"size)")
+        elif any((c.sbits, c.rbits, c.k, c.base, c.n_esc)) or c.size != c.nbytes:
+            raise ValueError(f"chunk {i} is a raw chunk with coding parameters or another size")
+        out.append(c)
+        dst, src = dst + c.nbytes, src + c.size
+    if dst != nbytes or src != size:
+        raise ValueError(f"the chunks cover {dst} raw and {src} encoded bytes, the unit has {nbytes} and {size}")
+    return tuple(out)
+
+
+def check_escapes(enc: Encoded) -> None:
+    """Every escape position of a stored unit lies inside its chunk (checked on the CPU where a unit read from an
+    untrusted file is first decoded; the device decode also clamps them). Raises ValueError."""
+    for c in enc.chunks:
+        if c.coded and c.n_esc:
+            n = c.nbytes // c.elem
+            start = c.src + c.size - ESCAPE_BYTES * c.n_esc
+            where = _bytes_to_int(enc.blob[start:start + 4 * c.n_esc].view(c.n_esc, 4), 4)
+            if int(where.max()) >= n:
+                raise ValueError(f"an escape of the chunk at raw byte {c.dst} points past its {n} elements")
+
+
 def _bytes_to_int(b: torch.Tensor, width: int) -> torch.Tensor:
     """Little-endian unsigned integers from a (count, width) uint8 tensor, as int64 (zero-extended to 8 bytes)."""
     wide = torch.zeros(b.shape[0], 8, dtype=torch.uint8, device=b.device)
@@ -349,7 +414,7 @@ def _decode_coded(c: Chunk, payload: torch.Tensor, out: torch.Tensor) -> None:
     if c.sbits:
         top |= (field >> (k + c.rbits)) << 7
     if c.n_esc:
-        where = _bytes_to_int(payload[pos:pos + 4 * c.n_esc].view(c.n_esc, 4), 4)
+        where = _bytes_to_int(payload[pos:pos + 4 * c.n_esc].view(c.n_esc, 4), 4).clamp_(max=n - 1)  # never past
         top[where] = payload[pos + 4 * c.n_esc:pos + 5 * c.n_esc]
     _join(out, top, low, elem)
 

@@ -23,7 +23,7 @@ import torch
 
 from ..model.layout import Leaf, TensorLayout
 from . import codec
-from .sources import BounceReader
+from .sources import BounceReader, DiskSource
 from .spill import SpillFile
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,62 @@ class CompressedSource:
                                   then=lambda event: self.backend.then(event, decode))
 
 
+class StoredDiskSource:
+    """A disk-tier unit stored compressed in a packed folder (`pack --compress`): its encoded bytes read from the
+    shard into bounce buffers, copied into the tail of the slot, decoded on the device as `CompressedSource` does."""
+
+    tier = "disk"
+    compression = codec.CODEC
+
+    def __init__(self, file: Any, unit: Any, nbytes: int, reader: BounceReader, backend: Any) -> None:
+        self.file = file
+        self.unit = unit  # index_check.StoredUnit
+        self.nbytes = nbytes  # the slot's bytes (the unit's raw bytes fit in them)
+        self.reader = reader
+        self.backend = backend
+        self.reads = 0
+        self.read_ms = 0.0
+
+    def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        t0 = time.perf_counter()
+        try:
+            return self.file.read_stored(self.unit, buf, start, end)
+        finally:
+            self.read_ms += (time.perf_counter() - t0) * 1e3
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        self.reads += 1
+        u = self.unit
+
+        def decode() -> None:
+            codec.decode_into(dst, u.chunks, u.nbytes, u.stored)
+
+        return self.reader.submit(self._fill, u.stored, dst[u.nbytes - u.stored:u.nbytes], after,
+                                  then=lambda event: self.backend.then(event, decode))
+
+
+_said_layout: set[str] = set()
+
+
+def disk_source(file: Any, keys: list[str], leaves: list[Leaf], nbytes: int, reader: BounceReader,
+                backend: Any) -> Any:
+    """The source of a disk-tier unit: its encoded bytes decoded on the device where the file stores it compressed
+    laid out as the unit is (`StoredDiskSource`), else its bytes as stored (`DiskSource`; a unit stored compressed
+    but laid out otherwise is then decoded on the CPU, said once per file)."""
+    pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
+    stored_unit = getattr(file, "stored_unit", None)
+    unit = stored_unit(pieces, nbytes) if stored_unit is not None else None
+    if unit is not None:
+        return StoredDiskSource(file, unit, nbytes, reader, backend)
+    if stored_unit is not None and any(file.stored_name(k) is not None for k in keys) \
+            and str(file.path) not in _said_layout:
+        _said_layout.add(str(file.path))
+        log.warning("%s: blocks stored compressed are laid out unlike the model's, so they are decoded on the CPU "
+                    "each time they stream (slow); pack them from the offloaded model (OffloadHandle.pack(..., "
+                    "compress=True)) to decode them on the device", file.path)
+    return DiskSource(file, keys, leaves, nbytes, reader)
+
+
 SAMPLE_RUN = 512  # elements read together by the estimate: a pattern repeating within a run is sampled as it is
 
 
@@ -152,7 +208,8 @@ def unit_compression(staged: Any) -> str:
 
 
 def source_compression(source: Any) -> str:
-    return source.compression if isinstance(source, CompressedSource) else "none"
+    """The form a unit's bytes stream in: the codec's name (held compressed, or stored so in a packed folder)."""
+    return getattr(source, "compression", "none")
 
 
 def master_written(source: Any) -> None:
