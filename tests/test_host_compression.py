@@ -9,6 +9,8 @@ widened so its matrices are worth coding.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -132,6 +134,31 @@ def test_auto_compresses_only_what_would_go_to_disk():
     assert choose_compressed("auto", [100] * 4, [70] * 4, plan_for, fits, hard=True)[1] == frozenset()
     with pytest.raises(RamCeilingError):
         choose_compressed("auto", sizes, [90] * 6, refuse, lambda p: True)
+
+
+def test_the_forms_of_a_shared_host_copy_are_facts_for_a_joining_plan():
+    """A process joining the host copy another process filled (tests/test_shared_host.py) plans with that copy's
+    forms: the units it holds encoded stay compressed and the raw ones raw, whatever the mode; with compression off
+    the encoded ones are not mapped (planned as if not there). Under no hard ceiling the units in the copy take
+    nothing from the RAM available (their pages are in RAM already), so the rest is planned as if they were not
+    there."""
+    from offload.plan.planner import HostFacts, PlanFacts, make_plan
+
+    mb = 1 << 20
+    host = HostFacts(ram_budget=2 * mb, hard=False, pin_limit=0, pin=False, allow_disk=True, bounces_pageable=False,
+                     disk_optional=False, file_path="m.safetensors", share=True,
+                     shared_forms=(codec.CODEC, codec.CODEC, "none", "none", "", ""))
+    facts = PlanFacts(name="m", sizes=(mb,) * 6, names=tuple(map(str, range(6))), rest_bytes=0, prefetch=1,
+                      stream_all=True, device="sim:0", allowance=4 * mb, disk_ok=(True,) * 6, host=host,
+                      host_compression="auto", packed_sizes=(700_000,) * 6)
+    plan = make_plan(facts)
+    assert plan.compressed == {0, 1}  # the copy's; 2 and 3 raw there, 4 and 5 fit the RAM available raw
+    assert plan.disk_units == [] and plan.shared_units == set(range(6))
+    assert make_plan(dataclasses.replace(facts, host_compression="lossless")).compressed == {0, 1, 4, 5}
+    off = make_plan(dataclasses.replace(facts, host_compression="off", packed_sizes=()))
+    assert off.compressed == set() and sorted(off.disk_units) == [4, 5]  # 0, 1 raw of its own: 2 MB for 0 to 5
+    alone = make_plan(dataclasses.replace(facts, host=dataclasses.replace(host, shared_forms=())))
+    assert alone.compressed == set() and sorted(alone.disk_units) == [2, 3, 4, 5]  # without the copy (control)
 
 
 # bitwise through the engine ---------------------------------------------------------------------------------------

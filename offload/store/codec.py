@@ -227,6 +227,21 @@ def _runs(layout_leaves: Iterable, nbytes: int) -> list[tuple[int, int, torch.dt
     return runs
 
 
+runs_of = _runs  # how the encoder cuts a unit (the most chunks it can give: a shared copy's header room)
+
+
+def valid_params(c: Chunk) -> bool:
+    """Whether a coded chunk's parameters are ones the encoder gives, its encoded size theirs (a chunk table read
+    from outside: a shared copy's header)."""
+    forms = {(e, s, r) for e, s, r in _FORMS.values()}
+    if (c.elem, c.sbits, c.rbits) not in forms or c.nbytes % c.elem or not 1 <= c.k <= 8 - c.sbits - c.rbits:
+        return False
+    n = c.nbytes // c.elem
+    ebits = 8 - c.sbits - c.rbits
+    return (0 <= c.base < 1 << ebits and 0 <= c.n_esc <= n
+            and c.size == (c.elem - 1) * n + (n + 7) // 8 * c.q + ESCAPE_BYTES * c.n_esc)
+
+
 def encode(raw: torch.Tensor, leaves: Iterable) -> Encoded:
     """Encode a unit's flat host buffer (`raw`, uint8 on the CPU) whose tensors lie at `leaves` (layout leaves:
     offset, nbytes, dtype). Chunks whose coding does not pay stay raw; raw neighbours merge."""
