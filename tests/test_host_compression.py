@@ -98,6 +98,47 @@ def test_codec_round_trips_every_byte(dtype):
     assert torch.equal(slot[:buf.numel()], buf) and bool((slot[buf.numel():] == 7).all())
 
 
+def _window(hist, ebits, n, fixed_bits, k):
+    """`codec._best_window` held to one code width k (what the encoder would pick for other weights)."""
+    span, width = 1 << ebits, (1 << k) - 1
+    doubled = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cat([hist, hist]).cumsum(0)])
+    covered = doubled[width:width + span] - doubled[:span]
+    base = int(torch.argmax(covered))
+    esc = n - int(covered[base])
+    return k, base, esc, (n + 7) // 8 * (fixed_bits + k) + esc * codec.ESCAPE_BYTES
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8] + FP8)
+def test_every_field_width_decodes_every_byte(dtype, monkeypatch):
+    """Every code width k the encoder may choose, so every field width (sign + low bits + k: whole fields per byte,
+    or fields straddling bytes), in a chunk of whole groups of eight at an aligned offset (the table gather), one
+    that ends mid-group and one at an odd offset (field by field): the decode gives every byte back."""
+    elem, sbits, rbits = codec._FORMS[dtype]
+    ebits = 8 - sbits - rbits
+    monkeypatch.setattr(codec, "PAYS", 10.0)  # coded even where a code would not pay
+    g = torch.Generator().manual_seed(5)
+    for k in range(1, ebits + 1):
+        monkeypatch.setattr(codec, "_best_window", lambda h, e, n, fixed, k=k: _window(h, e, n, fixed, k))
+        for count, pad in ((4096, 0), (4099, 0), (4096, 3)):
+            if dtype == torch.uint8:
+                body = (torch.randn(count, generator=g) * 3).round().clamp(-128, 127).to(torch.int8).view(dtype)
+            else:
+                body = (torch.randn(count, generator=g) * 0.02).to(dtype)
+            raw = torch.cat([torch.full((pad,), 5, dtype=torch.uint8), body.view(torch.uint8)])
+            enc = codec.encode(raw, [Leaf(pad, count * elem, dtype, (count,), None)])
+            assert [c.k for c in enc.chunks if c.coded] == [k]
+            out = torch.zeros_like(raw)  # chunks decoded apart: a wide code may be larger than raw here
+            for c in enc.chunks:
+                part = enc.blob[c.src:c.src + c.size]
+                if c.coded:
+                    codec._decode_coded(c, part, out[c.dst:c.dst + c.nbytes])
+                else:
+                    out[c.dst:c.dst + c.nbytes] = part
+            assert torch.equal(out, raw), (k, count, pad)
+            if enc.size <= raw.numel():
+                assert torch.equal(codec.decode(enc), raw), (k, count, pad)  # in place
+
+
 def test_codec_keeps_incompressible_bytes_raw():
     raw = torch.randint(0, 256, (50_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     enc = codec.encode(raw, [Leaf(0, raw.numel(), torch.uint8, (raw.numel(),), None)])
