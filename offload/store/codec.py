@@ -6,8 +6,10 @@ Trained weights carry little information in their exponents. For every element, 
 byte become a `k`-bit code over a window of the `2**k - 1` most frequent consecutive exponent values (`base`...),
 the last code an escape whose byte is kept in a short list (positions and values); the sign and the exponent byte's
 remaining low bits (fp16's, fp8's mantissa bits) ride along raw in the same field. A field is `q = sign + low + k`
-bits, eight fields packed into `q` bytes. Decoding is: unpack the fields (shifts of one 64-bit word per eight
-elements), add `base`, shift the sign and low bits back in, scatter the escapes: no table, no branch.
+bits, eight fields packed into `q` bytes. Decoding is one table gather per chunk: the fields one index covers (a
+packed byte, or a pair cut from a whole-byte group of straddling fields by a shift, an or and a mask) index a small
+table of their elements' words, top bytes in place and the other bytes zero, written straight into the slot; the
+other byte planes follow as strided copies and the escapes as a scatter (`_decode_coded`).
 
 A unit's buffer is cut into chunks that tile it in order (`Chunk`): a coded chunk per run of at most
 `CHUNK_ELEMS` elements of a floating or byte dtype where coding pays, raw chunks for the rest (padding, small
@@ -108,21 +110,6 @@ def _split(raw: torch.Tensor, elem: int) -> tuple[torch.Tensor, list[torch.Tenso
     x = raw.view(_INT[elem])
     top = (x >> (8 * (elem - 1))).to(torch.uint8)
     return top, [(x >> (8 * j)).to(torch.uint8) for j in range(elem - 1)]
-
-
-def _join(out: torch.Tensor, top: torch.Tensor, low: list[torch.Tensor], elem: int) -> None:
-    """Write elements made of `low` byte planes and `top` into `out` (uint8, elem * n bytes)."""
-    if elem == 1:
-        out.copy_(top)
-        return
-    kind = _INT[elem]
-    word = top.to(kind) << (8 * (elem - 1))
-    for j, plane in enumerate(low):
-        word |= plane.to(kind) << (8 * j) if j else plane.to(kind)
-    if out.storage_offset() % elem:
-        out.copy_(word.view(torch.uint8))
-    else:
-        out.view(kind).copy_(word)
 
 
 def _pack_fields(field: torch.Tensor, q: int) -> torch.Tensor:
@@ -377,7 +364,7 @@ def _table(c: Chunk, f: int, device: torch.device) -> torch.Tensor:
     key = (c.elem, c.sbits, c.rbits, c.k, c.base, f, str(device))
     table = _TABLES.get(key)
     if table is None:
-        v = torch.arange(1 << (f * c.q), dtype=torch.int64)
+        v = torch.arange(1 << (f * c.q), dtype=torch.int64, device=device)  # built where it is used
         word = torch.zeros_like(v)
         ebits, mask = 8 - c.sbits - c.rbits, (1 << c.q) - 1
         for m in range(f):
@@ -389,7 +376,7 @@ def _table(c: Chunk, f: int, device: torch.device) -> torch.Tensor:
             word |= top << (8 * (c.elem * m + c.elem - 1))
         if len(_TABLES) > 64:
             _TABLES.clear()
-        table = _TABLES[key] = word.to(_WORDS[f * c.elem]).to(device)  # narrowing keeps the low bytes
+        table = _TABLES[key] = word.to(_WORDS[f * c.elem])  # narrowing keeps the low bytes
     return table
 
 
@@ -408,7 +395,8 @@ def _indices(packed: torch.Tensor, c: Chunk, f: int, n: int) -> torch.Tensor:
     mask = (1 << bits) - 1
     pairs = []
     for h in range(g // f // 2):
-        x = word if b * 8 <= 2 * bits else torch.bitwise_right_shift(word, 2 * bits * h).bitwise_and_((1 << 2 * bits) - 1)
+        x = word if b * 8 <= 2 * bits else torch.bitwise_right_shift(word, 2 * bits * h).bitwise_and_(
+            (1 << 2 * bits) - 1)  # the pair's fields alone
         pairs.append(torch.bitwise_left_shift(x, 32 - bits).bitwise_or_(x).bitwise_and_(mask | mask << 32))
         del x
     spread = pairs[0] if len(pairs) == 1 else torch.cat(pairs, dim=1)
