@@ -262,7 +262,14 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
         want = model(x)
     cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), sim_capacity_bytes=(1 << 30) + 7)
     backend = get_backend(cfg)
-    before = set(shared_host.SEGMENT_DIR.glob(shared_host.PREFIX + "*"))
+    created = []  # this model's segment (other processes on the machine may fill /dev/shm meanwhile)
+    real_create = shared_host.SharedHostCopy._create.__func__
+
+    def recording_create(cls, path, *args):
+        created.append(path)
+        return real_create(cls, path, *args)
+
+    monkeypatch.setattr(shared_host.SharedHostCopy, "_create", classmethod(recording_create))
     placed = []
     real_place = shared_host.SharedHostCopy.place
 
@@ -276,7 +283,7 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
     with pytest.raises(MemoryError):
         offload_module(model, cfg, budget=VramBudget(256 << 20))
     monkeypatch.undo()
-    assert set(shared_host.SEGMENT_DIR.glob(shared_host.PREFIX + "*")) <= before
+    assert len(created) == 1 and not created[0].exists()
     assert not hasattr(model, "_layer_offload_handle")
     with torch.no_grad():
         assert torch.equal(model(x), want)
