@@ -14,7 +14,12 @@ block in execution order, with the page cache of the files dropped before each p
 - `buffered sequential (device)`: the same through the page cache (the kernel's read-ahead), cache dropped first;
 - `disk tier: packed`: the same from the packed folder;
 - `disk tier: packed, page cache warm`: a packed pass right after another, the shards cached (what dropping the
-  cache takes away).
+  cache takes away);
+- `disk tier: packed --compress`: the same from a folder packed with `compress=True`: the blocks' encoded bytes
+  (`StoredDiskSource` filling a buffer), GB/s counted in the blocks' raw bytes, so the row shows what reading fewer
+  bytes gives;
+- `... + decode`: the same, each block then decoded in place in the buffer as the device does after the copy (here
+  on the CPU: on the simulated device the decode is CPU work; on CUDA it runs on the copy stream).
 
 Columns: GB/s (bytes of the blocks over the time; median of `--repeat` rounds, each round runs every row once, in
 an order rotated from round to round), positioned reads per block per pass, and the share of the O_DIRECT figure.
@@ -47,6 +52,8 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
+from offload.store import codec  # noqa: E402
+from offload.store.compressed import StoredDiskSource  # noqa: E402
 from offload.store.pack_writer import pack_file  # noqa: E402
 
 CHUNK = 8 << 20
@@ -155,7 +162,19 @@ def attach(path: Path, dim: int, blocks: int, name: str):
     return model, h, disk
 
 
-def time_disk_tier(sources, buf: torch.Tensor) -> tuple[float, int, int]:
+def _fill_raw(src, buf: torch.Tensor, decode: bool) -> int:
+    """One block as the disk tier delivers it; returns its raw bytes (a stored-compressed block: its encoded bytes
+    read into the tail of the block's room in `buf`, decoded in place when `decode`)."""
+    if not isinstance(src, StoredDiskSource):
+        return src._fill(buf, 0, src.nbytes)
+    u = src.unit
+    src._fill(buf[u.nbytes - u.stored:u.nbytes], 0, u.stored)
+    if decode:
+        codec.decode_into(buf, u.chunks, u.nbytes, u.stored)
+    return sum(ft.end - ft.start for ft in (src.file.tensors[k] for k in u.keys))
+
+
+def time_disk_tier(sources, buf: torch.Tensor, decode: bool = True) -> tuple[float, int, int]:
     calls = [0]
     real = os.preadv
 
@@ -168,7 +187,7 @@ def time_disk_tier(sources, buf: torch.Tensor) -> tuple[float, int, int]:
         t0 = time.perf_counter()
         nbytes = 0
         for src in sources:  # execution order: blocks.0, blocks.1, ...
-            nbytes += src._fill(buf, 0, src.nbytes)
+            nbytes += _fill_raw(src, buf, decode)
         return time.perf_counter() - t0, nbytes, calls[0]
     finally:
         os.preadv = real
@@ -176,8 +195,10 @@ def time_disk_tier(sources, buf: torch.Tensor) -> tuple[float, int, int]:
 
 def check_bitwise(sources, buf: torch.Tensor, sd: dict[str, torch.Tensor], file) -> None:
     for src in sources:
-        src._fill(buf, 0, src.nbytes)
-        for key, off in src.pieces:
+        _fill_raw(src, buf, decode=True)
+        pieces = src.pieces if not isinstance(src, StoredDiskSource) else [(k, file.tensors[k].start)
+                                                                            for k in src.unit.keys]
+        for key, off in pieces:
             ft = file.tensors[key]
             want = sd[key.split("model.", 1)[-1]].reshape(-1).view(torch.uint8)
             if not torch.equal(buf[off:off + ft.end - ft.start], want):
@@ -208,20 +229,31 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         pack_file(src, tmp / "model.packed")
         t_pack = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pack_file(src, tmp / "model.cpacked", compress=True)
+        t_cpack = time.perf_counter() - t0
         shards = sorted((tmp / "model.packed").glob("shard-*.bin"))
+        cshards = sorted((tmp / "model.cpacked").glob("shard-*.bin"))
         orig_model, h_orig, orig = attach(src, args.dim, args.blocks, "original")
         packed_model, h_packed, packed = attach(tmp / "model.packed", args.dim, args.blocks, "packed")
-        biggest = max(s.nbytes for s in orig + packed)
+        cpacked_model, h_cpacked, cpacked = attach(tmp / "model.cpacked", args.dim, args.blocks, "packed-compressed")
+        if not all(isinstance(s, StoredDiskSource) for s in cpacked):
+            raise SystemExit("the compressed folder's blocks do not stream encoded")
+        stored = sum(s.unit.stored for s in cpacked)
+        biggest = max(s.nbytes for s in orig + packed + cpacked)
         buf = torch.empty(biggest, dtype=torch.uint8)
         check_bitwise(orig, buf, sd, orig[0].file)
         check_bitwise(packed, buf, sd, packed[0].file)
+        check_bitwise(cpacked, buf, sd, cpacked[0].file)
         block_bytes = sum(sum(ft.end - ft.start for ft in (s.file.tensors[k] for k, _ in s.pieces)) for s in orig)
         seq, buffered = "O_DIRECT sequential (device)", "buffered sequential (device)"
+        comp, comp_dec = "disk tier: packed --compress", "disk tier: packed --compress + decode"
         names = [seq, buffered, "disk tier: original .safetensors", "disk tier: packed",
-                 "disk tier: packed, page cache warm"]
+                 "disk tier: packed, page cache warm", comp, comp_dec]
         rows: dict[str, list[float]] = {n: [] for n in names}
         reads: dict[str, int] = {}
-        tiers = {"disk tier: original .safetensors": (orig, [src]), "disk tier: packed": (packed, shards)}
+        tiers = {"disk tier: original .safetensors": (orig, [src]), "disk tier: packed": (packed, shards),
+                 comp: (cpacked, cshards), comp_dec: (cpacked, cshards)}
         how_cache = how_direct = ""
         size = src.stat().st_size
         for k in range(args.repeat):
@@ -236,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 sources, files = tiers[name]
                 drop_cache(files)
-                dt, nbytes, calls = time_disk_tier(sources, buf)
+                dt, nbytes, calls = time_disk_tier(sources, buf, decode=name != comp)
                 assert nbytes == block_bytes
                 rows[name].append(nbytes / dt / 1e9)
                 reads[name] = calls
@@ -246,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             reads["disk tier: packed, page cache warm"] = calls
         h_orig.detach()
         h_packed.detach()
+        h_cpacked.detach()
         file_mb = src.stat().st_size / 1e6
     base = statistics.median(rows[seq])
     result = {
@@ -254,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
         "file_mb": round(file_mb, 1), "blocks": args.blocks, "block_mb": round(block_bytes / args.blocks / 1e6, 2),
         "page_cache": how_cache, "sequential_read": how_direct, "write_s": round(t_write, 2),
-        "pack_s": round(t_pack, 2), "bitwise": True,
+        "pack_s": round(t_pack, 2), "pack_compress_s": round(t_cpack, 2),
+        "encoded_share": round(stored / block_bytes, 3), "bitwise": True,
         "rows": [{"name": n, "gbps_median": round(statistics.median(v), 3), "gbps_all": [round(x, 3) for x in v],
                   "reads_per_block": round(reads[n] / args.blocks, 2) if n in reads else None,
                   "vs_sequential": round(statistics.median(v) / base, 2)} for n, v in rows.items()],
@@ -262,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"disk tier read speed: {args.blocks} blocks of {result['block_mb']} MB ({file_mb:.0f} MB file), "
           f"{result['machine']}, {result['date']}")
     print(f"page cache dropped with {how_cache} before each pass; device baseline read {how_direct}; "
-          f"packing took {t_pack:.1f} s; every block bitwise equal to the source")
+          f"packing took {t_pack:.1f} s (--compress {t_cpack:.1f} s, blocks stored in "
+          f"{result['encoded_share']:.3f} of their bytes); every block bitwise equal to the source")
     print(f"{'row':36} {'GB/s (median)':>14} {'reads/block':>12} {'vs O_DIRECT':>12}   passes")
     for r in result["rows"]:
         rb = "" if r["reads_per_block"] is None else f"{r['reads_per_block']:g}"

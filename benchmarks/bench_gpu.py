@@ -396,6 +396,32 @@ class Bench:
         self.env["pinned_gbps"] = backend.h2d_gbps(True)
         self.env["pageable_gbps"] = backend.h2d_gbps(False)
 
+    def compression(self) -> None:
+        """The compressed host form (issue 36): per unit of bf16 weights drawn like trained ones, the raw copy, the
+        copy of its encoded bytes and the decode alone in the slot (`benchmarks/bench_compress.py: unit_rates`);
+        `gbps` is the decode's rate in raw bytes, the note says how many times faster than the raw copy it runs (the
+        goal: at least 10x, so that a streamed compressed unit costs its compressed copy)."""
+        if "compression" in self.args.skip:
+            return self.skip("compression", "decode vs copy", "--skip compression")
+        if self.out_of_time(60):
+            return self.skip("compression", "decode vs copy", "time box")
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("bench_compress", ROOT / "benchmarks" / "bench_compress.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sizes = [16, 64, 256] if self.cuda else [4]
+        try:
+            rows = mod.unit_rates(self.device, sizes, 5 if self.cuda else 2)
+        except Exception as exc:  # noqa: BLE001 - a row that says why, not a lost run
+            return self.skip("compression", "decode vs copy", f"{type(exc).__name__}: {exc}"[:300])
+        for r in rows:
+            self.add(Row("compression", f"decode {r['unit_mb']} MiB unit", ms=None, gbps=r["decode_gbps"],
+                         equal=r["bitwise"],
+                         note=(f"encoded {r['ratio']:.3f} of raw; raw copy {r['raw_copy_gbps']:.1f} GB/s, encoded "
+                               f"copy {r['encoded_copy_gbps']:.1f} GB/s (raw bytes), decode "
+                               f"{r['decode_vs_raw_copy']:.2f}x the raw copy's speed")))
+
     # 2. the CUDA tests ------------------------------------------------------------------------
     def cuda_tests(self) -> None:
         if not self.cuda:
@@ -1103,7 +1129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--row-s", type=float, default=40.0, help="a row's timed forwards stop after this many seconds")
     p.add_argument("--tests-s", type=float, default=90.0, help="time cap of the CUDA tests")
     p.add_argument("--sim-gbps", type=float, default=None, help="simulated bandwidth (default: calibrated)")
-    p.add_argument("--skip", default="", help="comma-separated: tests, engine, diffusers, accelerate, comfy, gguf")
+    p.add_argument("--skip", default="", help="comma-separated: tests, compression, engine, diffusers, accelerate, comfy, gguf")
     p.add_argument("--comfyui", default=None, help="a ComfyUI checkout (default $COMFYUI_PATH)")
     p.add_argument("--comfy-python", default=None, help="the Python for the ComfyUI worker (default this one)")
     p.add_argument("--gguf-pack", default=os.environ.get("GGUF_PACK"), help="a ComfyUI-GGUF checkout ($GGUF_PACK)")
@@ -1151,6 +1177,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.environment()
     bench.bandwidth()
     bench.cuda_tests()
+    bench.compression()
     keys = [m.strip() for m in args.models.split(",") if m.strip()]
     for key in keys:
         if key not in SHAPES:

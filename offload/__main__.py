@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     pack.add_argument("out_dir", help="the folder to write (give it as disk_path)")
     pack.add_argument("--shard-gb", type=_shard_gb, default=4.0, help="largest shard file, in GiB (default 4)")
     pack.add_argument("--force", action="store_true", help="replace a packed model already in OUT_DIR")
+    pack.add_argument("--compress", action="store_true",
+                      help="store blocks losslessly compressed where that pays (bf16 weights: about 0.7 of their "
+                           "bytes): fewer bytes read from disk, decoded on the device")
     plan = sub.add_parser("plan", help="will a model fit a card, and how slow: the plan and predicted step time per "
                                        "preset, from a config.json or a model file's header (nothing downloaded)")
     from .predict import plan_cli
@@ -75,15 +78,18 @@ def _pack(args: argparse.Namespace) -> int:
 
     try:
         index = pack_file(args.src, args.out_dir, shard_bytes=max(4096, int(args.shard_gb * 2 ** 30)),
-                          overwrite=args.force)
+                          overwrite=args.force, compress=args.compress)
     except (ValueError, OSError, OverflowError) as exc:  # CorruptFileError is a ValueError
         kind = "bad input" if isinstance(exc, CorruptFileError) else "error"
         print(f"python -m offload pack: {kind}: {_first_line(exc)}", file=sys.stderr)
         return 2
     info = json.loads(index.read_text())
     total = sum(s["nbytes"] for s in info["shards"])
+    stored = [u for u in info["units"] if "compression" in u]
+    held = (f"; {len(stored)} unit(s) compressed, {sum(u['nbytes'] for u in stored) / 2 ** 20:.1f} MiB in "
+            f"{sum(u['stored'] for u in stored) / 2 ** 20:.1f} MiB" if args.compress else "")
     print(f"packed {len(info['units'])} units and {len(info['other'])} other tensors into {len(info['shards'])} "
-          f"shard(s), {total / 2 ** 20:.1f} MiB: {index}")
+          f"shard(s), {total / 2 ** 20:.1f} MiB{held}: {index}")
     return 0
 
 

@@ -258,14 +258,16 @@ class OffloadHandle(BudgetMembership):
             del model.__dict__[HANDLE_ATTR]
         self._final_report = final
 
-    def pack(self, out_dir: str, shard_bytes: int | None = None, overwrite: bool = False) -> str:
+    def pack(self, out_dir: str, shard_bytes: int | None = None, overwrite: bool = False,
+             compress: bool = False) -> str:
         """Write this model's weights as a packed folder (offload/store/packed.py): units in the call order the engine
-        learned, each laid out as the engine's flat buffer, so `disk_path=out_dir` streams each unit with one read.
+        learned, each laid out as the engine's flat buffer, so `disk_path=out_dir` streams each unit with one read;
+        `compress`: units stored losslessly compressed where that pays (fewer bytes read, decoded on the device).
         Returns the index path."""
         self._check_attached("pack")
         from .store.pack_writer import DEFAULT_SHARD_BYTES, pack_handle
 
-        return str(pack_handle(self, out_dir, shard_bytes or DEFAULT_SHARD_BYTES, overwrite))
+        return str(pack_handle(self, out_dir, shard_bytes or DEFAULT_SHARD_BYTES, overwrite, compress))
 
 
 def offload_module(model: nn.Module, config: OffloadConfig | None = None, name: str | None = None,

@@ -31,10 +31,11 @@ from .model.blocks import find_units
 from .model.layout import unit_tensors
 from .plan import planner
 from .plan.planner import GIB, HostFacts, Plan, PlanFacts, estimate_reserve, read_host_memory
-from .store.codec import scratch_estimate
+from .store.codec import CODEC, scratch_estimate
 from .store.compressed import estimate_layout_size, unit_compression
 from .store import shared_host
 from .store.packed import open_weights
+from .store.file_keys import stored_units
 from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
 from .stream.devices import SecondaryDevices
 from .stream.streamer import ModelStreamer, PassListener
@@ -136,12 +137,16 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
                      file_path, share, tuple(in_copy.get(i, ("", 0))[0] for i in range(len(laid.layouts))))
     sizes = tuple(laid.sizes)
     packed: tuple[int, ...] = ()
+    stored = stored_units(laid)  # units a packed folder stores compressed: exact encoded sizes, decoded from disk
     if config.host_compression != "off" and sizes:
-        packed = tuple(in_copy[i][1] if in_copy.get(i, ("",))[0] not in ("", "none") else estimate_layout_size(layout)
-                       for i, layout in enumerate(laid.layouts))
+        packed = tuple(in_copy[i][1] if in_copy.get(i, ("",))[0] not in ("", "none")
+                       else s.stored if s is not None else estimate_layout_size(layout)
+                       for i, (s, layout) in enumerate(zip(stored, laid.layouts)))
+    forms = tuple(CODEC if s is not None else "none" for s in stored)
+    scratch = packed or CODEC in forms
     return PlanFacts(
-        host_compression=config.host_compression, packed_sizes=packed,
-        decode_scratch=scratch_estimate(leaf for layout in laid.layouts for leaf in layout.leaves) if packed else 0,
+        host_compression=config.host_compression, packed_sizes=packed, file_forms=forms,
+        decode_scratch=scratch_estimate(leaf for layout in laid.layouts for leaf in layout.leaves) if scratch else 0,
         name=name, sizes=sizes, names=tuple(u.name for u in laid.units), rest_bytes=laid.rest_bytes,
         prefetch=config.prefetch, stream_all=config.vram_fraction <= 0, device=device_name,
         allowance=max(laid.rest_bytes + max(sizes), budget.total_bytes or 0),

@@ -279,6 +279,35 @@ PACKED_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+def _valid_compressible_file(path: Path) -> None:
+    """Blocks of bf16 weights drawn like trained ones (normal, std 0.02): `pack --compress` stores them encoded."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    save_file({f"blocks.{i}.{n}": (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16) for i in range(3)
+               for n in ("w1", "w2")} | {"head.w": torch.randn(8, 8, generator=g)}, str(path))
+
+
+def _coded_chunk(index: dict) -> list:
+    return next(c for c in index["units"][0]["chunks"] if c[4])
+
+
+# a packed folder written with compress=True, its index edited: the chunks must decode inside the unit
+COMPRESSED_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "stored-chunk-gap": (_edit(lambda ix: ix["units"][0]["chunks"][-1].__setitem__(0, 1)), "does not follow"),
+    "stored-chunk-code-width": (_edit(lambda ix: _coded_chunk(ix).__setitem__(7, 12)), "not a chunk the codec"),
+    "stored-chunk-larger-encoded": (_edit(lambda ix: _coded_chunk(ix).__setitem__(3, 10 ** 9)), "does not follow"),
+    "stored-escapes-past-chunk": (_edit(lambda ix: _coded_chunk(ix).__setitem__(9, 10 ** 6)), "not a chunk the codec"),
+    "stored-past-the-shard": (_edit(_set("units.0.stored", 1 << 40)), "past its shard"),
+    "stored-unknown-codec": (_edit(_set("units.0.compression", "zstd")), "stored as"),
+    "stored-in-a-version-1-index": (_edit(_set("version", 1)), "version 1"),
+    "stored-chunks-a-string": (_edit(_set("units.0.chunks", "x" * 100)), "not a list of chunks"),
+    "stored-chunk-negative": (_edit(lambda ix: ix["units"][0]["chunks"][0].__setitem__(1, -4096)), "whole numbers"),
+    "stored-tensor-past-raw": (_edit(_set("units.0.tensors.0.offset", 1 << 30)), "past the end"),
+}
+
+
 # ------------------------------------------------------------------------------------------------ plan configs
 def _config(cfg: Any) -> Callable[[Path], None]:
     def write(path: Path) -> None:
@@ -594,6 +623,14 @@ def main() -> None:
         if only is None or name in only:
             target = folder / name
             pack_file(good, target, shard_bytes=1 << 20)
+            edit(target)
+            cases.append((name, target, words, "packed"))
+    compressible = folder / "compressible.safetensors"
+    _valid_compressible_file(compressible)
+    for name, (edit, words) in COMPRESSED_CASES.items():
+        if only is None or name in only:
+            target = folder / name
+            pack_file(compressible, target, shard_bytes=1 << 20, compress=True)
             edit(target)
             cases.append((name, target, words, "packed"))
     for name, (write, file_name, words) in CONFIG_CASES.items():

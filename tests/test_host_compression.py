@@ -19,7 +19,7 @@ from offload import OffloadConfig, VramBudget, offload_module
 from offload.model.layout import Leaf
 from offload.plan.plan_compress import choose_compressed
 from offload.plan.plan_host import HostPlan, RamCeilingError
-from offload.store import codec
+from offload.store import chunk_decode, codec
 from tests.host_master_guard import host_master_guard
 from tests.models import Fp8Stack, QuantStack, seeded
 
@@ -131,7 +131,7 @@ def test_every_field_width_decodes_every_byte(dtype, monkeypatch):
             for c in enc.chunks:
                 part = enc.blob[c.src:c.src + c.size]
                 if c.coded:
-                    codec._decode_coded(c, part, out[c.dst:c.dst + c.nbytes])
+                    chunk_decode.decode_chunk(c, part, out[c.dst:c.dst + c.nbytes])
                 else:
                     out[c.dst:c.dst + c.nbytes] = part
             assert torch.equal(out, raw), (k, count, pad)

@@ -51,11 +51,12 @@ def test_crafted_corpus_is_refused_by_every_reader_naming_file_and_problem(tmp_p
     rows = _child([str(tmp_path / "corpus")])
 
     names = (set(corpus.SAFETENSORS_CASES) | set(corpus.SPARSE_CASES) | set(corpus.SPECIAL_CASES)
-             | set(corpus.PACKED_CASES) | set(corpus.CONFIG_CASES))
+             | set(corpus.PACKED_CASES) | set(corpus.COMPRESSED_CASES) | set(corpus.CONFIG_CASES))
     assert {r["case"] for r in rows} == names
     assert len(rows) == sum(len(corpus.KINDS[k]) for k, table in (
         ("file", corpus.SAFETENSORS_CASES), ("file", corpus.SPARSE_CASES), ("file", corpus.SPECIAL_CASES),
-        ("packed", corpus.PACKED_CASES), ("config", corpus.CONFIG_CASES)) for _ in table)
+        ("packed", corpus.PACKED_CASES), ("packed", corpus.COMPRESSED_CASES), ("config", corpus.CONFIG_CASES))
+        for _ in table)
     wrong = []
     for r in rows:
         if r["outcome"] != "refused":

@@ -34,6 +34,14 @@ def shared_units(tiers: dict[int, str], share: bool) -> frozenset[int]:
     return frozenset(i for i, t in tiers.items() if t != "disk") if share else frozenset()
 
 
+def in_shared_copy(forms: tuple[str, ...], share: bool, compression: str) -> dict[int, bool]:
+    """The units the host copy another process filled holds in a form this process can map (unit -> held encoded;
+    `HostFacts.shared_forms`): all of them, less the encoded ones where compression is off."""
+    if not share:
+        return {}
+    return {i: f != "none" for i, f in enumerate(forms) if f and (f == "none" or compression != "off")}
+
+
 def bounce_buffers(prefetch: int) -> int:
     """Pinned bounce buffers the read-ahead thread cycles: one per slot of the ring plus one being filled."""
     return prefetch + 2

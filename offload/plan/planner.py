@@ -27,7 +27,7 @@ import psutil
 from .plan_device import (DeviceMemoryError, PlanError, UnitPlan, across_devices, plan_by_cost,  # noqa: F401
                           plan_units, ring_slots, spread, want_bytes)
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
-                        bounce_buffers, host_ram_bytes, plan_host, plan_host_capped, shared_units)
+                        bounce_buffers, host_ram_bytes, in_shared_copy, plan_host, plan_host_capped, shared_units)
 from ..store.codec import CODEC
 from .plan_compress import choose_compressed
 from .ring_sim import UnitCosts, simulate_pass
@@ -55,14 +55,6 @@ class HostFacts:
     # the codec's name (encoded; `PlanFacts.packed_sizes` holds its size there). Facts: such a unit keeps that form
     shared_forms: tuple[str, ...] = ()
 
-    def in_copy(self, compression: str) -> dict[int, bool]:
-        """The units the shared host copy holds in a form this process can map (unit -> held encoded): all of them,
-        less the encoded ones where compression is off."""
-        if not self.share:
-            return {}
-        return {i: f != "none" for i, f in enumerate(self.shared_forms)
-                if f and (f == "none" or compression != "off")}
-
 
 @dataclass(frozen=True)
 class PlanFacts:
@@ -89,6 +81,8 @@ class PlanFacts:
     packed_sizes: tuple[int, ...] = ()  # per unit: its encoded size (measured or estimated; empty: unknown)
     host_forms: tuple[str, ...] = ()  # the forms in place when `host` is None ("none" or the codec's name)
     decode_scratch: int = 0  # device bytes a compressed unit's decode holds beside the slot
+    file_forms: tuple[str, ...] = ()  # per unit: the form its file stores it in (a packed folder's `pack --compress`
+    # units: the codec's name), which it streams in from the disk tier (empty: every unit stored raw)
 
     @property
     def scratch_bytes(self) -> int:
@@ -217,7 +211,9 @@ def make_plan(facts: PlanFacts) -> Plan:
     host = _host_plan(facts, messages) if facts.host is not None else None
     if host is not None:
         tiers = [host.tiers.get(i, "pinned") for i in range(len(facts.sizes))]
-        forms = [CODEC if i in host.compressed else "none" for i in range(len(facts.sizes))]
+        stored = facts.file_forms or ("none",) * len(facts.sizes)
+        forms = [CODEC if i in host.compressed else stored[i] if tiers[i] == "disk" else "none"
+                 for i in range(len(facts.sizes))]
     else:
         tiers = list(facts.host_tiers) or ["pinned"] * len(facts.sizes)
         forms = list(facts.host_forms) or ["none"] * len(facts.sizes)
@@ -296,7 +292,7 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
     candidate's tiers come from `_host_tiers` with its host sizes)."""
     h = facts.host
     said: dict[int, list[tuple[int, str]]] = {}
-    fixed = h.in_copy(facts.host_compression)
+    fixed = in_shared_copy(h.shared_forms, h.share, facts.host_compression)
 
     def plan_for(sizes: list[int]) -> HostPlan:
         notes: list[tuple[int, str]] = []
@@ -344,7 +340,7 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     pin_limit = h.pin_limit if h.pin else 0
     # the units the shared host copy holds already come first (RAM does not fill them from the disk tier's end);
     # under no hard ceiling they take nothing from the RAM available: their pages are in RAM already
-    fixed = h.in_copy(facts.host_compression)
+    fixed = in_shared_copy(h.shared_forms, h.share, facts.host_compression)
     order = sorted(fixed) + [i for i in range(len(sizes)) if i not in fixed] if fixed else None
     if h.hard:
         plan = plan_host_capped(sizes, rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,

@@ -9,7 +9,7 @@ remaining low bits (fp16's, fp8's mantissa bits) ride along raw in the same fiel
 bits, eight fields packed into `q` bytes. Decoding is one table gather per chunk: the fields one index covers (a
 packed byte, or a pair cut from a whole-byte group of straddling fields by a shift, an or and a mask) index a small
 table of their elements' words, top bytes in place and the other bytes zero, written straight into the slot; the
-other byte planes follow as strided copies and the escapes as a scatter (`_decode_coded`).
+other byte planes follow as strided copies and the escapes as a scatter (`chunk_decode.decode_chunk`).
 
 A unit's buffer is cut into chunks that tile it in order (`Chunk`): a coded chunk per run of at most
 `CHUNK_ELEMS` elements of a floating or byte dtype where coding pays, raw chunks for the rest (padding, small
@@ -19,11 +19,12 @@ buffer of its own, only the decode's scratch (`decode_scratch_bytes`).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+from .chunk_decode import bytes_to_int, decode_chunk
 
 CODEC = "expwin"  # the name reports carry in `compression`
 CHUNK_ELEMS = 1 << 22  # elements coded (and decoded) together: bounds the decode scratch, amortizes launches
@@ -128,23 +129,6 @@ def _pack_fields(field: torch.Tensor, q: int) -> torch.Tensor:
     return word.view(torch.uint8).view(-1, 8)[:, :q].reshape(-1)
 
 
-def _unpack_fields(packed: torch.Tensor, q: int, n: int) -> torch.Tensor:
-    """The inverse of `_pack_fields`: n fields (uint8, masked to q bits)."""
-    mask = (1 << q) - 1
-    if 8 % q == 0:
-        per = 8 // q
-        if per == 1:
-            return packed[:n]
-        parts = [(packed >> (m * q)) & mask for m in range(per)]
-        return torch.stack(parts, dim=1).reshape(-1)[:n]
-    groups = packed.numel() // q
-    wide = torch.zeros(groups, 8, dtype=torch.uint8, device=packed.device)
-    wide[:, :q] = packed.view(groups, q)
-    word = wide.view(torch.int64).reshape(-1)
-    parts = [(word >> (q * i)).to(torch.uint8) for i in range(8)]
-    return (torch.stack(parts, dim=1).reshape(-1)[:n]) & mask
-
-
 def _best_window(hist: torch.Tensor, ebits: int, n: int, fixed_bits: int) -> tuple[int, int, int, int]:
     """(k, base, escapes, encoded bytes) minimizing the coded size of a chunk with this exponent histogram."""
     span = 1 << ebits
@@ -216,18 +200,6 @@ def _runs(layout_leaves: Iterable, nbytes: int) -> list[tuple[int, int, torch.dt
 
 
 runs_of = _runs  # how the encoder cuts a unit (the most chunks it can give: a shared copy's header room)
-
-
-def valid_params(c: Chunk) -> bool:
-    """Whether a coded chunk's parameters are ones the encoder gives, its encoded size theirs (a chunk table read
-    from outside: a shared copy's header)."""
-    forms = {(e, s, r) for e, s, r in _FORMS.values()}
-    if (c.elem, c.sbits, c.rbits) not in forms or c.nbytes % c.elem or not 1 <= c.k <= 8 - c.sbits - c.rbits:
-        return False
-    n = c.nbytes // c.elem
-    ebits = 8 - c.sbits - c.rbits
-    return (0 <= c.base < 1 << ebits and 0 <= c.n_esc <= n
-            and c.size == (c.elem - 1) * n + (n + 7) // 8 * c.q + ESCAPE_BYTES * c.n_esc)
 
 
 def encode(raw: torch.Tensor, leaves: Iterable) -> Encoded:
@@ -329,135 +301,69 @@ def scratch_estimate(leaves: Iterable) -> int:
     return peak
 
 
-def _bytes_to_int(b: torch.Tensor, width: int) -> torch.Tensor:
-    """Little-endian unsigned integers from a (count, width) uint8 tensor, as int64 (zero-extended to 8 bytes)."""
-    wide = torch.zeros(b.shape[0], 8, dtype=torch.uint8, device=b.device)
-    wide[:, :width] = b
-    return wide.view(torch.int64).reshape(-1)
+# ---------------------------------------------------------------------------------------------------------------
+# the stored form of a unit's chunks (a packed model's index, `pack --compress`): untrusted when read back
+# ---------------------------------------------------------------------------------------------------------------
+
+_FIELDS = ("dst", "nbytes", "src", "size", "elem", "sbits", "rbits", "k", "base", "n_esc")
+_CODED_FORMS = {(e, s, r) for e, s, r in _FORMS.values()}
+MAX_CHUNKS = 1 << 20  # far more than any unit (CHUNK_ELEMS elements each) has
 
 
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_TABLES: dict[tuple, torch.Tensor] = {}  # (chunk parameters, fields per index, device) -> table (bounded)
-TABLE_BITS = 14  # the widest index a table takes (16K words: stays in the cache)
+def chunks_to_list(chunks: Iterable[Chunk]) -> list[list[int]]:
+    """The chunks as plain lists of integers (JSON), in `_FIELDS` order."""
+    return [[getattr(c, f) for f in _FIELDS] for c in chunks]
 
 
-def _group(q: int) -> tuple[int, int]:
-    """(fields, bytes) of the smallest run of q-bit fields that fills whole bytes: 8 // q fields in one byte where
-    q divides 8, four 6-bit fields in three bytes, eight odd-width fields in q bytes."""
-    g = 8 // math.gcd(q, 8)
-    return g, g * q // 8
+def coded_size(elem: int, sbits: int, rbits: int, k: int, n_esc: int, nbytes: int) -> int:
+    """Encoded bytes of a coded chunk of `nbytes` raw bytes: the other bytes' planes, the packed fields, escapes."""
+    n = nbytes // elem
+    return (elem - 1) * n + ((n + 7) // 8) * (sbits + rbits + k) + n_esc * ESCAPE_BYTES
 
 
-def _per_index(c: Chunk) -> int:
-    """Fields one table index covers: a whole group where it fits TABLE_BITS (a packed byte, for q dividing 8),
-    else as many of it as keep the index within TABLE_BITS; the word of their elements at most 8 bytes (0: none)."""
-    g, b = _group(c.q)
-    for f in (8, 4, 2, 1):
-        if g % f == 0 and f * c.q <= TABLE_BITS and f * c.elem <= 8 and (b == 1 and f == g or g // f % 2 == 0):
-            return f
-    return 0
+def chunks_from_list(value: object, nbytes: int, size: int) -> tuple[Chunk, ...]:
+    """Chunks read back from a stored index, checked so that decoding them can only write inside the unit's
+    `nbytes` raw bytes and read inside its `size` encoded bytes (`decode_into`'s invariants): raw ranges tile
+    [0, nbytes) in order, encoded ranges tile [0, size) in order, no chunk larger encoded than raw, every coded
+    chunk of a form the codec writes with its exact encoded size. Raises ValueError saying what is wrong."""
+    if not isinstance(value, list) or len(value) > MAX_CHUNKS:
+        raise ValueError("'chunks' is not a list of chunks")
+    out: list[Chunk] = []
+    dst = src = 0
+    for i, item in enumerate(value):
+        if (not isinstance(item, list) or len(item) != len(_FIELDS)
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)):
+            raise ValueError(f"chunk {i} is not {len(_FIELDS)} whole numbers >= 0 ({', '.join(_FIELDS)})")
+        c = Chunk(*item)
+        if c.dst != dst or c.src != src or c.nbytes <= 0 or c.size > c.nbytes:
+            raise ValueError(f"chunk {i} does not follow the one before it (raw bytes at {c.dst}, encoded at {c.src}; "
+                             f"expected {dst} and {src}) or is larger encoded than raw")
+        if c.coded:
+            ebits = 8 - c.sbits - c.rbits
+            if ((c.elem, c.sbits, c.rbits) not in _CODED_FORMS or not 1 <= c.k <= ebits or c.base >= 1 << ebits
+                    or c.nbytes % c.elem or c.n_esc > c.nbytes // c.elem
+                    or c.size != coded_size(c.elem, c.sbits, c.rbits, c.k, c.n_esc, c.nbytes)):
+                raise ValueError(f"chunk {i} is not a chunk the codec writes (form, code width, base, escapes or "
+                                 f"size)")
+        elif any((c.sbits, c.rbits, c.k, c.base, c.n_esc)) or c.size != c.nbytes:
+            raise ValueError(f"chunk {i} is a raw chunk with coding parameters or another size")
+        out.append(c)
+        dst, src = dst + c.nbytes, src + c.size
+    if dst != nbytes or src != size:
+        raise ValueError(f"the chunks cover {dst} raw and {src} encoded bytes, the unit has {nbytes} and {size}")
+    return tuple(out)
 
 
-def _table(c: Chunk, f: int, device: torch.device) -> torch.Tensor:
-    """For every index of f fields, the raw little-endian word of their f elements with every byte but the
-    elements' top bytes zero (the escape code maps to any byte: the escapes are scattered after)."""
-    key = (c.elem, c.sbits, c.rbits, c.k, c.base, f, str(device))
-    table = _TABLES.get(key)
-    if table is None:
-        v = torch.arange(1 << (f * c.q), dtype=torch.int64, device=device)  # built where it is used
-        word = torch.zeros_like(v)
-        ebits, mask = 8 - c.sbits - c.rbits, (1 << c.q) - 1
-        for m in range(f):
-            field = (v >> (m * c.q)) & mask
-            top = (((field & ((1 << c.k) - 1)) + c.base) & ((1 << ebits) - 1)) << c.rbits
-            top |= (field >> c.k) & ((1 << c.rbits) - 1)
-            if c.sbits:
-                top |= ((field >> (c.k + c.rbits)) & 1) << 7
-            word |= top << (8 * (c.elem * m + c.elem - 1))
-        if len(_TABLES) > 64:
-            _TABLES.clear()
-        table = _TABLES[key] = word.to(_WORDS[f * c.elem])  # narrowing keeps the low bytes
-    return table
-
-
-def _indices(packed: torch.Tensor, c: Chunk, f: int, n: int) -> torch.Tensor:
-    """The table indices of n elements' fields, f fields each, in element order (int32). Where fields straddle
-    bytes, each group of them that fills whole bytes (at most 7) is widened into an int64 word, and each pair of
-    its indices is spread into the two int32 halves of a word by one shift, an or and a mask (no strided writes)."""
-    g, b = _group(c.q)
-    groups = n // g
-    if b == 1 and f == g:  # the packed byte is the index
-        return packed[:groups].to(torch.int32)
-    wide = torch.zeros(groups, 8, dtype=torch.uint8, device=packed.device)
-    wide[:, :b] = packed[:groups * b].view(groups, b)
-    word = wide.view(torch.int64)  # (groups, 1): the group's fields, zero-extended
-    bits = f * c.q
-    mask = (1 << bits) - 1
-    pairs = []
-    for h in range(g // f // 2):
-        x = word if b * 8 <= 2 * bits else torch.bitwise_right_shift(word, 2 * bits * h).bitwise_and_(
-            (1 << 2 * bits) - 1)  # the pair's fields alone
-        pairs.append(torch.bitwise_left_shift(x, 32 - bits).bitwise_or_(x).bitwise_and_(mask | mask << 32))
-        del x
-    spread = pairs[0] if len(pairs) == 1 else torch.cat(pairs, dim=1)
-    return spread.view(torch.int32).reshape(-1)
-
-
-def _table_fits(c: Chunk, f: int, out: torch.Tensor) -> bool:
-    """Whether the table path applies: whole words of f elements (whole groups of eight where fields straddle
-    bytes) at an offset the word type can view."""
-    n = c.nbytes // c.elem
-    return f > 0 and n % _group(c.q)[0] == 0 and out.storage_offset() % (f * c.elem) == 0
-
-
-def _decode_coded(c: Chunk, payload: torch.Tensor, out: torch.Tensor, overlaps: bool = False) -> None:
-    """One coded chunk: `payload` its encoded bytes, `out` its raw bytes (both on the device; `overlaps`: the
-    payload lies inside `out`, so what is read after `out` is written is copied first). The top bytes go straight
-    into place by one table gather (fields decoded into words with every other byte zero), the other bytes are
-    strided copies of their planes, the escapes a scatter; chunks the table cannot take decode field by field."""
-    elem, q = c.elem, c.q
-    n = c.nbytes // elem
-    pos = (elem - 1) * n
-    packed = payload[pos:pos + (n + 7) // 8 * q]
-    pos += packed.numel()
-    esc = payload[pos:pos + 5 * c.n_esc]
-    f = _per_index(c)
-    cols = out.view(-1, elem)
-    if _table_fits(c, f, out):
-        idx = _indices(packed, c, f, n)
-        lows = payload[:pos - packed.numel()]
-        if overlaps:
-            lows, esc = lows.clone(), esc.clone()
-        torch.index_select(_table(c, f, out.device), 0, idx, out=out.view(_WORDS[f * elem]))
-        del idx
-    else:
-        if overlaps:
-            payload = payload.clone()
-            packed, esc = payload[packed_at(c):packed_at(c) + packed.numel()], payload[pos:pos + 5 * c.n_esc]
-        lows = payload[:(elem - 1) * n]
-        cols[:, elem - 1].copy_(_unpack_top(packed, c, n))
-    for j in range(elem - 1):
-        cols[:, j].copy_(lows[j * n:(j + 1) * n])
-    if c.n_esc:
-        where = _bytes_to_int(esc[:4 * c.n_esc].view(c.n_esc, 4), 4)
-        cols[:, elem - 1].index_put_((where,), esc[4 * c.n_esc:])
-
-
-def packed_at(c: Chunk) -> int:
-    """Where a coded chunk's packed fields start in its encoded bytes (after its raw planes)."""
-    return (c.elem - 1) * (c.nbytes // c.elem)
-
-
-def _unpack_top(packed: torch.Tensor, c: Chunk, n: int) -> torch.Tensor:
-    """The top bytes of n elements from fields that straddle bytes (uint8, escapes not yet in place)."""
-    k = c.k
-    field = _unpack_fields(packed, c.q, n)
-    top = field.bitwise_and((1 << k) - 1).add_(c.base).bitwise_and_((1 << (8 - c.sbits - c.rbits)) - 1)
-    if c.rbits:
-        top.bitwise_left_shift_(c.rbits).bitwise_or_(field.bitwise_right_shift(k).bitwise_and_((1 << c.rbits) - 1))
-    if c.sbits:
-        top.bitwise_or_(field.bitwise_right_shift(k + c.rbits).bitwise_left_shift_(7))
-    return top
+def check_escapes(enc: Encoded) -> None:
+    """Every escape position of a stored unit lies inside its chunk (checked on the CPU where a unit read from an
+    untrusted file is first decoded; the device decode also clamps them). Raises ValueError."""
+    for c in enc.chunks:
+        if c.coded and c.n_esc:
+            n = c.nbytes // c.elem
+            start = c.src + c.size - ESCAPE_BYTES * c.n_esc
+            where = bytes_to_int(enc.blob[start:start + 4 * c.n_esc].view(c.n_esc, 4), 4)
+            if int(where.max()) >= n:
+                raise ValueError(f"an escape of the chunk at raw byte {c.dst} points past its {n} elements")
 
 
 def decode_into(buf: torch.Tensor, chunks: Iterable[Chunk], nbytes: int, size: int) -> None:
@@ -473,7 +379,7 @@ def decode_into(buf: torch.Tensor, chunks: Iterable[Chunk], nbytes: int, size: i
             payload = buf[a:a + c.size]
             out = buf[c.dst:c.dst + c.nbytes]
             if c.coded:
-                _decode_coded(c, payload, out, overlaps=a < c.dst + c.nbytes)
+                decode_chunk(c, payload, out, overlaps=a < c.dst + c.nbytes)
             else:
                 out.copy_(payload.clone() if a < c.dst + c.nbytes else payload)
 

@@ -23,7 +23,7 @@ import torch
 
 from ..model.layout import Leaf, TensorLayout
 from . import codec
-from .sources import BounceReader
+from .sources import BounceReader, DiskSource
 from .spill import SpillFile
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,62 @@ class CompressedSource:
                                   then=lambda event: self.backend.then(event, decode))
 
 
+class StoredDiskSource:
+    """A disk-tier unit stored compressed in a packed folder (`pack --compress`): its encoded bytes read from the
+    shard into bounce buffers, copied into the tail of the slot, decoded on the device as `CompressedSource` does."""
+
+    tier = "disk"
+    compression = codec.CODEC
+
+    def __init__(self, file: Any, unit: Any, nbytes: int, reader: BounceReader, backend: Any) -> None:
+        self.file = file
+        self.unit = unit  # index_check.StoredUnit
+        self.nbytes = nbytes  # the slot's bytes (the unit's raw bytes fit in them)
+        self.reader = reader
+        self.backend = backend
+        self.reads = 0
+        self.read_ms = 0.0
+
+    def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
+        t0 = time.perf_counter()
+        try:
+            return self.file.read_stored(self.unit, buf, start, end)
+        finally:
+            self.read_ms += (time.perf_counter() - t0) * 1e3
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        self.reads += 1
+        u = self.unit
+
+        def decode() -> None:
+            codec.decode_into(dst, u.chunks, u.nbytes, u.stored)
+
+        return self.reader.submit(self._fill, u.stored, dst[u.nbytes - u.stored:u.nbytes], after,
+                                  then=lambda event: self.backend.then(event, decode))
+
+
+_said_layout: set[str] = set()
+
+
+def disk_source(file: Any, keys: list[str], leaves: list[Leaf], nbytes: int, reader: BounceReader,
+                backend: Any) -> Any:
+    """The source of a disk-tier unit: its encoded bytes decoded on the device where the file stores it compressed
+    laid out as the unit is (`StoredDiskSource`), else its bytes as stored (`DiskSource`; a unit stored compressed
+    but laid out otherwise is then decoded on the CPU, said once per file)."""
+    pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
+    stored_unit = getattr(file, "stored_unit", None)
+    unit = stored_unit(pieces, nbytes) if stored_unit is not None else None
+    if unit is not None:
+        return StoredDiskSource(file, unit, nbytes, reader, backend)
+    if stored_unit is not None and any(file.stored_name(k) is not None for k in keys) \
+            and str(file.path) not in _said_layout:
+        _said_layout.add(str(file.path))
+        log.warning("%s: blocks stored compressed are laid out unlike the model's, so they are decoded on the CPU "
+                    "each time they stream (slow); pack them from the offloaded model (OffloadHandle.pack(..., "
+                    "compress=True)) to decode them on the device", file.path)
+    return DiskSource(file, keys, leaves, nbytes, reader)
+
+
 def estimate_layout_size(layout: TensorLayout, sample_elems: int = 1 << 16) -> int:
     """A unit's encoded size before anything is encoded: each codable tensor sampled evenly (a tensor still on the
     meta device is estimated from its dtype)."""
@@ -153,7 +209,8 @@ def unit_compression(staged: Any) -> str:
 
 
 def source_compression(source: Any) -> str:
-    return source.compression if isinstance(source, CompressedSource) else "none"
+    """The form a unit's bytes stream in: the codec's name (held compressed, or stored so in a packed folder)."""
+    return getattr(source, "compression", "none")
 
 
 def master_written(source: Any) -> None:
@@ -205,11 +262,13 @@ def stage_compressed(layout: TensorLayout, sources: list[torch.Tensor], encoded_
 
 def stage_unit_compressed(layout: TensorLayout, file: Any, keys: list[str] | None, spill: SpillFile,
                           alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool, encode: bool,
-                          copy: Any = None, index: int = -1) -> tuple[torch.Tensor, bool, Any, Any]:
+                          copy: Any = None, index: int = -1, encoded_in: codec.Encoded | None = None,
+                          ) -> tuple[torch.Tensor, bool, Any, Any]:
     """(raw master viewing the spill map, pinned, encoding, the shared host copy holding the blob or None) for one
     unit. Leaves on the meta device are read from `file`. With `copy` (the host copy shared between processes,
     `shared_host.SharedHostCopy`), its filler puts the blob there; a joiner takes the blob the copy holds for unit
-    `index` (`stage_shared_compressed`); where the copy cannot hold it or holds other bytes, the blob is private."""
+    `index` (`stage_shared_compressed`); where the copy cannot hold it or holds other bytes, the blob is private.
+    `encoded_in`: the unit's encoding as a packed folder stores it (not encoded again)."""
     shared = copy.encoded_unit(index) if copy is not None else None
     if shared is not None:
         host = stage_shared_compressed(layout, shared, set(copy.file_leaves.get(index, ())), spill)
@@ -219,7 +278,7 @@ def stage_unit_compressed(layout: TensorLayout, file: Any, keys: list[str] | Non
     from_file = [i for i, src in enumerate(layout.sources()) if src.is_meta or layout.leaves[i].meta]
     sources = [file.read_tensor(keys[i]) if i in from_file else src for i, src in enumerate(layout.sources())]
     put = (lambda enc: copy.put_encoded(index, enc, from_file)) if copy is not None and copy.filler else None
-    host, _, pinned, encoded = stage_compressed(layout, sources, None, spill, alloc_host, pin, encode, put)
+    host, _, pinned, encoded = stage_compressed(layout, sources, encoded_in, spill, alloc_host, pin, encode, put)
     return host, pinned, encoded, copy if put is not None and index in copy.encoded else None
 
 

@@ -17,8 +17,9 @@ from typing import Any, Callable
 import torch
 
 from ..model.blocks import KNOWN_BLOCK_LISTS
-from ..model.layout import ALIGN, align
-from .packed import FORMAT, INDEX, UNIT_ALIGN, VERSION, PackedWeights
+from ..model.layout import ALIGN, Leaf, align
+from . import codec
+from .packed import FORMAT, INDEX, UNIT_ALIGN, PackedWeights
 from .header_check import CorruptFileError, name_of
 from .storage import SafetensorsFile, _writable_bytes
 
@@ -173,10 +174,19 @@ class _ShardWriter:
             self.fd = -1
 
 
+def _encoded(unit: PackUnit, buf: torch.Tensor) -> codec.Encoded | None:
+    """The unit's bytes in the codec's lossless form, or None where that does not pay (it is stored raw)."""
+    enc = codec.encode(buf, [Leaf(t.offset, t.nbytes, t.dtype, t.shape, None) for t in unit.tensors])
+    return enc if enc.size < codec.UNIT_PAYS * unit.nbytes else None
+
+
 def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
                  other: list[tuple[PackTensor, Callable[[], torch.Tensor]]], names: set[str],
-                 shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, source: str | None = None) -> Path:
-    """Write `units` (in this order) and the `other` tensors as a packed folder; returns the index path."""
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, source: str | None = None,
+                 compress: bool = False) -> Path:
+    """Write `units` (in this order) and the `other` tensors as a packed folder; returns the index path.
+    `compress`: each unit whose lossless encoding pays is stored encoded (index version 2; its tensors' offsets are
+    then within the unit's raw bytes); the other tensors stay raw."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder")
@@ -194,14 +204,20 @@ def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
     index_other: list[dict[str, Any]] = []
     try:
         for unit in units:
-            path, start = writer.place(unit.nbytes, UNIT_ALIGN)
             buf = torch.zeros(unit.nbytes, dtype=torch.uint8)
             unit.fill(buf)
-            writer.write(buf)
-            del buf
-            index_units.append({"name": unit.name, "path": path, "offset": start, "nbytes": unit.nbytes,
-                                "tensors": [_entry(t, start + t.offset, scale_for(t.name, t.dtype, names))
-                                            for t in unit.tensors]})
+            enc = _encoded(unit, buf) if compress else None
+            data = buf if enc is None else enc.blob
+            path, start = writer.place(data.numel(), UNIT_ALIGN)
+            writer.write(data)
+            del buf, data
+            entry = {"name": unit.name, "path": path, "offset": start, "nbytes": unit.nbytes}
+            base = start
+            if enc is not None:  # tensors' offsets within the raw bytes the chunks decode to
+                entry.update(compression=codec.CODEC, stored=enc.size, chunks=codec.chunks_to_list(enc.chunks))
+                base = 0
+            entry["tensors"] = [_entry(t, base + t.offset, scale_for(t.name, t.dtype, names)) for t in unit.tensors]
+            index_units.append(entry)
         for t, read in other:
             path, start = writer.place(t.nbytes, ALIGN)
             data = read().contiguous().reshape(-1).view(torch.uint8)
@@ -212,7 +228,8 @@ def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
             index_other.append({"name": entry.pop("name"), "path": path, **entry})
     finally:
         writer.close()
-    index = {"format": FORMAT, "version": VERSION, "alignment": UNIT_ALIGN, "source": source,
+    version = 2 if any("compression" in u for u in index_units) else 1  # a plain pack stays readable by version 1
+    index = {"format": FORMAT, "version": version, "alignment": UNIT_ALIGN, "source": source,
              "shards": writer.shards, "units": index_units, "other": index_other}
     fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".json.tmp", dir=out)  # O_EXCL | O_NOFOLLOW, ours alone
     try:
@@ -246,12 +263,13 @@ def create_new(path: Path) -> int:
 
 def pack_file(src: str | os.PathLike | SafetensorsFile, out_dir: str | os.PathLike,
               units: list[tuple[str, list[tuple[str, int]]]] | None = None, order: list[str] | None = None,
-              shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> Path:
+              shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, compress: bool = False) -> Path:
     """Pack a safetensors file (or an open one) into `out_dir`; returns the index path.
 
     `units`: (unit name, [(key, offset in the unit)]) in execution order, e.g. from a model's layouts; by default
     they are grouped from the key names (`group_units`), tensors at 512-byte aligned offsets in the file's order.
     `order`: unit names in execution order (the units it does not name follow in their own order).
+    `compress`: units stored losslessly compressed where that pays (`write_packed`).
     """
     file = src if isinstance(src, (SafetensorsFile, PackedWeights)) else SafetensorsFile(src)
     try:
@@ -279,14 +297,14 @@ def pack_file(src: str | os.PathLike | SafetensorsFile, out_dir: str | os.PathLi
         other = [(PackTensor(k, 0, file.tensors[k].dtype, tuple(file.tensors[k].shape)),
                   lambda k=k: file.read_tensor(k)) for k in keys if k not in taken]
         return write_packed(out_dir, _order_units(plan, order), other, set(keys), shard_bytes, overwrite,
-                            source=Path(file.path).name)
+                            source=Path(file.path).name, compress=compress)
     finally:
         if file is not src:
             file.close()
 
 
 def pack_handle(handle: Any, out_dir: str | os.PathLike, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, compress: bool = False) -> Path:
     """Pack an offloaded model: its units in the call order the engine learned (units never seen streaming keep
     their place after the unit before them), each unit laid out exactly as the engine's flat buffer, so a unit read
     back is one read straight into a bounce buffer. Bytes come from the host masters (or the disk-tier file)."""
@@ -315,7 +333,8 @@ def pack_handle(handle: Any, out_dir: str | os.PathLike, shard_bytes: int = DEFA
                   lambda v=views[e.recipe]: v.clone())
                  for e in rest.layout.entries if not _non_persistent(e)]
         names = {t.name for u in plan for t in u.tensors} | {t.name for t, _ in other}
-        return write_packed(out_dir, plan, other, names, shard_bytes, overwrite, source=handle.name)
+        return write_packed(out_dir, plan, other, names, shard_bytes, overwrite, source=handle.name,
+                            compress=compress)
 
 
 def _non_persistent(entry: Any) -> bool:

@@ -15,6 +15,14 @@ packed from a handle (`layout.plan_layout`: 512-byte aligned leaves), so a unit 
 buffer. `dtype` uses the safetensors names (`F32`, `BF16`, `F8_E4M3`...); `scale` names the scale tensor a float8
 weight goes with, else null. Bytes are those of the source, bit for bit; padding is zeros.
 
+Version 2 (`pack --compress`): a unit whose lossless encoding pays (`codec.py`) is stored encoded and its entry adds
+`"compression": "expwin", "stored": <encoded bytes at offset>, "chunks": [[dst, nbytes, src, size, elem, sbits,
+rbits, k, base, n_esc], ...]` (`codec.chunks_to_list`); its tensors' `offset`s are then within the unit's `nbytes`
+raw bytes. A disk-tier unit laid out as stored (the engine lays a unit out in its stored order) streams its encoded
+bytes and the device decodes them in the slot (`compressed.StoredDiskSource`); otherwise `read_into` decodes on the
+CPU. Between passes its tensors view a copy-on-write map of its decoded bytes, written once to a spill file
+(`spill.py`). A folder without compressed units is written as version 1.
+
 This module reads the format; `pack_writer.py` writes it (`pack_file`, `pack_handle`).
 `PackedWeights` reads a packed folder with the same interface the engine uses on `SafetensorsFile` (tensors, match,
 aligned, view, read_tensor, read_into, read_range, check_unchanged, close): each shard is read by a
@@ -27,13 +35,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .header_check import (MAX_HEADER_BYTES, PACKED_FORMAT, PACKED_VERSION, CorruptFileError, FileTensor,
-                           check_inside, check_packed_index, read_json_object)
+from . import codec
+from .header_check import MAX_HEADER_BYTES, CorruptFileError, FileTensor, read_json_object
+from .index_check import PACKED_FORMAT, PACKED_VERSION, StoredUnit, check_inside, check_packed_index
+from .spill import SpillFile
 from .storage import SafetensorsFile, _writable_bytes
 
 INDEX = "index.json"
@@ -84,9 +95,16 @@ class PackedWeights:
         self.other: list[dict[str, Any]] = index.other
         self.tensors: dict[str, FileTensor] = index.tensors
         self._shard_of: dict[str, str] = index.shard_of
+        self.stored: dict[str, StoredUnit] = index.stored  # units stored compressed (`pack --compress`)
+        self._unit_of: dict[str, str] = index.unit_of  # their tensors (offsets within the unit's raw bytes)
+        self._decoded: tuple[str, torch.Tensor] | None = None  # the last unit decoded on the CPU
+        self._decode_lock = threading.Lock()  # staging and the read-ahead thread may both decode
+        self._spill: SpillFile | None = None
+        self._spilled: dict[str, torch.Tensor] = {}  # decoded units the modules view between passes
         by_shard: dict[str, dict[str, FileTensor]] = {p: {} for p in sizes}
         for name, shard in self._shard_of.items():
-            by_shard[shard][name] = self.tensors[name]
+            if name not in self._unit_of:
+                by_shard[shard][name] = self.tensors[name]
         for shard in sizes:
             check_inside(self.path, shard, index_path)  # a regular file, not a link leading out of the folder
         self._shards: dict[str, _Shard] = {}
@@ -132,26 +150,127 @@ class PackedWeights:
     def _by_shard(self, pieces: list[tuple[str, int]]) -> dict[str, list[tuple[str, int]]]:
         out: dict[str, list[tuple[str, int]]] = {}
         for key, off in pieces:
-            out.setdefault(self._shard_of[key], []).append((key, off))
+            if key not in self._unit_of:
+                out.setdefault(self._shard_of[key], []).append((key, off))
         return out
 
     def read_into(self, dst: torch.Tensor, pieces: list[tuple[str, int]]) -> int:
-        """As SafetensorsFile.read_into: a unit packed in one shard is one positioned read."""
-        return sum(self._shards[s].read_into(dst, p) for s, p in self._by_shard(pieces).items())
+        """As SafetensorsFile.read_into: a unit packed in one shard is one positioned read (a unit stored compressed:
+        read and decoded on the CPU; `stored_unit` finds the units the device can decode itself)."""
+        return (sum(self._shards[s].read_into(dst, p) for s, p in self._by_shard(pieces).items())
+                + self._read_decoded(dst, pieces, 0, dst.numel(), whole=True))
 
     def read_range(self, dst: torch.Tensor, pieces: list[tuple[str, int]], start: int, end: int) -> int:
         """As SafetensorsFile.read_range."""
-        return sum(self._shards[s].read_range(dst, p, start, end) for s, p in self._by_shard(pieces).items())
+        return (sum(self._shards[s].read_range(dst, p, start, end) for s, p in self._by_shard(pieces).items())
+                + self._read_decoded(dst, pieces, start, end))
 
     def read_tensor(self, key: str) -> torch.Tensor:
-        return self.shard(key).read_tensor(key)
+        unit = self._unit_of.get(key)
+        if unit is None:
+            return self.shard(key).read_tensor(key)
+        ft = self.tensors[key]
+        return self._raw(unit)[ft.start:ft.end].clone().view(ft.dtype).view(ft.shape)
 
     def view(self, key: str) -> torch.Tensor:
-        return self.shard(key).view(key)
+        """As SafetensorsFile.view; a tensor of a unit stored compressed views a copy-on-write map of its decoded
+        bytes, written once to a spill file (`spill.py`): the file's own bytes are encoded."""
+        unit = self._unit_of.get(key)
+        if unit is None:
+            return self.shard(key).view(key)
+        with self._decode_lock:
+            flat = self._spilled.get(unit)
+        if flat is None:
+            raw = self._raw(unit)
+            with self._decode_lock:
+                if unit not in self._spilled:
+                    self._spill = self._spill or SpillFile()
+                    self._spilled[unit] = self._spill.put(raw)
+                flat = self._spilled[unit]
+        ft = self.tensors[key]
+        return flat[ft.start:ft.end].view(ft.dtype).view(ft.shape)
+
+    # units stored compressed --------------------------------------------------------
+    def stored_name(self, key: str) -> str | None:
+        """The unit stored compressed that holds tensor `key`, or None."""
+        return self._unit_of.get(key)
+
+    def stored_unit(self, pieces: list[tuple[str, int]], nbytes: int) -> StoredUnit | None:
+        """The unit stored compressed that `pieces` (key, offset in a buffer of `nbytes`) lay out exactly as it was
+        packed (every tensor of it, each at its packed offset): its encoded bytes can be copied to the device and
+        decoded there. None otherwise (a plain unit, or laid out otherwise: `read_into` decodes on the CPU)."""
+        if not pieces:
+            return None
+        unit = self.stored.get(self._unit_of.get(pieces[0][0], ""))
+        if unit is None or unit.nbytes > nbytes or {k for k, _ in pieces} != set(unit.keys) \
+                or len(pieces) != len(unit.keys):
+            return None
+        return unit if all(self.tensors[k].start == off for k, off in pieces) else None
+
+    def read_stored(self, unit: StoredUnit, dst: torch.Tensor, start: int, end: int) -> int:
+        """Read the encoded bytes [start, end) of a unit stored compressed into `dst[:end - start]` (one positioned
+        read); returns the bytes read. Raises if the shard changed."""
+        shard = self._shards[unit.shard]
+        if not 0 <= start <= end <= unit.stored:
+            raise CorruptFileError(f"{self.path}: refused to read bytes [{start}, {end}) of the {unit.stored} "
+                                   f"encoded bytes of {unit.name!r}")
+        shard._read_at(dst[:end - start], unit.offset + start)
+        shard.check_unchanged()
+        return end - start
+
+    def encoded(self, unit: StoredUnit) -> codec.Encoded:
+        """A unit stored compressed as the codec's `Encoded` in RAM, its escapes checked (the index was checked at
+        open: decoding it writes only inside the unit)."""
+        blob = torch.empty(unit.stored, dtype=torch.uint8)
+        self.read_stored(unit, blob, 0, unit.stored)
+        enc = codec.Encoded(blob, unit.chunks, unit.nbytes)
+        try:
+            codec.check_escapes(enc)
+        except ValueError as exc:
+            raise self._fail(f"unit {unit.name!r}: {exc}") from None
+        return enc
+
+    def _raw(self, name: str) -> torch.Tensor:
+        """The decoded bytes of a unit stored compressed (the last one decoded is kept for the next tensor)."""
+        with self._decode_lock:
+            if self._decoded is not None and self._decoded[0] == name:
+                return self._decoded[1]
+        raw = codec.decode(self.encoded(self.stored[name]))
+        with self._decode_lock:
+            self._decoded = (name, raw)
+        return raw
+
+    def _read_decoded(self, dst: torch.Tensor, pieces: list[tuple[str, int]], start: int, end: int,
+                      whole: bool = False) -> int:
+        """The pieces of units stored compressed, decoded on the CPU, into `dst` (bytes [start, end) of the
+        buffer `pieces` lay out; `whole`: `dst` is that whole buffer); returns the encoded bytes read."""
+        done, read = set(), 0
+        for key, off in pieces:
+            unit = self._unit_of.get(key)
+            if unit is None:
+                continue
+            ft = self.tensors[key]
+            n = ft.end - ft.start
+            if off < 0 or (whole and off + n > dst.numel()):
+                raise CorruptFileError(f"{self.path}: {key!r} ({n} bytes) does not fit its place at byte {off}; "
+                                       f"the packed model does not match the model's layout")
+            lo, hi = max(start, off), min(end, off + n)
+            if lo >= hi:
+                continue
+            raw = self._raw(unit)
+            dst[lo - start:hi - start].copy_(raw[ft.start + lo - off:ft.start + hi - off])
+            if unit not in done:
+                done.add(unit)
+                read += self.stored[unit].stored
+        return read
 
     def close(self) -> None:
         for s in self._shards.values():
             s.close()
+        self._decoded = None
+        self._spilled.clear()
+        if self._spill is not None:
+            self._spill.close()
 
 
 def is_packed(path: str | os.PathLike) -> bool:

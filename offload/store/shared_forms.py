@@ -3,7 +3,8 @@ and its form (raw, or the codec's encoded form with its chunk table). `shared_ho
 here touches the segment itself.
 
 A joining process trusts no field it reads: offsets and sizes must match its own layout, and an encoded unit's chunks
-must tile its raw bytes in order and lie within its encoded size (`read_chunks`), or the segment is not used.
+must be ones the codec writes, tiling its raw and encoded bytes in order (`codec.chunks_from_list`, as for a packed
+file's index), or the segment is not used.
 """
 from __future__ import annotations
 
@@ -13,35 +14,12 @@ from typing import Any
 from ..model.layout import TensorLayout
 from . import codec
 
-_FIELDS = ("dst", "nbytes", "src", "size", "elem", "sbits", "rbits", "k", "base", "n_esc")
-_CHUNK_ROOM = 16 + 21 * len(_FIELDS)  # the most one chunk's JSON takes (ten 64-bit integers and separators)
-
-
-def chunk_fields(c: codec.Chunk) -> list[int]:
-    return [int(getattr(c, f)) for f in _FIELDS]
+_CHUNK_ROOM = 16 + 21 * 10  # the most one chunk's JSON takes (ten 64-bit integers and separators)
 
 
 def chunk_room(layout: TensorLayout) -> int:
     """Header bytes one unit's chunk table may take at the most (its runs, as the encoder cuts them)."""
     return _CHUNK_ROOM * (len(codec.runs_of(layout.leaves, layout.nbytes)) + 1)
-
-
-def read_chunks(rows: Any, nbytes: int, size: int) -> tuple[codec.Chunk, ...]:
-    """The chunk table of an encoded unit, checked: the chunks tile [0, nbytes) in order, none is larger encoded
-    than raw, each reads within [0, size) (ValueError otherwise)."""
-    chunks, pos = [], 0
-    for row in rows:
-        if len(row) != len(_FIELDS):
-            raise ValueError("a chunk of the wrong width")
-        c = codec.Chunk(*(int(v) for v in row))
-        if (c.dst != pos or c.nbytes <= 0 or not 0 <= c.src <= c.src + c.size <= size or c.size > c.nbytes
-                or (c.coded and not codec.valid_params(c))):
-            raise ValueError("a chunk out of place")
-        chunks.append(c)
-        pos += c.nbytes
-    if pos != nbytes:
-        raise ValueError("chunks that do not tile the unit")
-    return tuple(chunks)
 
 
 def header_json(key: str, offsets: dict[int, int], sizes: dict[int, int], layouts: list[TensorLayout],
@@ -56,7 +34,7 @@ def header_json(key: str, offsets: dict[int, int], sizes: dict[int, int], layout
                                 "file_leaves": leaves or []}
         if full or i in (encoded or {}):
             size, chunks = (sizes[i], ()) if full else encoded[i]
-            unit.update(form=codec.CODEC, size=size, chunks=[chunk_fields(c) for c in chunks])
+            unit.update(form=codec.CODEC, size=size, chunks=codec.chunks_to_list(chunks))
         units.append(unit)
     return json.dumps({"key": key, "units": units}).encode()
 
@@ -80,7 +58,7 @@ def parse_header(body: bytes, key: str, offsets: dict[int, int], sizes: dict[int
                     size = int(u["size"])
                     if u["form"] != codec.CODEC or not 0 <= size <= sizes[i]:
                         return None
-                    encoded[i] = (size, read_chunks(u["chunks"], sizes[i], size))
+                    encoded[i] = (size, codec.chunks_from_list(u["chunks"], sizes[i], size))
         return out, encoded
     except (ValueError, KeyError, TypeError):
         return None

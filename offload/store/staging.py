@@ -22,11 +22,13 @@ from ..model.blocks import Unit
 from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
 from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
 from ..model.trainable import trainable_in_blocks
-from .compressed import CompressedSource, bind_master, stage_unit_compressed
+from .compressed import CompressedSource, bind_master, disk_source, stage_unit_compressed
 from .shared_host import SharedHostCopy, SharedSource, SharedUnit
-from .sources import BouncedSource, BounceReader, DiskSource, HostSource, UnitSource
+from .file_keys import (file_keys, file_keys_holding, in_stored_order, key_namer, meta_file_keys,
+                        non_persistent_buffer, persistent_buffers_from_file, stored_unit_of)
+from .sources import BouncedSource, BounceReader, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
-from .storage import CorruptFileError, SafetensorsFile
+from .storage import SafetensorsFile
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +67,10 @@ class StagingBuffer:
                    index: int = -1) -> "StagingBuffer":
         """Hold the unit compressed in RAM, its modules viewing the spill map (`compressed.stage_unit_compressed`: with
         `copy`, its blob in the host copy shared between processes); without `encode`, the spill map alone."""
+        stored = stored_unit_of(file, keys, layout) if encode else None  # stored compressed: its encoding as is
+        encoded = file.encoded(stored) if stored is not None and stored.nbytes == layout.nbytes else None
         host, pinned, encoded, segment = stage_unit_compressed(layout, file, keys, spill, alloc_host, pin, encode,
-                                                               copy, index)
+                                                               copy, index, encoded)
         return cls(layout, host, pinned, bind_master(layout, host), encoded=encoded, spilled=True, segment=segment)
     shared: SharedUnit | None = None  # the host copy shared between processes (`host` is this process's view)
 
@@ -212,106 +216,6 @@ def shared_tensor_ids(model: nn.Module, units: list[Unit]) -> set[int]:
     return shared
 
 
-def _key_namer(model: nn.Module) -> Callable[[nn.Module, str], str]:
-    paths: dict[int, str] = {}
-    for path, mod in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(mod), path)
-
-    def key_of(sub: nn.Module, name: str) -> str:
-        return f"{paths[id(sub)]}.{name}" if paths.get(id(sub)) else name
-
-    return key_of
-
-
-def _entry_name(file: SafetensorsFile, entry: Any, key_of: Callable[[nn.Module, str], str]) -> str:
-    """The state-dict name a tensor is saved under: of a tensor several modules share (tied embeddings), the name
-    the file holds (`safetensors.torch.save_model` keeps one of them), else the first."""
-    names = [key_of(mod, attr) for mod, attr, _ in entry.locations]
-    if len(names) > 1:
-        for name in names:
-            if any(k == name or k.endswith("." + name) for k in file.tensors):
-                return name
-    return names[0]
-
-
-def _file_keys(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str]) -> list[str]:
-    return file.match([_entry_name(file, e, key_of) for e in layout.entries], layout.leaves)
-
-
-def _meta_file_keys(file: SafetensorsFile, layout: TensorLayout,
-                    key_of: Callable[[nn.Module, str], str]) -> list[str | None]:
-    """The file key of every leaf still on the meta device (None for the others: already in RAM, such as the
-    recomputed non-persistent buffers, which no checkpoint holds)."""
-    meta = [e for e in layout.entries if layout.leaves[e.recipe].meta]
-    matched = file.match([_entry_name(file, e, key_of) for e in meta], [layout.leaves[e.recipe] for e in meta])
-    keys: list[str | None] = [None] * len(layout.leaves)
-    for entry, key in zip(meta, matched):
-        keys[entry.recipe] = key
-    return keys
-
-
-def persistent_buffers_from_file(file: SafetensorsFile, layouts: list[TensorLayout],
-                                 key_of: Callable[[nn.Module, str], str]) -> int:
-    """A model being loaded from its file (some tensor is on the meta device) takes every persistent buffer the file
-    holds from the file, as `load_state_dict` would: a buffer the init left real (accelerate's `init_empty_weights()`
-    keeps buffers real by default) holds the constructor's value, not the checkpoint's (BatchNorm running stats).
-    Their leaves are marked to be read from the file like meta ones; a buffer the file lacks keeps its value."""
-    suffixes = set()
-    for key in file.tensors:
-        parts = key.split(".")
-        suffixes.update(".".join(parts[j:]) for j in range(len(parts)))
-    marked = 0
-    for layout in layouts:
-        if not layout.plain:
-            continue  # a tensor subclass or a strided leaf: no file can fill it, so its buffers stay as they are
-        for entry in layout.entries:
-            leaf = layout.leaves[entry.recipe]
-            if leaf.meta or not all(kind == "buffer" and name not in mod._non_persistent_buffers_set
-                                    for mod, name, kind in entry.locations):
-                continue
-            if _entry_name(file, entry, key_of) in suffixes:
-                leaf.meta = True
-                marked += 1
-    if marked:
-        log.info("%d persistent buffer(s) come from %s (the model is being loaded from it)", marked, file.path)
-    return marked
-
-
-def _non_persistent(layout: TensorLayout) -> str | None:
-    """The name of a non-persistent buffer in the layout (no checkpoint holds it), if any."""
-    for entry in layout.entries:
-        for mod, name, kind in entry.locations:
-            if kind == "buffer" and name in mod._non_persistent_buffers_set:
-                return name
-    return None
-
-
-def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
-                      strict: bool = False, refused: list[str] | None = None) -> list[str] | None:
-    """The file keys of a unit whose current tensors the file holds byte for byte. When it does not (another dtype,
-    keys, or values: ComfyUI may cast or convert weights when it loads a file): CorruptFileError when `strict`,
-    else None (logged), and the unit stays in RAM. A unit holding a non-persistent buffer (in no checkpoint, so not
-    in the file) stays in RAM without complaint."""
-    buffer = _non_persistent(layout)
-    if buffer is not None:
-        log.debug("a block with the non-persistent buffer %r stays in RAM (no checkpoint holds it)", buffer)
-        return None
-    try:
-        keys = _file_keys(file, layout, key_of)
-        for key, src in zip(keys, layout.sources()):
-            if not torch.equal(src.reshape(-1).view(torch.uint8), file.read_tensor(key).reshape(-1).view(torch.uint8)):
-                raise CorruptFileError(f"{file.path}: {key!r} holds other values than the model's weight")
-    except CorruptFileError as exc:
-        if strict:
-            raise
-        if refused is not None:
-            refused.append(str(exc))  # the caller logs one line for all of them
-        else:
-            log.warning("not streaming a block from disk: %s; it stays in RAM", exc)
-        return None
-    return keys
-
-
 @dataclass
 class ModelLayout:
     """A model laid out for staging, nothing changed yet: each unit's layout, the rest's, and what the file holds."""
@@ -349,14 +253,15 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     shared |= {id(p) for p in trainable_in_blocks([u.module for u in units], shared)}
     layouts: list[TensorLayout] = []
     in_units: set[tuple[int, str, str]] = set()
+    key_of = key_namer(model)
     for unit in units:
-        tensors = [t for t in unit_tensors(unit.module) if id(t[3]) not in shared]
+        tensors = in_stored_order([t for t in unit_tensors(unit.module) if id(t[3]) not in shared], file, key_of)
         in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
         layouts.append(plan_layout(tensors))
         del tensors
     rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
                                if (id(sub), name, kind) not in in_units])
-    laid = ModelLayout(units, layouts, rest_layout, file, _key_namer(model), file_optional)
+    laid = ModelLayout(units, layouts, rest_layout, file, key_of, file_optional)
     if file is not None and any(leaf.meta for layout in layouts + [rest_layout] for leaf in layout.leaves):
         persistent_buffers_from_file(file, layouts + [rest_layout], laid.key_of)
     for i, layout in enumerate(layouts):
@@ -364,16 +269,16 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
         if any(leaf.meta for leaf in layout.leaves):
             if file is None or not _fillable(layout):
                 _refuse_meta(units[i].name, layout, file)
-            laid.keys[i] = _meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
+            laid.keys[i] = meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
             # part of the unit is in RAM already (recomputed buffers): no file view; a misaligned tensor neither
             ok = ok and all(k is not None for k in laid.keys[i]) and all(file.aligned(k) for k in laid.keys[i])
-        elif (file is not None and not file_optional and layout.plain and _non_persistent(layout) is None):
-            _file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
+        elif (file is not None and not file_optional and layout.plain and non_persistent_buffer(layout) is None):
+            file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
         laid.disk_ok.append(ok)
     if any(leaf.meta for leaf in rest_layout.leaves):
         if file is None or not _fillable(rest_layout):
             _refuse_meta("the weights outside the blocks", rest_layout, file)
-        laid.rest_keys = _meta_file_keys(file, rest_layout, laid.key_of)
+        laid.rest_keys = meta_file_keys(file, rest_layout, laid.key_of)
     return laid
 
 
@@ -461,7 +366,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             release_free_heap()  # the encoder's transient buffers: freed, handed back to the OS
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
-        source: UnitSource = (DiskSource(file, keys[i], master.layout.leaves, master.layout.nbytes, reader)
+        source: UnitSource = (disk_source(file, keys[i], master.layout.leaves, master.layout.nbytes, reader, backend)
                               if master.host is None else make_ram_source(master, backend, reader))
         staged.append(StagedUnit(i, unit.name, unit.module, master, source))
     if progress:

@@ -13,8 +13,8 @@ import torch
 
 from ..backends.base import Backend
 from ..plan.planner import bounce_buffers
-from ..store.compressed import unit_host_bytes, unit_segment, unit_shared
-from ..store.sources import BounceReader, DiskSource
+from ..store.compressed import disk_source, unit_host_bytes, unit_segment, unit_shared
+from ..store.sources import BounceReader
 from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
 from .placement import UnitState, quiesce
 from .prefetch import PrefetchWorker
@@ -145,8 +145,8 @@ class HostTiers:
                 cost += self._replace_reader(biggest)
             held = unit_host_bytes(u.staged)  # a compressed unit frees its encoded blob
             u.staged.master = StagingBuffer.on_disk(u.staged.layout, file, keys, apply=u.resident_buf is None)
-            u.staged.source = self.sources[u.index] = DiskSource(file, keys, u.staged.layout.leaves, u.nbytes,
-                                                                  staged.reader)
+            u.staged.source = self.sources[u.index] = disk_source(file, keys, u.staged.layout.leaves, u.nbytes,
+                                                                  staged.reader, self.backend)
             u.mark = u.staged.layout.version()
             if shared is None or shared[0].give_back(shared[1]):
                 freed += held
