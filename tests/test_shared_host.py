@@ -198,6 +198,59 @@ def codec_name() -> str:
     return CODEC
 
 
+def test_a_packed_compressed_folder_shares_its_stored_encoding(tmp_path):
+    """A folder packed with --compress, offloaded twice under a RAM ceiling (as two processes would; in one here):
+    the first puts each block's stored encoding in the copy, the second maps it; bitwise, and the copy goes with
+    the last one."""
+    from offload import OffloadConfig, VramBudget, offload_module
+    from offload.store.pack_writer import pack_file
+
+    torch.manual_seed(0)
+    model = worker.build(compressed=True)
+    safetensors_torch.save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+    pack_file(tmp_path / "m.safetensors", tmp_path / "m.packed", compress=True)
+    x = worker.inputs(torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(tmp_path / "m.packed"),
+                                    ram_budget_bytes=int(0.8 * MODEL_BYTES // 2))
+    models = [worker.build("meta", compressed=True) for _ in range(2)]
+    handles = [offload_module(m, cfg, budget=VramBudget(256 << 20)) for m in models]
+    try:
+        for m in models:
+            with torch.no_grad():
+                assert torch.equal(m(x), want)
+        reports = [h.report() for h in handles]
+        segment = handles[0].streamer.staged.shared.path
+    finally:
+        for h in handles:
+            h.detach()
+    for rep in reports:
+        assert all(b.shared and b.compression == codec_name() for b in rep.blocks)
+        assert rep.host_shared_bytes == rep.host_bytes < 0.78 * MODEL_BYTES // 2
+    assert not segment.exists()
+
+
+def test_a_header_with_a_chunk_table_the_codec_would_not_write_is_not_used():
+    """The shared copy's header is read like a packed file's index: a chunk whose size is not its parameters'
+    makes the whole segment unusable (the process stages its own copy), never a decode out of bounds."""
+    from offload.model.layout import Leaf
+    from offload.store import codec
+    from offload.store.shared_forms import header_json, parse_header
+
+    raw = (torch.randn(8192, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    enc = codec.encode(raw.view(torch.uint8), [Leaf(0, raw.numel() * 2, torch.bfloat16, (raw.numel(),), None)])
+    offsets, sizes = {0: 4096}, {0: raw.numel() * 2}
+    body = header_json("k", offsets, sizes, [], {0: []}, encoded={0: (enc.size, enc.chunks)})
+    assert parse_header(body, "k", offsets, sizes) == ({0: []}, {0: (enc.size, enc.chunks)})
+    bad = [c for c in enc.chunks]
+    i = next(j for j, c in enumerate(bad) if c.coded)
+    bad[i] = codec.Chunk(**{**bad[i].__dict__, "k": bad[i].k + 1})  # the same size, another code width
+    body = header_json("k", offsets, sizes, [], {0: []}, encoded={0: (enc.size, tuple(bad))})
+    assert parse_header(body, "k", offsets, sizes) is None
+    assert parse_header(body.replace(b'"k"', b'"other"', 1), "k", offsets, sizes) is None
+
+
 def test_a_process_that_writes_a_weight_gets_a_private_copy_of_that_block(model_file):
     path, want, written = model_file
     a, b = Worker(path), Worker(path, load="ram")  # b loads the model into RAM first (as ComfyUI does): compared
