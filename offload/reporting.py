@@ -8,7 +8,7 @@ from typing import Any
 
 from .plan.planner import Plan
 from .report.metrics import BlockReport, OffloadReport, effective_gbps, overlap_ratio
-from .store.compressed import unit_compression, unit_host_bytes
+from .store.compressed import unit_compression, unit_host_bytes, unit_shared
 from .stream.streamer import ModelStreamer
 
 
@@ -54,7 +54,7 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
     for b, u in zip(blocks, s.units):
         b.device = u.home or device_name
         b.host_bytes, b.raw_bytes, b.compression = unit_host_bytes(u.staged), u.nbytes, unit_compression(u.staged)
-        b.shared = u.master is not None and u.master.shared is not None
+        b.shared = u.master is not None and unit_shared(u.staged)
     host = s.host_memory()
     h2d, compute, stall, nbytes = s.metrics.totals()
     forwards = s.metrics.forwards

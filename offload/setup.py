@@ -126,8 +126,8 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
             log.log(level, "%s", message)
         # 4. stage
         staged = stage_model(laid, plan.host_tiers, backend, config.pin_memory, plan.bounce_count,
-                             plan.bounce_bytes, progress, plan.shared_units - plan.host_plan.compressed,
-                             plan.host_plan.compressed, plan.host_plan.rest_spilled)
+                             plan.bounce_bytes, progress, plan.shared_units, plan.host_plan.compressed,
+                             plan.host_plan.rest_spilled)
     except BaseException:
         if file is not None:
             file.close()
@@ -175,14 +175,19 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
         ram, hard = int(config.ram_budget_bytes), True
     else:  # what the machine has available, less a margin
         ram, hard = max(0, mem.available + in_ram - min(4 * GIB, int(psutil.virtual_memory().total * 0.1))), False
+    share = config.share_host == "auto" and file_path is not None and shared_host.available()
+    # the forms of a copy another process filled already: facts for this plan (its encoded sizes are exact)
+    in_copy = (shared_host.SharedHostCopy.peek(file_path, laid.layouts, [u.name for u in laid.units]) or {}
+               if share and laid.layouts else {})
     host = HostFacts(ram, hard, mem.pin_limit, config.pin_memory and backend.supports_pinned_host,
                      config.allow_disk and file_path is not None, backend.supports_pinned_host, config.disk_optional,
-                     file_path, config.share_host == "auto" and file_path is not None and shared_host.available())
+                     file_path, share, tuple(in_copy.get(i, ("", 0))[0] for i in range(len(laid.layouts))))
     sizes = tuple(laid.sizes)
     packed: tuple[int, ...] = ()
     stored = stored_units(laid)  # units a packed folder stores compressed: exact encoded sizes, decoded from disk
     if config.host_compression != "off" and sizes:
-        packed = tuple(s.stored if s is not None else encoded.get(i) or estimate_layout_size(layout)
+        packed = tuple(in_copy[i][1] if in_copy.get(i, ("",))[0] not in ("", "none")
+                       else s.stored if s is not None else encoded.get(i) or estimate_layout_size(layout)
                        for i, (s, layout) in enumerate(zip(stored, laid.layouts)))
     forms = tuple(CODEC if s is not None else "none" for s in stored)
     scratch = packed or CODEC in forms

@@ -1,12 +1,14 @@
 """One process of tests/test_shared_host.py: a local worker offloading a model from its file, driven line by line.
 
-Run as `python -m tests.shared_host_worker FILE SHARE LOAD` from the repository root (SHARE: auto | off; LOAD: meta,
-the model built on the meta device and read from FILE, or ram, loaded into RAM first as ComfyUI does). It builds the
-model and prints `ready`, then answers one command per line on stdin:
+Run as `python -m tests.shared_host_worker FILE SHARE LOAD [COMPRESS CEILING]` from the repository root (SHARE: auto |
+off; LOAD: meta, the model built on the meta device and read from FILE, or ram, loaded into RAM first as ComfyUI
+does; COMPRESS: the host_compression asked for, "-" for the preset's, which also makes the model's weights bf16
+(`build(compressed=True)`); CEILING: ram_budget_bytes, 0 for none). It builds the model and prints `ready`, then
+answers one command per line on stdin:
 - `offload`: offload it on the simulated device (every block streamed), run one forward; prints `out <sha256>`
 - `forward`: one forward; prints `out <sha256 of the output's bytes>`
 - `write UNIT`: multiplies the first weight of block UNIT by 2 in place (what a merged patch does)
-- `report`: prints `report <json>` with the per-block `shared` flags, the host bytes and the segment's path
+- `report`: prints `report <json>` with the per-block `shared` flags and forms, the host bytes and the segment's path
 - `detach`, `quit`
 The parent reads each process's proportional set size from outside (psutil), between commands.
 """
@@ -23,36 +25,48 @@ WIDTH = 1024
 BLOCKS = 16  # 16 x 4 MiB of fp32 weights: 64 MiB, well above the noise of a process's runtime
 
 
-def build(device: str = "cpu") -> nn.Sequential:
+def build(device: str = "cpu", compressed: bool = False) -> nn.Sequential:
+    """The model: fp32 weights, or (`compressed`) bf16 ones drawn like trained ones (normal, std 0.02: what the
+    codec compresses to about 0.7 of raw)."""
     with torch.device(device):
-        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(BLOCKS)])
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(BLOCKS)])
+    if compressed:
+        if device != "meta":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, 0.02)
+        model = model.to(torch.bfloat16)
+    return model
 
 
-def inputs() -> torch.Tensor:
-    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+def inputs(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1)).to(dtype)
 
 
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def main(path: str, share: str, load: str) -> None:
+def main(path: str, share: str, load: str, compress: str = "-", ceiling: str = "0") -> None:
     from offload import OffloadConfig, VramBudget, offload_module
 
+    compressed = compress != "-"
     if load == "meta":
-        model = build("meta")
+        model = build("meta", compressed)
     else:
         from safetensors.torch import load_file
-        model = build()
+        model = build(compressed=compressed)
         model.load_state_dict(load_file(path))
     handle = None
-    x = inputs()
+    x = inputs(torch.bfloat16 if compressed else torch.float32)
+    more = ({"host_compression": compress} if compressed else {}) | (
+        {"ram_budget_bytes": int(ceiling)} if int(ceiling) else {})
     print("ready", flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()
         if cmd == "offload":
             cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=path, share_host=share,
-                                            sim_capacity_bytes=1 << 30)
+                                            sim_capacity_bytes=1 << 30, **more)
             handle = offload_module(model, cfg, budget=VramBudget(256 << 20))
             cmd = "forward"
         if cmd == "forward":
@@ -67,6 +81,7 @@ def main(path: str, share: str, load: str) -> None:
             staged = handle.streamer.staged
             print("report", json.dumps({
                 "shared": [b.shared for b in rep.blocks], "host_shared_bytes": rep.host_shared_bytes,
+                "compression": [b.compression for b in rep.blocks], "host_bytes": rep.host_bytes,
                 "host_private_bytes": rep.host_private_bytes,
                 "segment": str(staged.shared.path) if staged.shared is not None else None}), flush=True)
         elif cmd == "detach":
@@ -77,4 +92,4 @@ def main(path: str, share: str, load: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:6])

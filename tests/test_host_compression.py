@@ -9,6 +9,8 @@ widened so its matrices are worth coding.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -17,7 +19,7 @@ from offload import OffloadConfig, VramBudget, offload_module
 from offload.model.layout import Leaf
 from offload.plan.plan_compress import choose_compressed
 from offload.plan.plan_host import HostPlan, RamCeilingError
-from offload.store import codec
+from offload.store import chunk_decode, codec
 from tests.host_master_guard import host_master_guard
 from tests.models import Fp8Stack, QuantStack, seeded
 
@@ -96,6 +98,47 @@ def test_codec_round_trips_every_byte(dtype):
     assert torch.equal(slot[:buf.numel()], buf) and bool((slot[buf.numel():] == 7).all())
 
 
+def _window(hist, ebits, n, fixed_bits, k):
+    """`codec._best_window` held to one code width k (what the encoder would pick for other weights)."""
+    span, width = 1 << ebits, (1 << k) - 1
+    doubled = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cat([hist, hist]).cumsum(0)])
+    covered = doubled[width:width + span] - doubled[:span]
+    base = int(torch.argmax(covered))
+    esc = n - int(covered[base])
+    return k, base, esc, (n + 7) // 8 * (fixed_bits + k) + esc * codec.ESCAPE_BYTES
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8] + FP8)
+def test_every_field_width_decodes_every_byte(dtype, monkeypatch):
+    """Every code width k the encoder may choose, so every field width (sign + low bits + k: whole fields per byte,
+    or fields straddling bytes), in a chunk of whole groups of eight at an aligned offset (the table gather), one
+    that ends mid-group and one at an odd offset (field by field): the decode gives every byte back."""
+    elem, sbits, rbits = codec._FORMS[dtype]
+    ebits = 8 - sbits - rbits
+    monkeypatch.setattr(codec, "PAYS", 10.0)  # coded even where a code would not pay
+    g = torch.Generator().manual_seed(5)
+    for k in range(1, ebits + 1):
+        monkeypatch.setattr(codec, "_best_window", lambda h, e, n, fixed, k=k: _window(h, e, n, fixed, k))
+        for count, pad in ((4096, 0), (4099, 0), (4096, 3)):
+            if dtype == torch.uint8:
+                body = (torch.randn(count, generator=g) * 3).round().clamp(-128, 127).to(torch.int8).view(dtype)
+            else:
+                body = (torch.randn(count, generator=g) * 0.02).to(dtype)
+            raw = torch.cat([torch.full((pad,), 5, dtype=torch.uint8), body.view(torch.uint8)])
+            enc = codec.encode(raw, [Leaf(pad, count * elem, dtype, (count,), None)])
+            assert [c.k for c in enc.chunks if c.coded] == [k]
+            out = torch.zeros_like(raw)  # chunks decoded apart: a wide code may be larger than raw here
+            for c in enc.chunks:
+                part = enc.blob[c.src:c.src + c.size]
+                if c.coded:
+                    chunk_decode.decode_chunk(c, part, out[c.dst:c.dst + c.nbytes])
+                else:
+                    out[c.dst:c.dst + c.nbytes] = part
+            assert torch.equal(out, raw), (k, count, pad)
+            if enc.size <= raw.numel():
+                assert torch.equal(codec.decode(enc), raw), (k, count, pad)  # in place
+
+
 def test_codec_keeps_incompressible_bytes_raw():
     raw = torch.randint(0, 256, (50_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     enc = codec.encode(raw, [Leaf(0, raw.numel(), torch.uint8, (raw.numel(),), None)])
@@ -146,6 +189,31 @@ def test_auto_compresses_only_what_would_go_to_disk():
         plan, chosen = choose_compressed("auto", sizes, [80] * 6, small, fits, hard=hard)
         assert chosen == frozenset(range(6)) and list(plan.tiers.values()).count("disk") == 1
         assert choose_compressed("auto", sizes, [90] * 6, plan_for, fits, hard=hard)[1] == frozenset()
+
+
+def test_the_forms_of_a_shared_host_copy_are_facts_for_a_joining_plan():
+    """A process joining the host copy another process filled (tests/test_shared_host.py) plans with that copy's
+    forms: the units it holds encoded stay compressed and the raw ones raw, whatever the mode; with compression off
+    the encoded ones are not mapped (planned as if not there). Under no hard ceiling the units in the copy take
+    nothing from the RAM available (their pages are in RAM already), so the rest is planned as if they were not
+    there."""
+    from offload.plan.planner import HostFacts, PlanFacts, make_plan
+
+    mb = 1 << 20
+    host = HostFacts(ram_budget=2 * mb, hard=False, pin_limit=0, pin=False, allow_disk=True, bounces_pageable=False,
+                     disk_optional=False, file_path="m.safetensors", share=True,
+                     shared_forms=(codec.CODEC, codec.CODEC, "none", "none", "", ""))
+    facts = PlanFacts(name="m", sizes=(mb,) * 6, names=tuple(map(str, range(6))), rest_bytes=0, prefetch=1,
+                      stream_all=True, device="sim:0", allowance=4 * mb, disk_ok=(True,) * 6, host=host,
+                      host_compression="auto", packed_sizes=(700_000,) * 6)
+    plan = make_plan(facts)
+    assert plan.compressed == {0, 1}  # the copy's; 2 and 3 raw there, 4 and 5 fit the RAM available raw
+    assert plan.disk_units == [] and plan.shared_units == set(range(6))
+    assert make_plan(dataclasses.replace(facts, host_compression="lossless")).compressed == {0, 1, 4, 5}
+    off = make_plan(dataclasses.replace(facts, host_compression="off", packed_sizes=()))
+    assert off.compressed == set() and sorted(off.disk_units) == [4, 5]  # 0, 1 raw of its own: 2 MB for 0 to 5
+    alone = make_plan(dataclasses.replace(facts, host=dataclasses.replace(host, shared_forms=())))
+    assert alone.compressed == set() and sorted(alone.disk_units) == [2, 3, 4, 5]  # without the copy (control)
 
 
 # bitwise through the engine ---------------------------------------------------------------------------------------

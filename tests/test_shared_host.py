@@ -6,7 +6,8 @@ ComfyUI-Distributed runs a master and one worker process per GPU on one machine.
 the second (and third, fourth) process adds at most its own runtime plus 30% of the model; with `share_host="off"`
 (the control) each adds the model again. Outputs are bitwise equal to the model's own in every process; a process
 that writes a weight gets a private copy of that block only, the others keep the original bytes; the segment is gone
-from /dev/shm once the last process let go.
+from /dev/shm once the last process let go. Blocks the plan holds compressed (host_compression under a RAM ceiling)
+are shared in their encoded form: the second process takes the first one's forms as facts and maps its blobs.
 """
 from __future__ import annotations
 
@@ -31,15 +32,20 @@ pytestmark = pytest.mark.skipif(not shared_host.available(), reason="needs Linux
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_BYTES = worker.BLOCKS * worker.WIDTH * worker.WIDTH * 4
+# glibc's dynamic mmap threshold keeps the simulated device's freed decode temporaries (CPU tensors of a few MB) in
+# the heap of the thread that decoded them: 20-35 MB per process, varying from run to run. A fixed threshold gives
+# them back at once, so a process's runtime is measured the same in every process (on a GPU they are device memory).
+QUIET_HEAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 class Worker:
     """A worker process and its line protocol (see tests/shared_host_worker.py)."""
 
-    def __init__(self, path: Path, share: str = "auto", load: str = "meta") -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared_host_worker", str(path), share, load],
+    def __init__(self, path: Path, share: str = "auto", load: str = "meta", extra: tuple[str, ...] = ()) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared_host_worker", str(path), share, load,
+                                      *extra],
                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+                                     text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **QUIET_HEAP})
         self.expect("ready")
 
     def expect(self, word: str) -> str:
@@ -141,6 +147,110 @@ def test_without_sharing_each_process_holds_its_own_copy(model_file):
     assert not any(rep["shared"]) and rep["segment"] is None
 
 
+def test_processes_share_the_compressed_blocks_in_their_encoded_form(tmp_path):
+    """bf16 weights drawn like trained ones under a RAM ceiling of 80% of the model: "auto" holds every block
+    compressed. The second process plans with the first one's forms and maps its encoded blobs: it adds at most its
+    own runtime plus 30% of the compressed bytes; outputs are bitwise the model's own in both; a process that writes
+    a block gets a private blob of that block only; the segment is gone once both let go."""
+    torch.manual_seed(0)
+    model = worker.build(compressed=True)
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(model.state_dict(), str(path))
+    x = worker.inputs(torch.bfloat16)
+    with torch.no_grad():
+        want = worker.digest(model(x))
+        model[3].weight.mul_(2)
+        written = worker.digest(model(x))
+    extra = ("auto", str(int(0.8 * MODEL_BYTES // 2)))  # bf16: half the fp32 model's bytes
+    workers: list[Worker] = []
+    added, outs = [], []
+    try:
+        for _ in range(2):
+            workers.append(Worker(path, extra=extra))
+            before = total_pss(workers)
+            outs.append(workers[-1].ask("offload", "out"))
+            added.append(total_pss(workers) - before)
+        a, b = workers
+        rep_a, rep_b = a.report(), b.report()
+        b.ask("write 3", "written")
+        assert b.ask("forward", "out") == written
+        assert a.ask("forward", "out") == want  # the other process keeps the original bytes
+        rep_written = b.report()
+    finally:
+        for w in workers:
+            w.quit() if w.proc.poll() is None else None
+    compressed = rep_a["host_bytes"]
+    assert outs == [want, want]
+    for rep in (rep_a, rep_b):
+        assert rep["compression"] == [codec_name()] * worker.BLOCKS and all(rep["shared"])
+        assert rep["host_bytes"] == rep["host_shared_bytes"] == compressed <= 0.78 * MODEL_BYTES // 2
+        assert rep["segment"] == rep_a["segment"]
+    runtime = added[0] - compressed
+    assert added[0] >= 0.9 * compressed, added  # the first process holds the copy (the measurement sees it)
+    assert added[1] <= max(runtime, 0) + 0.3 * compressed, (added, runtime, compressed)
+    assert rep_written["shared"] == [i != 3 for i in range(worker.BLOCKS)]
+    assert rep_written["compression"] == [codec_name()] * worker.BLOCKS  # encoded again, privately
+    assert not os.path.exists(rep_a["segment"])
+
+
+def codec_name() -> str:
+    from offload.store.codec import CODEC
+    return CODEC
+
+
+def test_a_packed_compressed_folder_shares_its_stored_encoding(tmp_path):
+    """A folder packed with --compress, offloaded twice under a RAM ceiling (as two processes would; in one here):
+    the first puts each block's stored encoding in the copy, the second maps it; bitwise, and the copy goes with
+    the last one."""
+    from offload import OffloadConfig, VramBudget, offload_module
+    from offload.store.pack_writer import pack_file
+
+    torch.manual_seed(0)
+    model = worker.build(compressed=True)
+    safetensors_torch.save_file(model.state_dict(), str(tmp_path / "m.safetensors"))
+    pack_file(tmp_path / "m.safetensors", tmp_path / "m.packed", compress=True)
+    x = worker.inputs(torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(tmp_path / "m.packed"),
+                                    ram_budget_bytes=int(0.8 * MODEL_BYTES // 2))
+    models = [worker.build("meta", compressed=True) for _ in range(2)]
+    handles = [offload_module(m, cfg, budget=VramBudget(256 << 20)) for m in models]
+    try:
+        for m in models:
+            with torch.no_grad():
+                assert torch.equal(m(x), want)
+        reports = [h.report() for h in handles]
+        segment = handles[0].streamer.staged.shared.path
+    finally:
+        for h in handles:
+            h.detach()
+    for rep in reports:
+        assert all(b.shared and b.compression == codec_name() for b in rep.blocks)
+        assert rep.host_shared_bytes == rep.host_bytes < 0.78 * MODEL_BYTES // 2
+    assert not segment.exists()
+
+
+def test_a_header_with_a_chunk_table_the_codec_would_not_write_is_not_used():
+    """The shared copy's header is read like a packed file's index: a chunk whose size is not its parameters'
+    makes the whole segment unusable (the process stages its own copy), never a decode out of bounds."""
+    from offload.model.layout import Leaf
+    from offload.store import codec
+    from offload.store.shared_forms import header_json, parse_header
+
+    raw = (torch.randn(8192, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    enc = codec.encode(raw.view(torch.uint8), [Leaf(0, raw.numel() * 2, torch.bfloat16, (raw.numel(),), None)])
+    offsets, sizes = {0: 4096}, {0: raw.numel() * 2}
+    body = header_json("k", offsets, sizes, [], {0: []}, encoded={0: (enc.size, enc.chunks)})
+    assert parse_header(body, "k", offsets, sizes) == ({0: []}, {0: (enc.size, enc.chunks)})
+    bad = [c for c in enc.chunks]
+    i = next(j for j, c in enumerate(bad) if c.coded)
+    bad[i] = codec.Chunk(**{**bad[i].__dict__, "k": bad[i].k + 1})  # the same size, another code width
+    body = header_json("k", offsets, sizes, [], {0: []}, encoded={0: (enc.size, tuple(bad))})
+    assert parse_header(body, "k", offsets, sizes) is None
+    assert parse_header(body.replace(b'"k"', b'"other"', 1), "k", offsets, sizes) is None
+
+
 def test_a_process_that_writes_a_weight_gets_a_private_copy_of_that_block(model_file):
     path, want, written = model_file
     a, b = Worker(path), Worker(path, load="ram")  # b loads the model into RAM first (as ComfyUI does): compared
@@ -205,7 +315,14 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
         want = model(x)
     cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), sim_capacity_bytes=(1 << 30) + 7)
     backend = get_backend(cfg)
-    before = set(shared_host.SEGMENT_DIR.glob(shared_host.PREFIX + "*"))
+    created = []  # this model's segment (other processes on the machine may fill /dev/shm meanwhile)
+    real_create = shared_host.SharedHostCopy._create.__func__
+
+    def recording_create(cls, path, *args):
+        created.append(path)
+        return real_create(cls, path, *args)
+
+    monkeypatch.setattr(shared_host.SharedHostCopy, "_create", classmethod(recording_create))
     placed = []
     real_place = shared_host.SharedHostCopy.place
 
@@ -219,7 +336,7 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
     with pytest.raises(MemoryError):
         offload_module(model, cfg, budget=VramBudget(256 << 20))
     monkeypatch.undo()
-    assert set(shared_host.SEGMENT_DIR.glob(shared_host.PREFIX + "*")) <= before
+    assert len(created) == 1 and not created[0].exists()
     assert not hasattr(model, "_layer_offload_handle")
     with torch.no_grad():
         assert torch.equal(model(x), want)

@@ -10,6 +10,8 @@ host side of a plan, called only by `planner.make_plan`.
   pays is compressed if that leaves fewer bytes to read from the disk tier than the plan without it (a decode on
   the device costs far less than a read from disk), else the plan is the one without it (compressed only when no
   plan without it keeps a hard ceiling at all). Never a unit that would not pay.
+- Units another process already holds in the host copy shared between processes (`fixed`: unit -> held encoded)
+  keep that copy's form whatever the mode: they are facts, not choices (a joining process maps them as they are).
 
 The host plan is then made with each unit's host size (its encoded size where compressed).
 """
@@ -34,34 +36,38 @@ def disk_bytes(plan: HostPlan, sizes: list[int]) -> int:
 
 def choose_compressed(mode: str, sizes: list[int], packed: list[int],
                       plan_for: Callable[[list[int]], HostPlan], fits: Callable[[HostPlan], bool],
-                      hard: bool = False) -> tuple[HostPlan, frozenset[int]]:
+                      hard: bool = False, fixed: dict[int, bool] | None = None) -> tuple[HostPlan, frozenset[int]]:
     """(host plan, compressed units) for `mode`. `plan_for(host sizes)` makes the host plan (it may raise
-    RamCeilingError); `fits(plan)` says whether a plan keeps every unit in RAM within the RAM the model may use."""
-    candidates = paying(sizes, packed)
-    if mode == "off" or not candidates:
-        return plan_for(sizes), frozenset()
+    RamCeilingError); `fits(plan)` says whether a plan keeps every unit in RAM within the RAM the model may use;
+    `fixed` the units whose form is a fact (unit -> held encoded; `packed` holds their encoded size)."""
+    fixed = fixed or {}
+    forced = sorted(i for i, encoded in fixed.items() if encoded)
+    candidates = [i for i in paying(sizes, packed) if i not in fixed]
 
     def with_compressed(chosen: list[int]) -> list[int]:
         eff = list(sizes)
-        for i in chosen:
+        for i in forced + list(chosen):
             eff[i] = packed[i]
         return eff
 
+    if mode == "off" or not candidates:
+        return plan_for(with_compressed([])), frozenset(forced)
+
     if mode == "lossless":
-        return plan_for(with_compressed(candidates)), frozenset(candidates)
+        return plan_for(with_compressed(candidates)), frozenset(forced + candidates)
     error: RamCeilingError | None = None
     raw: HostPlan | None = None
     try:
-        raw = plan_for(sizes)
+        raw = plan_for(with_compressed([]))
         if fits(raw):
-            return raw, frozenset()
+            return raw, frozenset(forced)
     except RamCeilingError as exc:
         error = exc
     if hard:  # the ceiling asks for RAM: every unit that pays, when that keeps them all in RAM
         try:
             plan = plan_for(with_compressed(candidates))
             if fits(plan):
-                return plan, frozenset(candidates)
+                return plan, frozenset(forced + candidates)
         except RamCeilingError:
             pass
     else:  # the units RAM fills last go to the disk tier first: the fewest from the end that keep all in RAM
@@ -76,7 +82,7 @@ def choose_compressed(mode: str, sizes: list[int], packed: list[int],
             except RamCeilingError:
                 ok = False
             if ok:
-                best, hi = (plan, frozenset(order[:mid])), mid - 1
+                best, hi = (plan, frozenset(forced + order[:mid])), mid - 1
             else:
                 lo = mid + 1
         if best is not None:
@@ -85,11 +91,11 @@ def choose_compressed(mode: str, sizes: list[int], packed: list[int],
         try:
             every = plan_for(with_compressed(candidates))
         except RamCeilingError:
-            return raw, frozenset()
+            return raw, frozenset(forced)
         if disk_bytes(every, sizes) < disk_bytes(raw, sizes):
-            return every, frozenset(candidates)
-        return raw, frozenset()
+            return every, frozenset(forced + candidates)
+        return raw, frozenset(forced)
     try:  # no raw plan keeps the ceiling: compressed, if that one does
-        return plan_for(with_compressed(candidates)), frozenset(candidates)
+        return plan_for(with_compressed(candidates)), frozenset(forced + candidates)
     except RamCeilingError:
         raise error from None

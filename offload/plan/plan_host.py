@@ -34,6 +34,14 @@ def shared_units(tiers: dict[int, str], share: bool) -> frozenset[int]:
     return frozenset(i for i, t in tiers.items() if t != "disk") if share else frozenset()
 
 
+def in_shared_copy(forms: tuple[str, ...], share: bool, compression: str) -> dict[int, bool]:
+    """The units the host copy another process filled holds in a form this process can map (unit -> held encoded;
+    `HostFacts.shared_forms`): all of them, less the encoded ones where compression is off."""
+    if not share:
+        return {}
+    return {i: f != "none" for i, f in enumerate(forms) if f and (f == "none" or compression != "off")}
+
+
 def bounce_buffers(prefetch: int) -> int:
     """Pinned bounce buffers the read-ahead thread cycles: one per slot of the ring plus one being filled."""
     return prefetch + 2
@@ -60,7 +68,7 @@ def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: boo
 
 def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_limit: int, allow_disk: bool,
                      pin: bool, prefetch: int, bounces_pageable: bool, biggest: int | None = None,
-                     file_given: bool = False) -> HostPlan:
+                     order: list[int] | None = None, file_given: bool = False) -> HostPlan:
     """Host tiers under a hard RAM ceiling: the non-block weights, the blocks kept in RAM and the read-ahead
     thread's bounce buffers together stay within `ram_budget`; the rest of the blocks go to the disk tier.
 
@@ -74,7 +82,7 @@ def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_lim
     biggest = max(sizes, default=0) if biggest is None else biggest  # a disk-tier unit is read raw
     least_bounce = count * min(biggest, MIN_BOUNCE)
     avail = ram_budget - rest_bytes
-    in_ram = plan_host(sizes, max(0, avail), pin_limit, False, pin)  # every block in RAM
+    in_ram = plan_host(sizes, max(0, avail), pin_limit, False, pin, order)  # every block in RAM
     bounced_in_ram = bounces_pageable and any(t == "pageable" for t in in_ram.tiers.values())
     if allow_disk:
         minimum = rest_bytes + least_bounce
@@ -95,9 +103,9 @@ def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_lim
     preferred = min(biggest, max(PREFERRED_BOUNCE, avail // 4 // count // 4096 * 4096))
     if count * preferred <= avail // 2:
         chunk = preferred
-        plan = plan_host(sizes, avail - count * chunk, pin_limit, allow_disk, pin)
+        plan = plan_host(sizes, avail - count * chunk, pin_limit, allow_disk, pin, order)
     else:  # tight: blocks in RAM first, the bounce buffers share what they leave
-        plan = plan_host(sizes, avail - least_bounce, pin_limit, allow_disk, pin)
+        plan = plan_host(sizes, avail - least_bounce, pin_limit, allow_disk, pin, order)
         chunk = min(biggest, max(MIN_BOUNCE, (avail - plan.ram_bytes) // count // 4096 * 4096))
     plan.bounce_bytes = chunk
     return plan

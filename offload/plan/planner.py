@@ -27,7 +27,7 @@ import psutil
 from .plan_device import (DeviceMemoryError, PlanError, UnitPlan, across_devices, plan_by_cost,  # noqa: F401
                           plan_units, ring_slots, spread, want_bytes)
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
-                        bounce_buffers, host_ram_bytes, plan_host, plan_host_capped, shared_units)
+                        bounce_buffers, host_ram_bytes, in_shared_copy, plan_host, plan_host_capped, shared_units)
 from ..store.codec import CODEC
 from .plan_compress import choose_compressed
 from .ring_sim import UnitCosts, simulate_pass
@@ -51,6 +51,9 @@ class HostFacts:
     disk_optional: bool  # blocks the file cannot stream stay in RAM instead of failing
     file_path: str | None = None
     share: bool = False  # the RAM masters may be one host copy shared with other processes (OffloadConfig.share_host)
+    # per unit, its form in the shared host copy another process filled already: "" (not there), "none" (raw) or
+    # the codec's name (encoded; `PlanFacts.packed_sizes` holds its size there). Facts: such a unit keeps that form
+    shared_forms: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,6 +292,7 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
     candidate's tiers come from `_host_tiers` with its host sizes)."""
     h = facts.host
     said: dict[int, list[tuple[int, str]]] = {}
+    fixed = in_shared_copy(h.shared_forms, h.share, facts.host_compression)
 
     def plan_for(sizes: list[int]) -> HostPlan:
         notes: list[tuple[int, str]] = []
@@ -308,10 +312,10 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
             rest = 0 if plan.rest_spilled else facts.rest_bytes
             return host_ram_bytes(plan.host_sizes, rest, plan.tiers, plan.bounce_bytes, facts.prefetch,
                                   h.bounces_pageable) <= h.ram_budget
-        return plan.ram_bytes <= h.ram_budget
+        return plan.ram_bytes <= h.ram_budget + sum(plan.host_sizes[i] for i in fixed)
 
     plan, compressed = choose_compressed(facts.host_compression, list(facts.sizes), list(facts.packed_sizes),
-                                         plan_for, fits, h.hard)
+                                         plan_for, fits, h.hard, fixed)
     compressed = frozenset(i for i in compressed if plan.tiers.get(i) != "disk")
     if not compressed and plan.rest_spilled:  # every unit chosen went to the disk tier (read raw): nothing is held
         plan = plan_for(list(facts.sizes))  # compressed, so the weights outside the blocks keep their RAM copy
@@ -337,13 +341,18 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     """
     h = facts.host
     pin_limit = h.pin_limit if h.pin else 0
+    # the units the shared host copy holds already come first (RAM does not fill them from the disk tier's end);
+    # under no hard ceiling they take nothing from the RAM available: their pages are in RAM already
+    fixed = in_shared_copy(h.shared_forms, h.share, facts.host_compression)
+    order = sorted(fixed) + [i for i in range(len(sizes)) if i not in fixed] if fixed else None
     if h.hard:
         plan = plan_host_capped(sizes, rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
-                                facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0),
+                                facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0), order,
                                 file_given=h.file_path is not None)
     else:
-        plan = plan_host(sizes, h.ram_budget, pin_limit, h.allow_disk, h.pin)
-        if plan.ram_bytes > h.ram_budget:
+        budget = h.ram_budget + sum(sizes[i] for i in fixed)
+        plan = plan_host(sizes, budget, pin_limit, h.allow_disk, h.pin, order)
+        if plan.ram_bytes > budget:
             messages.append((logging.WARNING, f"{facts.name} needs {plan.ram_bytes / GIB:.2f} GiB of host RAM for its "
                                               f"blocks but about {h.ram_budget / GIB:.2f} GiB is available; give "
                                               f"disk_path (its safetensors file) to stream the rest from disk"))

@@ -2,9 +2,11 @@
 tensor: `file_keys`), the safetensors file read in
 positioned ranges with change detection (`storage`), the sources a unit is copied from (`sources`: pinned RAM,
 pageable RAM through a bounce buffer, the disk tier), the packed execution-ordered disk format (`packed` reads
-it, `pack_writer` writes it, `index_check` validates its index; units may be stored compressed), the host copy several processes offloading the same file share (`shared_host`;
-its segment files: `shm_segment`), and the compressed host form: `codec` (the lossless "expwin" encoding, decoded
-on the device in place), `compressed` (a unit held encoded in RAM: staging and its `CompressedSource`), `spill`
+it, `pack_writer` writes it, `index_check` validates its index; units may be stored compressed), the host copy
+several processes offloading the same file share (`shared_host`; its segment files: `shm_segment`; its header, with
+each unit's form: `shared_forms`), and the compressed host form: `codec` (the lossless "expwin" encoding, decoded
+on the device in place, one chunk at a time by `chunk_decode`), `compressed` (a unit held encoded in RAM: staging
+and its `CompressedSource`), `spill`
 (the copy-on-write map its tensors view between passes). Every header and index is checked by one validator first
 (`header_check`: files are untrusted).
 
@@ -12,8 +14,10 @@ Layer: below plan/, budget/ and stream/; imports only model/, backends/ and the 
 Used from outside: `staging.lay_out_model`, `staging.stage_model`, `staging.StagedModel`, `storage.SafetensorsFile`,
 `storage.CorruptFileError`, `storage.SourceChangedError`, `sources.HostSource` / `BouncedSource` / `DiskSource`,
 `packed.open_weights`, `pack_writer.pack_file`, `pack_writer.pack_handle`, `shared_host.available`,
-`shared_host.SharedUnit` (`written`, `has_private_pages`, `copy.alone` / `give_back`), `header_check.CorruptFileError`,
+`shared_host.SharedUnit` (`written`, `has_private_pages`, `copy.alone` / `give_back`), `shared_host.SharedHostCopy.peek`
+(the forms a joining process plans with), `header_check.CorruptFileError`,
 `header_check.read_json_object` / `read_json_file` (small JSON files), `header_check.safetensors_tensors`,
 `codec.encode` / `decode_into` / `CODEC`, `compressed.CompressedSource` / `unit_host_bytes` / `unit_compression` /
-`estimate_layout_size` / `measure_decode_gbps` / `disk_source` / `StoredDiskSource`, `file_keys.stored_units`.
+`unit_shared` / `unit_segment` / `estimate_layout_size` / `measure_decode_gbps` / `disk_source` /
+`StoredDiskSource`, `file_keys.stored_units`.
 """

@@ -6,8 +6,10 @@ Trained weights carry little information in their exponents. For every element, 
 byte become a `k`-bit code over a window of the `2**k - 1` most frequent consecutive exponent values (`base`...),
 the last code an escape whose byte is kept in a short list (positions and values); the sign and the exponent byte's
 remaining low bits (fp16's, fp8's mantissa bits) ride along raw in the same field. A field is `q = sign + low + k`
-bits, eight fields packed into `q` bytes. Decoding is: unpack the fields (shifts of one 64-bit word per eight
-elements), add `base`, shift the sign and low bits back in, scatter the escapes: no table, no branch.
+bits, eight fields packed into `q` bytes. Decoding is one table gather per chunk: the fields one index covers (a
+packed byte, or a pair cut from a whole-byte group of straddling fields by a shift, an or and a mask) index a small
+table of their elements' words, top bytes in place and the other bytes zero, written straight into the slot; the
+other byte planes follow as strided copies and the escapes as a scatter (`chunk_decode.decode_chunk`).
 
 A unit's buffer is cut into chunks that tile it in order (`Chunk`): a coded chunk per run of at most
 `CHUNK_ELEMS` elements of a floating or byte dtype where coding pays, raw chunks for the rest (padding, small
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+from .chunk_decode import bytes_to_int, decode_chunk
 
 CODEC = "expwin"  # the name reports carry in `compression`
 CHUNK_ELEMS = 1 << 22  # elements coded (and decoded) together: bounds the decode scratch, amortizes launches
@@ -109,21 +113,6 @@ def _split(raw: torch.Tensor, elem: int) -> tuple[torch.Tensor, list[torch.Tenso
     return top, [(x >> (8 * j)).to(torch.uint8) for j in range(elem - 1)]
 
 
-def _join(out: torch.Tensor, top: torch.Tensor, low: list[torch.Tensor], elem: int) -> None:
-    """Write elements made of `low` byte planes and `top` into `out` (uint8, elem * n bytes)."""
-    if elem == 1:
-        out.copy_(top)
-        return
-    kind = _INT[elem]
-    word = top.to(kind) << (8 * (elem - 1))
-    for j, plane in enumerate(low):
-        word |= plane.to(kind) << (8 * j) if j else plane.to(kind)
-    if out.storage_offset() % elem:
-        out.copy_(word.view(torch.uint8))
-    else:
-        out.view(kind).copy_(word)
-
-
 def _pack_fields(field: torch.Tensor, q: int) -> torch.Tensor:
     """Fields of q bits (uint8, a multiple of 8 of them) packed eight to q bytes, little-endian."""
     if 8 % q == 0:  # whole fields per byte: uint8 ops only
@@ -138,23 +127,6 @@ def _pack_fields(field: torch.Tensor, q: int) -> torch.Tensor:
     for i in range(1, 8):
         word |= groups[:, i] << (q * i)
     return word.view(torch.uint8).view(-1, 8)[:, :q].reshape(-1)
-
-
-def _unpack_fields(packed: torch.Tensor, q: int, n: int) -> torch.Tensor:
-    """The inverse of `_pack_fields`: n fields (uint8, masked to q bits)."""
-    mask = (1 << q) - 1
-    if 8 % q == 0:
-        per = 8 // q
-        if per == 1:
-            return packed[:n]
-        parts = [(packed >> (m * q)) & mask for m in range(per)]
-        return torch.stack(parts, dim=1).reshape(-1)[:n]
-    groups = packed.numel() // q
-    wide = torch.zeros(groups, 8, dtype=torch.uint8, device=packed.device)
-    wide[:, :q] = packed.view(groups, q)
-    word = wide.view(torch.int64).reshape(-1)
-    parts = [(word >> (q * i)).to(torch.uint8) for i in range(8)]
-    return (torch.stack(parts, dim=1).reshape(-1)[:n]) & mask
 
 
 def _best_window(hist: torch.Tensor, ebits: int, n: int, fixed_bits: int) -> tuple[int, int, int, int]:
@@ -225,6 +197,9 @@ def _runs(layout_leaves: Iterable, nbytes: int) -> list[tuple[int, int, torch.dt
     if pos < nbytes:
         runs.append((pos, nbytes, None))
     return runs
+
+
+runs_of = _runs  # how the encoder cuts a unit (the most chunks it can give: a shared copy's header room)
 
 
 def encode(raw: torch.Tensor, leaves: Iterable) -> Encoded:
@@ -386,37 +361,9 @@ def check_escapes(enc: Encoded) -> None:
         if c.coded and c.n_esc:
             n = c.nbytes // c.elem
             start = c.src + c.size - ESCAPE_BYTES * c.n_esc
-            where = _bytes_to_int(enc.blob[start:start + 4 * c.n_esc].view(c.n_esc, 4), 4)
+            where = bytes_to_int(enc.blob[start:start + 4 * c.n_esc].view(c.n_esc, 4), 4)
             if int(where.max()) >= n:
                 raise ValueError(f"an escape of the chunk at raw byte {c.dst} points past its {n} elements")
-
-
-def _bytes_to_int(b: torch.Tensor, width: int) -> torch.Tensor:
-    """Little-endian unsigned integers from a (count, width) uint8 tensor, as int64 (zero-extended to 8 bytes)."""
-    wide = torch.zeros(b.shape[0], 8, dtype=torch.uint8, device=b.device)
-    wide[:, :width] = b
-    return wide.view(torch.int64).reshape(-1)
-
-
-def _decode_coded(c: Chunk, payload: torch.Tensor, out: torch.Tensor) -> None:
-    """One coded chunk: `payload` its encoded bytes, `out` its raw bytes (both on the device)."""
-    elem, q, k = c.elem, c.q, c.k
-    n = c.nbytes // elem
-    low = [payload[j * n:(j + 1) * n] for j in range(elem - 1)]
-    pos = (elem - 1) * n
-    groups = (n + 7) // 8
-    field = _unpack_fields(payload[pos:pos + groups * q], q, n)
-    pos += groups * q
-    ebits = 8 - c.sbits - c.rbits
-    top = ((field & ((1 << k) - 1)) + c.base) & ((1 << ebits) - 1)
-    if c.rbits:
-        top = (top << c.rbits) | ((field >> k) & ((1 << c.rbits) - 1))
-    if c.sbits:
-        top |= (field >> (k + c.rbits)) << 7
-    if c.n_esc:
-        where = _bytes_to_int(payload[pos:pos + 4 * c.n_esc].view(c.n_esc, 4), 4).clamp_(max=n - 1)  # never past
-        top[where] = payload[pos + 4 * c.n_esc:pos + 5 * c.n_esc]
-    _join(out, top, low, elem)
 
 
 def decode_into(buf: torch.Tensor, chunks: Iterable[Chunk], nbytes: int, size: int) -> None:
@@ -430,13 +377,11 @@ def decode_into(buf: torch.Tensor, chunks: Iterable[Chunk], nbytes: int, size: i
             if not c.coded and a == c.dst:
                 continue  # already in place
             payload = buf[a:a + c.size]
-            if a < c.dst + c.nbytes:
-                payload = payload.clone()
             out = buf[c.dst:c.dst + c.nbytes]
             if c.coded:
-                _decode_coded(c, payload, out)
+                decode_chunk(c, payload, out, overlaps=a < c.dst + c.nbytes)
             else:
-                out.copy_(payload)
+                out.copy_(payload.clone() if a < c.dst + c.nbytes else payload)
 
 
 def decode(enc: Encoded, device: torch.device | str = "cpu") -> torch.Tensor:

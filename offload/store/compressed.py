@@ -35,7 +35,8 @@ class CompressedSource:
     compression = codec.CODEC
 
     def __init__(self, encoded: codec.Encoded, blob: torch.Tensor, pinned: bool, backend: Any,
-                 reader: BounceReader | None, master: torch.Tensor, leaves: list, alloc_host: Callable) -> None:
+                 reader: BounceReader | None, master: torch.Tensor, leaves: list, alloc_host: Callable,
+                 segment: Any = None) -> None:
         self.encoded = encoded
         self.blob = blob  # the encoded bytes in host RAM (pinned where allowed)
         self.pinned = pinned
@@ -51,6 +52,7 @@ class CompressedSource:
         self.decode_ms = 0.0  # CPU time spent encoding again after writes
         self._stale = False
         self._lock = threading.Lock()
+        self.segment = segment  # the host copy shared between processes the blob lies in (None: this process's own)
 
     @property
     def host_bytes(self) -> int:
@@ -69,6 +71,7 @@ class CompressedSource:
             blob, pinned = self.alloc_host(encoded.size, self.pinned)
             blob.copy_(encoded.blob)
             self.encoded, self.blob, self.pinned = encoded, blob, pinned
+            self.segment = None  # written in this process: a private blob; the others keep the shared one
             self.tier = "pinned" if pinned else "pageable"
             self._stale = False
             self.decode_ms += (time.perf_counter() - t0) * 1e3
@@ -202,6 +205,19 @@ def unit_host_bytes(staged: Any) -> int:
     return 0 if staged.master.host is None else staged.master.layout.nbytes
 
 
+def unit_shared(staged: Any) -> bool:
+    """Whether a unit's host master lies in the host copy shared between processes (raw, or its encoded blob)."""
+    return staged.master.shared is not None or getattr(staged.source, "segment", None) is not None
+
+
+def unit_segment(staged: Any) -> tuple[Any, int] | None:
+    """(the shared host copy, the unit's index in it) where the unit's master lies in one, else None."""
+    if staged.master.shared is not None:
+        return staged.master.shared.copy, staged.master.shared.index
+    segment = getattr(staged.source, "segment", None)
+    return (segment, staged.index) if segment is not None else None
+
+
 def unit_compression(staged: Any) -> str:
     """The form a unit's host master is held in: the codec's name, or "none"."""
     return source_compression(staged.source)
@@ -230,12 +246,15 @@ def bind_master(layout: TensorLayout, host: torch.Tensor) -> Any:
 
 def stage_compressed(layout: TensorLayout, sources: list[torch.Tensor], encoded_in: codec.Encoded | None,
                      spill: SpillFile, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
-                     pin: bool, encode: bool = True) -> tuple[torch.Tensor, Any, bool, Any]:
+                     pin: bool, encode: bool = True,
+                     put: Callable[[codec.Encoded], torch.Tensor | None] | None = None,
+                     ) -> tuple[torch.Tensor, Any, bool, Any]:
     """One unit's compressed host form: (raw master viewing the spill file, blob, pinned, encoding); without
     `encode`, the spill map alone (blob and encoding None: the weights outside the blocks, kept on the device).
 
     `sources` are the leaves' tensors (read from the file already where they were on the meta device); the raw
-    bytes exist only transiently here."""
+    bytes exist only transiently here. `put` places the blob in the host copy shared between processes (it
+    returns the blob there, pinned later by the copy, or None: a blob of this process's own)."""
     raw = torch.empty(layout.nbytes, dtype=torch.uint8)
     with torch.no_grad():
         for view, src in zip(layout.leaf_views(raw), sources):
@@ -246,10 +265,59 @@ def stage_compressed(layout: TensorLayout, sources: list[torch.Tensor], encoded_
     encoded = encoded_in or codec.encode(raw, layout.leaves)
     master = spill.put(raw)
     del raw
+    blob = put(encoded) if put is not None else None
+    if blob is not None:
+        encoded.blob = blob
+        return master, blob, False, encoded
     blob, pinned = alloc_host(encoded.size, pin)
     blob.copy_(encoded.blob)
     encoded.blob = blob
     return master, blob, pinned, encoded
+
+
+def stage_unit_compressed(layout: TensorLayout, file: Any, keys: list[str] | None, spill: SpillFile,
+                          alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool, encode: bool,
+                          copy: Any = None, index: int = -1, encoded_in: codec.Encoded | None = None,
+                          ) -> tuple[torch.Tensor, bool, Any, Any]:
+    """(raw master viewing the spill map, pinned, encoding, the shared host copy holding the blob or None) for one
+    unit. Leaves on the meta device are read from `file`. With `copy` (the host copy shared between processes,
+    `shared_host.SharedHostCopy`), its filler puts the blob there; a joiner takes the blob the copy holds for unit
+    `index` (`stage_shared_compressed`); where the copy cannot hold it or holds other bytes, the blob is private.
+    `encoded_in`: the unit's encoding as a packed folder stores it (not encoded again)."""
+    shared = copy.encoded_unit(index) if copy is not None else None
+    if shared is not None:
+        host = stage_shared_compressed(layout, shared, set(copy.file_leaves.get(index, ())), spill)
+        copy.took(index, host is not None)
+        if host is not None:
+            return host, False, shared, copy
+    from_file = [i for i, src in enumerate(layout.sources()) if src.is_meta or layout.leaves[i].meta]
+    sources = [file.read_tensor(keys[i]) if i in from_file else src for i, src in enumerate(layout.sources())]
+    put = (lambda enc: copy.put_encoded(index, enc, from_file)) if copy is not None and copy.filler else None
+    host, _, pinned, encoded = stage_compressed(layout, sources, encoded_in, spill, alloc_host, pin, encode, put)
+    return host, pinned, encoded, copy if put is not None and index in copy.encoded else None
+
+
+def stage_shared_compressed(layout: TensorLayout, encoded: codec.Encoded, from_file: set[int],
+                            spill: SpillFile) -> torch.Tensor | None:
+    """A joining process's raw master (the spill map) for a unit the shared host copy holds encoded: the blob is
+    decoded on the CPU once, checked against the bytes this process holds (a leaf on the meta device only where the
+    filler read that very leaf from the file) and spilled; None when they differ (the unit stays private)."""
+    try:
+        raw = codec.decode(encoded)
+    except (RuntimeError, IndexError, ValueError) as exc:  # a chunk table that does not fit its blob
+        log.warning("the shared host copy holds a unit this process cannot decode (%s); it stays private", exc)
+        return None
+    with torch.no_grad():
+        for k, (view, src) in enumerate(zip(layout.leaf_views(raw), layout.sources())):
+            if src.is_meta or layout.leaves[k].meta:
+                ok = k in from_file
+            else:
+                ok = torch.equal(view.contiguous().reshape(-1).view(torch.uint8),
+                                 src.detach().contiguous().reshape(-1).view(torch.uint8))
+            del src
+            if not ok:
+                return None
+    return spill.put(raw)
 
 
 DEFAULT_DECODE_GBPS = 100.0  # decode rate (GB/s of raw bytes) assumed for a named card until measured on it

@@ -7,8 +7,13 @@ share ONE copy instead: a named segment under /dev/shm (`SharedHostCopy`), which
 unit while it stages (`place`) and the others map once it is complete.
 
 - Naming: `layer-offload-<sha256 of the file's identity and the layout>`; created with O_EXCL, so exactly one
-  process fills it. A header (magic, the full key, the size, per unit its offset and which leaves were read from
-  the file) is written last; a segment whose header does not match is ignored (the process stages its own copy).
+  process fills it. A header (magic, the full key, the size, per unit its offset, which leaves were read from the
+  file and its form) is written last; a segment whose header does not match is ignored (the process stages its own
+  copy).
+- Forms: a unit the filler's plan holds compressed is in the segment in its encoded form (`put_encoded`: the blob
+  at the start of the unit's range, its chunk table in the header), decoded on the device as a private compressed
+  unit is. A joining process reads the forms before it plans (`peek`) and takes them as facts (`planner.make_plan`
+  holds those units in the segment's form); it maps an encoded unit with `encoded_unit` (shared_encoded.py).
 - A joining process compares the bytes it holds (a model loaded in RAM) with the segment's before it drops its
   own; a leaf it does not hold (on the meta device, read from the file) joins only where the filler read that very
   leaf from the file. A unit that differs stays private to the process: a shared copy never changes an output.
@@ -24,7 +29,6 @@ unit while it stages (`place`) and the others map once it is complete.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import mmap
 import os
@@ -37,12 +41,14 @@ from typing import Any, Callable
 import torch
 
 from ..model.layout import TensorLayout
+from . import codec
+from .shared_forms import chunk_room, header_json, parse_header
 from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, available, fcntl, file_identity,  # noqa: F401
                           map_segment, private_pages, punch_hole, release, round_up, segment_key, sweep_stale)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LOSHARE1"
+MAGIC = b"LOSHARE2"  # 2: units in the codec's encoded form too
 _HEAD = struct.Struct("<8sQQ")  # magic, ready (0 | 1), length of the JSON that follows
 
 
@@ -101,6 +107,7 @@ class SharedHostCopy:
         self.sizes = sizes
         self.total = total
         self.file_leaves: dict[int, list[int]] = {}  # filled units -> leaves read from the file (the header's)
+        self.encoded: dict[int, tuple[int, tuple[codec.Chunk, ...]]] = {}  # units filled encoded: (size, chunks)
         self.placed: list[int] = []
         self.refused = 0
         self._fill: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_WRITE) if filler else None
@@ -124,15 +131,7 @@ class SharedHostCopy:
         except OSError as exc:
             log.info("no shared host copy: cannot read %s (%s)", file_path, exc)
             return None
-        offsets, sizes, pos = {}, {}, 0
-        for i, layout in enumerate(layouts):  # every unit has its place, so processes with other tiers agree
-            offsets[i], sizes[i] = pos, layout.nbytes
-            pos += round_up(layout.nbytes)
-        # the header is written last: room for it with every unit filled and every leaf read from the file
-        head = round_up(_HEAD.size + len(cls._header_json(key, offsets, sizes, layouts, full=True))
-                         + 32 * len(offsets) + 256)
-        offsets = {i: head + off for i, off in offsets.items()}
-        total = max(head + pos, PAGE)
+        offsets, sizes, total = cls._places(key, layouts)
         path = directory / (PREFIX + key[:40])
         for _ in range(3):  # a segment the last process unlinked while we opened it: look again
             try:
@@ -150,15 +149,18 @@ class SharedHostCopy:
                 return None
         return None
 
-    @staticmethod
-    def _header_json(key: str, offsets: dict[int, int], sizes: dict[int, int], layouts: list[TensorLayout],
-                     file_leaves: dict[int, list[int]] | None = None, full: bool = False) -> bytes:
-        units = []
-        for i in offsets:
-            leaves = list(range(len(layouts[i].leaves))) if full else (file_leaves or {}).get(i)
-            units.append({"offset": offsets[i], "nbytes": sizes[i], "filled": full or i in (file_leaves or {}),
-                          "file_leaves": leaves or []})
-        return json.dumps({"key": key, "units": units}).encode()
+    @classmethod
+    def _places(cls, key: str, layouts: list[TensorLayout]) -> tuple[dict[int, int], dict[int, int], int]:
+        """(each unit's offset in the segment, its raw bytes, the segment's size): every unit has its place at its
+        raw size, so processes with other tiers or forms agree (an encoded unit fills the start of its range)."""
+        offsets, sizes, pos = {}, {}, 0
+        for i, layout in enumerate(layouts):
+            offsets[i], sizes[i] = pos, layout.nbytes
+            pos += round_up(layout.nbytes)
+        # the header is written last: room for it with every unit filled encoded and every leaf read from the file
+        head = round_up(_HEAD.size + len(header_json(key, offsets, sizes, layouts, full=True))
+                        + 32 * len(offsets) + 256 + sum(chunk_room(layout) for layout in layouts))
+        return {i: head + off for i, off in offsets.items()}, sizes, max(head + pos, PAGE)
 
     @classmethod
     def _create(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int], total: int,
@@ -201,33 +203,48 @@ class SharedHostCopy:
         if header is None:
             os.close(fd)
             cls._take_over(path)  # raises: look again, or stage a private copy
-        copy.file_leaves = header
-        log.info("mapping the shared host copy %s another process filled (%d unit(s))", path, len(header))
+        copy.file_leaves, copy.encoded = header
+        log.info("mapping the shared host copy %s another process filled (%d unit(s), %d of them compressed)", path,
+                 len(copy.file_leaves), len(copy.encoded))
         return copy
+
+    @classmethod
+    def peek(cls, file_path: str | os.PathLike, layouts: list[TensorLayout], names: list[str],
+             directory: Path = SEGMENT_DIR) -> dict[int, tuple[str, int]] | None:
+        """The forms of the units a complete segment for this model holds: unit -> (its form, "none" or the
+        codec's name; its bytes there), waiting while a filler still fills it; None when there is none (this
+        process would fill it). What a joining process plans with (`HostFacts.shared_forms`)."""
+        try:
+            key = segment_key(file_identity(file_path), layouts, names)
+            offsets, sizes, total = cls._places(key, layouts)
+            fd = os.open(directory / (PREFIX + key[:40]), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            header = cls._read_header(fd, key, offsets, sizes, total)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if header is None:
+            return None
+        filled, encoded = header
+        return {i: (codec.CODEC, encoded[i][0]) if i in encoded else ("none", sizes[i]) for i in filled}
 
     @staticmethod
     def _read_header(fd: int, key: str, offsets: dict[int, int], sizes: dict[int, int],
-                     total: int) -> dict[int, list[int]] | None:
-        """The filled units and their file-read leaves, or None for a segment that is not this model's copy or
-        was never completed."""
+                     total: int) -> tuple[dict[int, list[int]], dict[int, tuple[int, tuple[codec.Chunk, ...]]]] | None:
+        """(the filled units and their file-read leaves, the encoded ones' sizes and chunks), or None for a segment
+        that is not this model's copy or was never completed."""
         try:
             if os.fstat(fd).st_size != total:
                 return None
             magic, ready, n = _HEAD.unpack(os.pread(fd, _HEAD.size, 0))
             if magic != MAGIC or not ready or n > min(offsets.values(), default=total):
                 return None
-            header = json.loads(os.pread(fd, n, _HEAD.size))
-            units = header["units"]
-            if header["key"] != key or len(units) != len(offsets):
-                return None
-            out = {}
-            for i, u in zip(offsets, units):
-                if u["offset"] != offsets[i] or u["nbytes"] != sizes[i]:
-                    return None
-                if u["filled"]:
-                    out[i] = [int(k) for k in u["file_leaves"]]
-            return out
-        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            return parse_header(os.pread(fd, n, _HEAD.size), key, offsets, sizes)
+        except (OSError, struct.error):
             return None
 
     @staticmethod
@@ -257,14 +274,7 @@ class SharedHostCopy:
         leaf from the file); a joiner checks that the segment holds the bytes it holds."""
         off, n = self.offsets[i], self.sizes[i]
         if self.filler:
-            try:  # the pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS while copying into the mapping
-                os.posix_fallocate(self.fd, off, round_up(n))
-            except OSError as exc:
-                if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
-                    SharedHostCopy.said_full = True
-                    log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
-                                "RAM (a container's /dev/shm may be small: docker run --shm-size)", SEGMENT_DIR, exc)
-                self.refused += 1
+            if not self._reserve(off, n):
                 return None
             dst = self._frombuffer(self._fill, off, n)
             from_file = []
@@ -279,8 +289,8 @@ class SharedHostCopy:
                         del src
             self.file_leaves[i] = from_file
         else:
-            if i not in self.file_leaves:
-                return None  # the filler kept this unit out of RAM (disk tier): it was not filled
+            if i not in self.file_leaves or i in self.encoded:
+                return None  # the filler kept this unit out of RAM (disk tier), or holds it encoded
             theirs = set(self.file_leaves[i])
             seg = self._frombuffer(self._shared, off, n)
             with torch.no_grad():
@@ -296,11 +306,57 @@ class SharedHostCopy:
         self.placed.append(i)
         return self._frombuffer(self._private, off, n)
 
+    def _reserve(self, off: int, n: int) -> bool:
+        """The filler reserves a unit's pages now: a full /dev/shm is ENOSPC here, not SIGBUS while copying into the
+        mapping (False: said once per process, the unit stays private)."""
+        try:
+            os.posix_fallocate(self.fd, off, round_up(n))
+            return True
+        except OSError as exc:
+            if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
+                SharedHostCopy.said_full = True
+                log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
+                            "RAM (a container's /dev/shm may be small: docker run --shm-size)", SEGMENT_DIR, exc)
+            self.refused += 1
+            return False
+
+    def put_encoded(self, i: int, encoded: codec.Encoded, from_file: list[int]) -> torch.Tensor | None:
+        """The filler puts unit i in its encoded form (the blob at the start of its range, the chunk table into the
+        header); returns the blob in the read-only shared mapping (what the device copies from), or None (no
+        room: the unit keeps a private blob)."""
+        if not self.filler or encoded.size > self.sizes[i] or not self._reserve(self.offsets[i], encoded.size):
+            return None
+        if encoded.size:
+            self._frombuffer(self._fill, self.offsets[i], encoded.size).copy_(encoded.blob)
+        self.file_leaves[i] = list(from_file)
+        self.encoded[i] = (encoded.size, tuple(encoded.chunks))
+        self.placed.append(i)
+        return self._frombuffer(self._shared, self.offsets[i], encoded.size)
+
+    def encoded_unit(self, i: int) -> codec.Encoded | None:
+        """A joiner's view of unit i held encoded in the segment (the blob in the read-only shared mapping), or None
+        when the segment does not hold it encoded. The caller checks the bytes and then calls `took`."""
+        if self.filler or i not in self.encoded:
+            return None
+        size, chunks = self.encoded[i]
+        return codec.Encoded(self._frombuffer(self._shared, self.offsets[i], size), chunks, self.sizes[i])
+
+    def took(self, i: int, ok: bool) -> None:
+        """A joiner took unit i's encoded form (ok) or found other bytes in it than its own (the unit stays private)."""
+        if ok:
+            self.placed.append(i)
+        else:
+            self.refused += 1
+
+    def held_bytes(self, i: int) -> int:
+        """Unit i's bytes in the segment: its encoded size where it is held encoded, else its raw size."""
+        return self.encoded[i][0] if i in self.encoded else self.sizes[i]
+
     def finish(self, backend: Any, pinned: set[int] | frozenset[int]) -> None:
         """Staging is over: the filler publishes the header and lets joiners in; the units planned `pinned` are
         registered for this process's device in the shared mapping (each asked of the pin gate), where it can."""
         if self.filler and self._fill is not None:
-            body = self._header_json(self.key, self.offsets, self.sizes, [], self.file_leaves)
+            body = header_json(self.key, self.offsets, self.sizes, [], self.file_leaves, encoded=self.encoded)
             self._fill[_HEAD.size:_HEAD.size + len(body)] = body
             self._fill[:_HEAD.size] = _HEAD.pack(MAGIC, 1, len(body))
             self._fill.close()
@@ -314,7 +370,7 @@ class SharedHostCopy:
             return
         for i in self.placed:
             if i in pinned and self._shared is not None:
-                view = self._frombuffer(self._shared, self.offsets[i], self.sizes[i])
+                view = self._frombuffer(self._shared, self.offsets[i], self.held_bytes(i))
                 unregister = backend.register_host(view)
                 if unregister is None:
                     break  # refused (the pin gate, the driver): the rest are copied from pageable memory too
@@ -357,7 +413,8 @@ class SharedHostCopy:
             return False
         try:
             self.file_leaves.pop(i, None)  # a later process stages this unit on its own
-            body = self._header_json(self.key, self.offsets, self.sizes, [], self.file_leaves)
+            self.encoded.pop(i, None)
+            body = header_json(self.key, self.offsets, self.sizes, [], self.file_leaves, encoded=self.encoded)
             fd = os.open(self.path, os.O_RDWR)
             try:
                 os.pwrite(fd, body, _HEAD.size)

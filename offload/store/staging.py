@@ -22,7 +22,7 @@ from ..model.blocks import Unit
 from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
 from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
 from ..model.trainable import trainable_in_blocks
-from .compressed import CompressedSource, bind_master, disk_source, stage_compressed
+from .compressed import CompressedSource, bind_master, disk_source, stage_unit_compressed
 from .shared_host import SharedHostCopy, SharedSource, SharedUnit
 from .file_keys import (file_keys, file_keys_holding, in_stored_order, key_namer, meta_file_keys,
                         non_persistent_buffer, persistent_buffers_from_file, stored_unit_of)
@@ -58,19 +58,20 @@ class StagingBuffer:
     keys: list[str] | None = None
     encoded: Any = None  # held compressed (codec.Encoded): `host` is then a map of the spill file (compressed.py)
     spilled: bool = False  # `host` maps the spill file (no RAM of its own until read)
+    segment: SharedHostCopy | None = None  # the encoded blob lies in this host copy shared between processes
 
     @classmethod
     def compressed(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
                    pin: bool, spill: SpillFile, file: SafetensorsFile | None = None,
-                   keys: list[str] | None = None, encode: bool = True) -> "StagingBuffer":
-        """Hold the unit compressed in RAM, its modules viewing the spill map (`compressed.stage_compressed`); without
-        `encode`, the spill map alone (the weights outside the blocks, which live on the device)."""
-        sources = [file.read_tensor(keys[i]) if src.is_meta or layout.leaves[i].meta else src
-                   for i, src in enumerate(layout.sources())]
+                   keys: list[str] | None = None, encode: bool = True, copy: SharedHostCopy | None = None,
+                   index: int = -1) -> "StagingBuffer":
+        """Hold the unit compressed in RAM, its modules viewing the spill map (`compressed.stage_unit_compressed`: with
+        `copy`, its blob in the host copy shared between processes); without `encode`, the spill map alone."""
         stored = stored_unit_of(file, keys, layout) if encode else None  # stored compressed: its encoding as is
         encoded = file.encoded(stored) if stored is not None and stored.nbytes == layout.nbytes else None
-        host, _, pinned, encoded = stage_compressed(layout, sources, encoded, spill, alloc_host, pin, encode)
-        return cls(layout, host, pinned, bind_master(layout, host), encoded=encoded, spilled=True)
+        host, pinned, encoded, segment = stage_unit_compressed(layout, file, keys, spill, alloc_host, pin, encode,
+                                                               copy, index, encoded)
+        return cls(layout, host, pinned, bind_master(layout, host), encoded=encoded, spilled=True, segment=segment)
     shared: SharedUnit | None = None  # the host copy shared between processes (`host` is this process's view)
 
     @classmethod
@@ -324,7 +325,8 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
                 masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
             elif i in compressed:
                 pinned = pin and tiers.get(i) != "pageable"
-                masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pinned, spill, file, keys.get(i)))
+                masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pinned, spill, file, keys.get(i),
+                                                        copy=copy if i in shared else None, index=i))
             else:
                 master = (StagingBuffer.in_shared(i, layout, copy, file, keys.get(i))
                           if copy is not None and i in shared else None)
@@ -336,9 +338,9 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
         if copy is not None:
             copy.finish(backend, {i for i in shared if pin and tiers.get(i) == "pinned"})
             for k, m in enumerate(masters):  # the copy is pinned (registered) now, or not
-                if m.shared is not None:
-                    unit = copy.unit(m.shared.index, m.host, m.layout)
-                    masters[k] = replace(m, pinned=unit.pinned, shared=unit)
+                if m.shared is not None or m.segment is not None:  # raw in the copy, or its encoded blob there
+                    unit = copy.unit(k, m.host, m.layout) if m.shared is not None else None
+                    masters[k] = replace(m, pinned=copy.pinned_view(k) is not None, shared=unit)
         # Non-block tensors: always resident; the host copy stays the master for unload and detach.
         if spill_rest and laid.rest.nbytes:
             rest = StagingBuffer.compressed(laid.rest, backend.alloc_host, False, spill, file, laid.rest_keys,
@@ -379,7 +381,7 @@ def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | 
     master's encoded bytes, decoded on the device."""
     if master.encoded is not None:
         return CompressedSource(master.encoded, master.encoded.blob, master.pinned, backend, reader,
-                                master.host, list(master.layout.leaves), backend.alloc_host)
+                                master.host, list(master.layout.leaves), backend.alloc_host, master.segment)
     if master.shared is not None and master.shared.pinned:
         return SharedSource(master.shared, backend)
     if not master.pinned and backend.supports_pinned_host and reader is not None:

@@ -13,7 +13,7 @@ import torch
 
 from ..backends.base import Backend
 from ..plan.planner import bounce_buffers
-from ..store.compressed import disk_source, unit_host_bytes
+from ..store.compressed import disk_source, unit_host_bytes, unit_segment, unit_shared
 from ..store.sources import BounceReader
 from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
 from .placement import UnitState, quiesce
@@ -103,7 +103,7 @@ class HostTiers:
                 ram += held
                 raw += u.nbytes
                 pinned += held if u.master.pinned else 0
-                shared += u.nbytes if u.master.shared is not None else 0
+                shared += held if unit_shared(u.staged) else 0
         ram += 0 if self.staged.rest.spilled else self.staged.rest.layout.nbytes
         reader = self.staged.reader
         if reader is not None:
@@ -134,8 +134,8 @@ class HostTiers:
         for u in candidates:
             if freed - cost >= nbytes:
                 break
-            shared = u.master.shared
-            if shared is not None and not shared.copy.alone():
+            shared = unit_segment(u.staged)  # (copy, index): raw or encoded in the copy shared between processes
+            if shared is not None and not shared[0].alone():
                 continue
             keys = file_keys_holding(file, u.staged.layout, staged.key_of, refused=refused)
             if keys is None or not all(file.aligned(k) for k in keys):
@@ -148,7 +148,7 @@ class HostTiers:
             u.staged.source = self.sources[u.index] = disk_source(file, keys, u.staged.layout.leaves, u.nbytes,
                                                                   staged.reader, self.backend)
             u.mark = u.staged.layout.version()
-            if shared is None or shared.copy.give_back(shared.index):
+            if shared is None or shared[0].give_back(shared[1]):
                 freed += held
         if refused:
             log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
