@@ -7,7 +7,10 @@
 3. plan: `planner.make_plan` from those facts; the units it puts on the disk tier are checked against the file
    byte for byte (`staging.verify_for_disk`), and any the file does not hold make the plan again without them.
 4. stage: `staging.stage_model` puts every unit's master where the plan says, one unit at a time.
-5. stream: `ModelStreamer` installs the hooks; a model on several devices gets its activation hops.
+5. stream: `ModelStreamer` installs the hooks; a model on several devices gets its activation hops. Under a RAM
+   ceiling, blocks held compressed were planned at their estimated encoded size: where they came out larger and
+   the host RAM passes the ceiling, the setup is undone and made again from step 2 with their encoded sizes
+   (`keep_ram_ceiling`); a ceiling no plan keeps then is refused by name.
 
 Nothing here changes the model before step 4, so a refused model is left exactly as it was. The handle then makes
 the `PlanKeeper` that keeps the plan current (offload/plan/replan.py) and joins the budget, whose share replaces the
@@ -30,9 +33,9 @@ from .config import OffloadConfig
 from .model.blocks import find_units
 from .model.layout import unit_tensors
 from .plan import planner
-from .plan.planner import GIB, HostFacts, Plan, PlanFacts, estimate_reserve, read_host_memory
+from .plan.planner import GIB, HostFacts, Plan, PlanFacts, RamCeilingError, estimate_reserve, read_host_memory
 from .store.codec import CODEC, scratch_estimate
-from .store.compressed import estimate_layout_size, unit_compression
+from .store.compressed import estimate_layout_size, unit_compression, unit_host_bytes
 from .store import shared_host
 from .store.packed import open_weights
 from .store.file_keys import stored_units
@@ -59,11 +62,37 @@ class SetUp:
     notices: dict[str, str]
 
 
+class EncodedLarger(Exception):
+    """Staged blocks held compressed came out larger than their estimate and the RAM ceiling broke: their encoded
+    sizes (unit index -> bytes) for the plan made again (the setup was undone)."""
+
+    def __init__(self, sizes: dict[int, int], ram: int) -> None:
+        super().__init__(f"blocks encoded larger than estimated ({ram} bytes of host RAM)")
+        self.sizes, self.ram = sizes, ram
+
+
 def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudget | dict[str, VramBudget] | None,
            units: list[str] | None, progress: Callable[[int, int], None] | None, listener: PassListener,
            owner: Any) -> SetUp:
     """Set `model` up for streaming (see the module docstring); `owner` is the handle the secondary devices'
     budget shares answer to, `listener` the streamer's pass listener."""
+    encoded: dict[int, int] = {}
+    for _ in range(3):  # planned again with the encoded sizes of the blocks that broke a RAM ceiling
+        try:
+            return _set_up(model, config, name, budget, units, progress, listener, owner, encoded)
+        except EncodedLarger as exc:
+            encoded.update(exc.sizes)
+            ram = exc.ram
+    raise RamCeilingError(f"{name}: its blocks compress less than estimated, so it needs {ram} bytes of host RAM, "
+                          f"over ram_budget_bytes={config.ram_budget_bytes}; raise ram_budget_bytes to at least {ram}, "
+                          f"give disk_path (the model's safetensors file, with a preset that allows the disk tier) so "
+                          f"blocks can stream from disk, or set host_compression='off'")
+
+
+def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudget | dict[str, VramBudget] | None,
+            units: list[str] | None, progress: Callable[[int, int], None] | None, listener: PassListener,
+            owner: Any, encoded: dict[int, int]) -> SetUp:
+    """One try of `set_up`, with the encoded sizes known from an earlier try (`encoded`)."""
     # 1. config
     backend = get_backend(config)
     free, total = backend.mem_get_info()
@@ -86,7 +115,7 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
     file_path = str(file.path) if file is not None else None
     try:
         laid = lay_out_model(model, found, file, config.disk_optional)
-        facts = _facts(config, name, backend, device_name, vbudget, laid, in_ram, file_path)
+        facts = _facts(config, name, backend, device_name, vbudget, laid, in_ram, file_path, encoded)
         # 3. plan
         plan = planner.make_plan(facts)
         refused = verify_for_disk(laid, plan.disk_units)  # the file must hold the very bytes it streams
@@ -105,6 +134,8 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
         raise
     # 5. stream
     streamer = ModelStreamer(model, staged, backend, listener, config.pin_memory, config.prefetch, config.profile)
+    if config.ram_budget_bytes is not None:
+        keep_ram_ceiling(streamer, plan, int(config.ram_budget_bytes))
     secondaries.attach(streamer.placement, backend, [u.staged.module for u in streamer.units])
     tiers = tuple(u.tier for u in streamer.units)
     forms = tuple(unit_compression(u.staged) for u in streamer.units)
@@ -119,8 +150,24 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
                  replace(facts, host=None, host_tiers=tiers, host_forms=forms), plan, streamer, file_path, notices)
 
 
+def keep_ram_ceiling(streamer: ModelStreamer, plan: Plan, ceiling: int) -> None:
+    """The staged model's host RAM within `ceiling` (see step 5 of the module docstring): blocks held compressed
+    may encode larger than their estimate; when they carry the host RAM past the ceiling, the setup is undone (the
+    model as it was) and EncodedLarger gives their encoded sizes to plan with."""
+    ram = streamer.host_memory()["ram"]
+    planned = plan.host_plan.host_sizes if plan.host_plan is not None else None
+    if ram <= ceiling or not planned:
+        return
+    grown = {u.index: unit_host_bytes(u.staged) for u in streamer.units
+             if unit_compression(u.staged) != "none" and unit_host_bytes(u.staged) > planned[u.index]}
+    if not grown:  # over the ceiling by the plan's own choice (disk_optional keeps blocks in RAM), said already
+        return
+    streamer.detach()
+    raise EncodedLarger(grown, ram)
+
+
 def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str, budget: VramBudget,
-           laid: ModelLayout, in_ram: int, file_path: str | None) -> PlanFacts:
+           laid: ModelLayout, in_ram: int, file_path: str | None, encoded: dict[int, int]) -> PlanFacts:
     """What the plan is made from at setup; the compute device's share is the whole budget until the model is
     a member (the PlanKeeper plans again for its share then)."""
     mem = read_host_memory()
@@ -140,7 +187,7 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
     stored = stored_units(laid)  # units a packed folder stores compressed: exact encoded sizes, decoded from disk
     if config.host_compression != "off" and sizes:
         packed = tuple(in_copy[i][1] if in_copy.get(i, ("",))[0] not in ("", "none")
-                       else s.stored if s is not None else estimate_layout_size(layout)
+                       else s.stored if s is not None else encoded.get(i) or estimate_layout_size(layout)
                        for i, (s, layout) in enumerate(zip(stored, laid.layouts)))
     forms = tuple(CODEC if s is not None else "none" for s in stored)
     scratch = packed or CODEC in forms

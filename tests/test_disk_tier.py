@@ -59,6 +59,9 @@ def _cfg(path, ram_units=2, preset="budget", **kw):
     """`ram_units` blocks' worth of RAM; 0: the least that streams every block from disk (the weights outside the
     blocks plus one block's worth, shared by the bounce buffers: ram_budget_bytes caps the engine's host RAM)."""
     kw.setdefault("device", "sim")
+    # the disk tier's own mechanics: no block held compressed in RAM instead (host_compression "auto" keeps blocks
+    # off the disk tier where that saves disk reads; tests/test_host_compression.py)
+    kw.setdefault("host_compression", "off")
     ram = ram_units * BLK if ram_units else REST + BLK
     return OffloadConfig.from_preset(preset, disk_path=str(path), ram_budget_bytes=ram, **kw)
 
@@ -199,8 +202,9 @@ def test_no_disk_when_the_preset_forbids_it(tmp_path, offload):
     path = _save(model, tmp_path / "m.safetensors")
     from offload.plan.planner import RamCeilingError
 
-    with pytest.raises(RamCeilingError, match=f"at least {REST + DEPTH * BLK}"):  # a ceiling it cannot keep
+    with pytest.raises(RamCeilingError, match=f"at least {REST + DEPTH * BLK}") as info:  # a ceiling it cannot keep
         offload(model, _cfg(path, ram_units=1, preset="high_end"))
+    assert "allow the disk tier" in str(info.value) and "give disk_path" not in str(info.value)  # it was given
     assert torch.equal(run(model, (x,)), ref)
     h = offload(model, _cfg(path, ram_units=DEPTH + 1, preset="high_end"))
     assert "disk" not in [b.tier for b in h.report().blocks]

@@ -176,6 +176,20 @@ def test_auto_compresses_only_what_would_go_to_disk():
     with pytest.raises(RamCeilingError):
         choose_compressed("auto", sizes, [90] * 6, refuse, lambda p: True)
 
+    def small(eff):  # RAM for 400 bytes
+        tiers, used = {}, 0
+        for i, s in enumerate(eff):
+            tiers[i] = "pageable" if used + s <= 400 else "disk"
+            used += s if tiers[i] != "disk" else 0
+        return HostPlan(tiers, used, 0)
+
+    # no choice keeps every unit in RAM: compressed, one unit read from disk instead of two (auto never does worse
+    # than off); where compression saves no disk read, nothing is compressed
+    for hard in (False, True):
+        plan, chosen = choose_compressed("auto", sizes, [80] * 6, small, fits, hard=hard)
+        assert chosen == frozenset(range(6)) and list(plan.tiers.values()).count("disk") == 1
+        assert choose_compressed("auto", sizes, [90] * 6, plan_for, fits, hard=hard)[1] == frozenset()
+
 
 def test_the_forms_of_a_shared_host_copy_are_facts_for_a_joining_plan():
     """A process joining the host copy another process filled (tests/test_shared_host.py) plans with that copy's
@@ -345,3 +359,46 @@ def test_auto_holds_nothing_compressed_when_ram_suffices():
 def test_host_compression_is_checked():
     with pytest.raises(ValueError, match="host_compression"):
         OffloadConfig(host_compression="zstd")
+
+
+def test_blocks_that_encode_larger_than_estimated_keep_the_ceiling(tmp_path, monkeypatch):
+    """The plan places compressed blocks at their estimated encoded size; blocks that come out larger must not
+    carry the host RAM past ram_budget_bytes: the last ones go to the disk tier, or (no file) the offload is refused
+    by name and the model is left as it was."""
+    import offload.setup
+
+    monkeypatch.setattr(offload.setup, "estimate_layout_size", lambda layout: layout.nbytes // 2)  # bf16 takes ~0.7
+    path = tmp_path / "model.safetensors"
+    src = _llama(torch.bfloat16, hidden=192)
+    save_file({k: v.detach().clone().contiguous() for k, v in src.state_dict().items()}, str(path))
+    ref = _logits(src)
+    total = sum(p.numel() * p.element_size() for p in src.parameters())
+    ceiling = int(0.6 * total)
+    model = _llama(torch.bfloat16, hidden=192)
+    handle = _offload(model, host_compression="auto", disk_path=str(path), ram_budget_bytes=ceiling,
+                      preset="budget", vram_fraction=0.0)
+    with host_master_guard(handle):
+        assert torch.equal(_logits(model), ref)
+    report = handle.report()
+    assert handle.host_memory()["ram"] <= ceiling
+    assert report.tiers["disk"] > 0 and any(b.compression == codec.CODEC for b in report.blocks)
+    handle.detach()
+    model = _llama(torch.bfloat16, hidden=192)
+    with pytest.raises(RamCeilingError, match="ram_budget_bytes.*disk_path"):  # planned again: no plan keeps it
+        _offload(model, host_compression="auto", ram_budget_bytes=ceiling, preset="budget", vram_fraction=0.0)
+    assert torch.equal(_logits(model), ref)  # left as it was
+    assert not any(t.device.type != "cpu" for t in model.parameters())
+
+
+def test_the_estimate_samples_runs_not_a_stride():
+    """The plan decides with an estimate of each block's encoded size from a sample: a weight whose every other
+    element is alike (a stride of two would read only those) is estimated at what it encodes to."""
+    from offload.store.compressed import _sample, codec_leaf
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(1 << 18, generator=g) * 0.02).to(torch.bfloat16)
+    w.view(torch.int16)[1::2] = torch.randint(0, 1 << 14, (1 << 17,), dtype=torch.int16, generator=g)
+    sample = _sample(w, 1 << 16).view(torch.uint8)
+    estimate = codec.estimate_size(sample, [codec_leaf(sample.numel(), torch.bfloat16)]) / sample.numel()
+    actual = codec.encode(w.view(torch.uint8), [codec_leaf(w.numel() * 2, torch.bfloat16)]).ratio
+    assert abs(estimate - actual) < 0.02, (estimate, actual)

@@ -163,7 +163,7 @@ def test_packed_model_streams_entirely_from_disk_bitwise(tmp_path, offload, kind
     ref = run(model, (x,))
     out = tmp_path / "m.packed"
     pack_file(_save(model, tmp_path / "m.safetensors"), out)
-    h = offload(model, _cfg(out, _least_ram(model, blocks)))
+    h = offload(model, _cfg(out, _least_ram(model, blocks), host_compression="off"))
     rep = h.report()
     assert [b.tier for b in rep.blocks] == ["disk"] * len(blocks)
     assert rep.to_dict()["blocks"]  # the report still renders
@@ -182,7 +182,7 @@ def test_meta_model_loads_from_a_packed_folder(tmp_path, offload):
     pack_file(_save(model, tmp_path / "m.safetensors"), out)
     with torch.device("meta"):
         empty = LayersModel(dim=64, depth=DEPTH).eval()
-    h = offload(empty, _cfg(out, _least_ram(model, list(model.layers))))
+    h = offload(empty, _cfg(out, _least_ram(model, list(model.layers)), host_compression="off"))
     assert not any(p.is_meta for p in empty.parameters())
     assert [b.tier for b in h.report().blocks] == ["disk"] * DEPTH
     for _ in range(2):
@@ -199,7 +199,7 @@ def test_one_positioned_read_per_unit_use(tmp_path, offload, monkeypatch):
     pack_file(_save(model, tmp_path / "m.safetensors"), out)
     tensors_per_unit = len(list(model.layers[0].state_dict()))
     assert tensors_per_unit > 1
-    h = offload(model, _cfg(out, _least_ram(model, list(model.layers))))
+    h = offload(model, _cfg(out, _least_ram(model, list(model.layers)), host_compression="off"))
     reader = h.streamer.staged.reader
     unit_bytes = h.streamer.units[0].nbytes
     ranges = -(-unit_bytes // reader.bounce_bytes)

@@ -314,6 +314,34 @@ def test_cli_plans_a_workflow(models, capsys):
     assert d["card"]["tflops"] == 50 and d["card"]["vram_bytes"] == 8 << 30
 
 
+def test_cli_says_what_compression_keeps_off_the_disk_tier(models, capsys):
+    """Issue 36 part 4: `plan workflow.json --ram` shows what holding blocks compressed in RAM keeps out of the disk
+    tier. Wan 2.1 14B in bf16 (26.6 GiB) under the example workflow's file name: 32 GB holds it raw (nothing said),
+    24 GB only compressed (0 GiB on disk; host_compression="off" would put 5.9 GiB there), 16 GB neither."""
+    shapes = {"model.diffusion_model." + k: tuple(v.shape) for k, v in wan_shapes(5120, 13824, 40, False).items()}
+    write_safetensors(models / "diffusion_models" / "wan2.1_t2v_1.3B_fp16.safetensors", shapes)
+    wf = str(ROOT / "example_workflows" / "wan2.1_t2v_layer_offload.json")
+    base = ["plan", wf, "--models-dir", str(models), "--card", "rtx4090"]
+    figures = {}
+    for ram in ("32GB", "24GB", "16GB"):
+        assert main(base + ["--ram", ram, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        m = next(x for x in d["models"] if x["role"] == "diffusion")
+        figures[ram] = (m, m["presets"][m["preset"]])
+    m, chosen = figures["32GB"]
+    assert chosen["compressed_blocks"] == 0 and m["disk_bytes"] == 0 and "uncompressed" not in chosen
+    m, chosen = figures["24GB"]
+    assert chosen["compressed_blocks"] == 40 and m["disk_bytes"] == 0 and m["host_bytes"] < 24 << 30
+    assert chosen["uncompressed"]["disk_bytes"] > 5 << 30
+    m, chosen = figures["16GB"]
+    assert 0 < chosen["compressed_blocks"] < 40 and 0 < m["disk_bytes"] < chosen["uncompressed"]["disk_bytes"]
+    assert main(base + ["--ram", "24GB"]) == 0
+    text = capsys.readouterr().out
+    assert "40 block(s) held compressed" in text and 'with host_compression="off": 5.89 GiB' in text
+    assert main(base + ["--ram", "32GB"]) == 0
+    assert "held compressed" not in capsys.readouterr().out
+
+
 def test_published_table_matches_docs():
     """docs/benchmarks.md's table of published measurements is what the code predicts today (within its rounding):
     the table is the code's, not hand-written figures."""

@@ -6,9 +6,10 @@ host side of a plan, called only by `planner.make_plan`.
 - "auto": none when every unit fits in RAM raw; under a hard RAM ceiling (`ram_budget_bytes`) that raw units break,
   all that pay (the ceiling asks for RAM) when that keeps every unit in RAM; else (the RAM the machine has
   available) the fewest units, from the last in the order RAM fills (the ones that would go to the disk tier
-  first), that keep every unit in RAM. When compression cannot keep every unit off the disk tier, the plan is the
-  one without it (compressed only when no plan without it keeps a hard ceiling at all). Never a unit that would
-  not pay.
+  first), that keep every unit in RAM. When compression cannot keep every unit off the disk tier, every unit that
+  pays is compressed if that leaves fewer bytes to read from the disk tier than the plan without it (a decode on
+  the device costs far less than a read from disk), else the plan is the one without it (compressed only when no
+  plan without it keeps a hard ceiling at all). Never a unit that would not pay.
 - Units another process already holds in the host copy shared between processes (`fixed`: unit -> held encoded)
   keep that copy's form whatever the mode: they are facts, not choices (a joining process maps them as they are).
 
@@ -26,6 +27,11 @@ def paying(sizes: list[int], packed: list[int]) -> list[int]:
     if not packed:
         return []
     return [i for i, (s, p) in enumerate(zip(sizes, packed)) if s and p < UNIT_PAYS * s]
+
+
+def disk_bytes(plan: HostPlan, sizes: list[int]) -> int:
+    """Raw bytes a pass reads from the disk tier with this plan (a disk-tier unit is read raw)."""
+    return sum(sizes[i] for i, tier in plan.tiers.items() if tier == "disk")
 
 
 def choose_compressed(mode: str, sizes: list[int], packed: list[int],
@@ -81,8 +87,14 @@ def choose_compressed(mode: str, sizes: list[int], packed: list[int],
                 lo = mid + 1
         if best is not None:
             return best
-    if raw is not None:
-        return raw, frozenset(forced)  # compression cannot keep every unit off the disk tier: the plan as without it
+    if raw is not None:  # compression cannot keep every unit off the disk tier: the fewer disk bytes win
+        try:
+            every = plan_for(with_compressed(candidates))
+        except RamCeilingError:
+            return raw, frozenset(forced)
+        if disk_bytes(every, sizes) < disk_bytes(raw, sizes):
+            return every, frozenset(forced + candidates)
+        return raw, frozenset(forced)
     try:  # no raw plan keeps the ceiling: compressed, if that one does
         return plan_for(with_compressed(candidates)), frozenset(forced + candidates)
     except RamCeilingError:

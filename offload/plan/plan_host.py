@@ -68,14 +68,15 @@ def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: boo
 
 def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_limit: int, allow_disk: bool,
                      pin: bool, prefetch: int, bounces_pageable: bool, biggest: int | None = None,
-                     order: list[int] | None = None) -> HostPlan:
+                     order: list[int] | None = None, file_given: bool = False) -> HostPlan:
     """Host tiers under a hard RAM ceiling: the non-block weights, the blocks kept in RAM and the read-ahead
     thread's bounce buffers together stay within `ram_budget`; the rest of the blocks go to the disk tier.
 
     Bounce buffers are needed for disk blocks, and for pageable blocks where the device has pinned memory
     (`bounces_pageable`). They are whole blocks or PREFERRED_BOUNCE when RAM allows (a quarter of it at most);
     when RAM is tight, blocks kept in RAM come first and the buffers get what is left (MIN_BOUNCE at the least):
-    a block is then read in ranges. A ceiling below the least such a plan needs raises RamCeilingError.
+    a block is then read in ranges. A ceiling below the least such a plan needs raises RamCeilingError (naming the
+    way to the disk tier: the model's file, or, where it is given, a config that allows the disk tier).
     """
     count = bounce_buffers(prefetch)
     biggest = max(sizes, default=0) if biggest is None else biggest  # a disk-tier unit is read raw
@@ -88,7 +89,9 @@ def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_lim
         how = "or give it more RAM"
     else:
         minimum = rest_bytes + sum(sizes) + (least_bounce if bounced_in_ram else 0)
-        how = "or give disk_path (the model's safetensors file) so blocks can stream from disk"
+        how = ("or allow the disk tier (allow_disk=True, as the auto, consumer and budget presets do) so blocks can "
+               "stream from disk_path" if file_given else
+               "or give disk_path (the model's safetensors file) so blocks can stream from disk")
     if ram_budget < minimum:
         raise RamCeilingError(
             f"ram_budget_bytes={ram_budget} is below the {minimum} bytes this model needs in host RAM at the least "

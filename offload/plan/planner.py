@@ -316,7 +316,10 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
 
     plan, compressed = choose_compressed(facts.host_compression, list(facts.sizes), list(facts.packed_sizes),
                                          plan_for, fits, h.hard, fixed)
-    plan.compressed = frozenset(i for i in compressed if plan.tiers.get(i) != "disk")
+    compressed = frozenset(i for i in compressed if plan.tiers.get(i) != "disk")
+    if not compressed and plan.rest_spilled:  # every unit chosen went to the disk tier (read raw): nothing is held
+        plan = plan_for(list(facts.sizes))  # compressed, so the weights outside the blocks keep their RAM copy
+    plan.compressed = compressed
     plan.rest_spilled = plan.rest_spilled and bool(plan.compressed)
     compressed = plan.compressed
     messages.extend(said.get(id(plan), []))
@@ -344,7 +347,8 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     order = sorted(fixed) + [i for i in range(len(sizes)) if i not in fixed] if fixed else None
     if h.hard:
         plan = plan_host_capped(sizes, rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
-                                facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0), order)
+                                facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0), order,
+                                file_given=h.file_path is not None)
     else:
         budget = h.ram_budget + sum(sizes[i] for i in fixed)
         plan = plan_host(sizes, budget, pin_limit, h.allow_disk, h.pin, order)

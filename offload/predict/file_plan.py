@@ -7,7 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..config import OffloadConfig
+from ..store import codec
+from ..store.compressed import codec_leaf
 from .cards import Card
 from .header_costs import Tokens, diffusion_analysis, encoder_analysis
 from .model_files import read_tensor_infos
@@ -45,9 +49,30 @@ def predict_file(path: str, width: int, height: int, frames: int, batch: int, ca
     profile = _profile_on_card(analysis, card)
     profile.names, profile.sizes = [b.name for b in desc.blocks], [b.nbytes for b in desc.blocks]
     profile.rest_bytes, profile.model_name = desc.rest_bytes, desc.family
+    profile.packed_sizes = header_packed_sizes(desc)
     preds = {name: predict_profile(profile, cfg, ram_bytes=ram_bytes, disk_tier=disk_tier)
              for name, cfg in configs.items()}
     return FilePlan(desc, preds, tokens, analysis.activation_bytes)
+
+
+# a header's stored dtype (safetensors' torch names, GGUF's float types) -> the torch dtype the codec sees; a
+# quantized GGUF payload is bytes (uint8), which the estimate keeps raw
+_HEADER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "BF16": torch.bfloat16,
+                  "F16": torch.float16, "F32": torch.float32}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _HEADER_DTYPES[_name] = getattr(torch, _name)
+
+
+def header_packed_sizes(desc: ModelDesc) -> list[int]:
+    """Each block's size held compressed in RAM (host_compression), estimated from its tensors' stored dtypes as
+    the engine estimates a model still on the meta device (`codec.estimate_by_dtype`)."""
+    out = []
+    for block in desc.blocks:
+        leaves = [codec_leaf(info.nbytes, _HEADER_DTYPES.get(info.dtype, torch.uint8))
+                  for info in block.tensors.values()]
+        out.append(codec.estimate_by_dtype(leaves, block.nbytes))
+    return out
 
 
 def describe_family(desc: ModelDesc) -> dict[str, Any]:

@@ -365,7 +365,8 @@ def predict_profile(profile: Profile, config: OffloadConfig, *, budget: "VramBud
     hp = plan.host_plan
     bounce = hp.bounce_bytes if hp is not None else None
     held = [packed[i] if i in plan.compressed else sizes[i] for i in range(n)]
-    host_bytes = host_ram_bytes(held, rest_bytes, plan.host_tiers, bounce, config.prefetch, host.bounces_pageable)
+    rest_held = 0 if hp is not None and hp.rest_spilled else rest_bytes  # blocks compressed: no RAM copy of the rest
+    host_bytes = host_ram_bytes(held, rest_held, plan.host_tiers, bounce, config.prefetch, host.bounces_pageable)
     disk_bytes = sum(sizes[i] for i in plan.disk_units)
     fits = True
     room = (profile.device_total - CONTEXT_BYTES) if profile.named else profile.device_total

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import PRESETS, OffloadConfig
 from .cards import MEMORY_EFFICIENCY, Card, get_card
+from .file_plan import header_packed_sizes
 from .header_costs import Tokens, diffusion_analysis, encoder_analysis, vae_decode_cost
 from .model_files import ModelFileError, TensorInfo, read_tensor_infos
 from .model_kinds import FAMILIES, ModelDesc, describe, split_checkpoint
@@ -106,7 +107,8 @@ def _figures(pred: Prediction, calls_batch: int = 1) -> dict[str, Any]:
     return {"fits": bool(pred.fits and ms is not None), "vram_bytes": pred.device_bytes + pred.activation_bytes,
             "plan_bytes": pred.device_bytes, "activation_bytes": pred.activation_bytes, "host_bytes": pred.host_bytes,
             "disk_bytes": pred.disk_bytes, "ms_per_call": ms, "resident_ms_per_call": pred.resident_step_ms,
-            "limited_by": pred.limited_by, "notes": list(pred.notes)}
+            "limited_by": pred.limited_by, "notes": list(pred.notes), "compressed_blocks": pred.compressed_blocks,
+            "compressed_bytes": pred.compressed_bytes}
 
 
 def _plan_model(plan: ModelPlan, desc: ModelDesc, analysis: Any, card: Card, presets: Sequence[str],
@@ -118,9 +120,15 @@ def _plan_model(plan: ModelPlan, desc: ModelDesc, analysis: Any, card: Card, pre
     profile.rest_bytes = desc.rest_bytes
     profile.model_name = plan.label or plan.family
     profile.flops = list(analysis.flops)
+    profile.packed_sizes = header_packed_sizes(desc)
     for name in presets:
         cfg = OffloadConfig.from_preset(name, device="sim")
-        plan.presets[name] = _figures(predict_profile(profile, cfg, ram_bytes=ram_bytes, disk_tier=disk_ok))
+        plan.presets[name] = figures = _figures(predict_profile(profile, cfg, ram_bytes=ram_bytes, disk_tier=disk_ok))
+        if figures["compressed_blocks"]:  # what the blocks held compressed keep off the disk tier
+            raw = predict_profile(profile, replace(cfg, host_compression="off"), ram_bytes=ram_bytes,
+                                  disk_tier=disk_ok)
+            figures["uncompressed"] = {"fits": bool(raw.fits and math.isfinite(raw.step_ms)),
+                                       "host_bytes": raw.host_bytes, "disk_bytes": raw.disk_bytes}
     need = desc.nbytes + analysis.activation_bytes
     room = card.vram_bytes - CONTEXT_BYTES
     resident = profile.rest_ms + sum(profile.compute_ms)

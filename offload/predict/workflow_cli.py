@@ -98,6 +98,13 @@ def format_plan(plan: WorkflowPlan) -> str:
             lines.append(f"without offloading, {m['name']} {verdict}: needs {_gib(wo['needs_bytes'])} GiB "
                          f"(weights {_gib(wo['weights_bytes'])} + activations {_gib(wo['activation_bytes'])}) of the "
                          f"{_gib(wo['card_bytes'])} GiB the card has for it")
+        chosen = m["presets"].get(m["preset"], {})
+        if chosen.get("compressed_blocks"):
+            raw = chosen.get("uncompressed") or {}
+            off = (f"{_gib(raw.get('disk_bytes'))} GiB" if raw.get("fits") else "no plan that fits the RAM")
+            lines.append(f"compressed host RAM, {m['name']}: {chosen['compressed_blocks']} block(s) held compressed "
+                         f"({_gib(chosen['compressed_bytes'])} GiB saved), {_gib(chosen['disk_bytes'])} GiB on the "
+                         f"disk tier; with host_compression=\"off\": {off}")
         for note in m["notes"]:
             lines.append(f"  {m['name']}: {note}")
     run = d["run"]

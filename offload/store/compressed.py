@@ -158,9 +158,26 @@ def disk_source(file: Any, keys: list[str], leaves: list[Leaf], nbytes: int, rea
     return DiskSource(file, keys, leaves, nbytes, reader)
 
 
+SAMPLE_RUN = 512  # elements read together by the estimate: a pattern repeating within a run is sampled as it is
+
+
+def _sample(flat: torch.Tensor, sample_elems: int) -> torch.Tensor:
+    """About `sample_elems` elements of `flat` as runs of SAMPLE_RUN consecutive ones spread evenly over it (a
+    stride of single elements would alias with a pattern of that period: every other element alike, say)."""
+    n = flat.numel()
+    if n <= sample_elems:
+        return flat.contiguous()
+    flat = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    runs = max(1, sample_elems // SAMPLE_RUN)
+    run = min(SAMPLE_RUN, n // runs)
+    starts = torch.linspace(0, n - run, runs).long()
+    index = (starts[:, None] + torch.arange(run)[None, :]).reshape(-1)
+    return flat[index]
+
+
 def estimate_layout_size(layout: TensorLayout, sample_elems: int = 1 << 16) -> int:
-    """A unit's encoded size before anything is encoded: each codable tensor sampled evenly (a tensor still on the
-    meta device is estimated from its dtype)."""
+    """A unit's encoded size before anything is encoded: each codable tensor sampled in evenly spread runs (a
+    tensor still on the meta device is estimated from its dtype)."""
     total = layout.nbytes
     with torch.no_grad():
         for leaf, src in zip(layout.leaves, layout.sources()):
@@ -169,9 +186,7 @@ def estimate_layout_size(layout: TensorLayout, sample_elems: int = 1 << 16) -> i
             if src.is_meta or leaf.meta:
                 total -= leaf.nbytes - codec.estimate_by_dtype([leaf], leaf.nbytes)
                 continue
-            flat = src.detach().reshape(-1)
-            step = max(1, flat.numel() // sample_elems)
-            sample = flat[::step].contiguous().view(torch.uint8)
+            sample = _sample(src.detach().reshape(-1), sample_elems).view(torch.uint8)
             guess = codec.estimate_size(sample, [codec_leaf(sample.numel(), leaf.dtype)], sample_elems)
             total -= leaf.nbytes - min(leaf.nbytes, int(leaf.nbytes * guess / max(1, sample.numel())))
     return total

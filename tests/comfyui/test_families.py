@@ -623,3 +623,70 @@ def test_gguf_model_through_offload_model(env, which, preset, lora):
         off = with_lora(env, WAN21, [off])[0]
     assert torch.equal(ref, sample(env, WAN21, [off])), "GGUF ({}) / {}: offloaded result differs".format(which, preset)
     check_preset(off, preset)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("main", ["Q8_0", "Q4_0", "F16"])
+@pytest.mark.parametrize("which", ["builtin", "ComfyUI-GGUF"])
+def test_gguf_model_held_compressed_in_ram_is_bitwise(env, which, main, lora):
+    """Issue 36 with a GGUF model: Offload Model with host_compression "lossless" gives the plain GGUF result bitwise,
+    also with a LoRA on top (applied by the GGUF ops at compute time: the stored payload is never patched); the blocks
+    are held in the codec's form only where that pays (F16 payloads do; a block that stays raw holds its raw bytes,
+    never more), and the report's model totals are the blocks'."""
+    from families import gguf_wan
+    from families.wan import WAN21
+    from offload.model.layout import Leaf
+    from offload.store import codec
+
+    load, tensor_cls = gguf_loader(env, which)
+    name = _gguf_file(env, main)
+
+    def fresh() -> Any:
+        with torch.inference_mode():
+            return load(name)
+
+    plain = fresh()
+    ref = sample(env, WAN21, with_lora(env, WAN21, [plain]) if lora else [plain])
+    if lora:
+        assert not torch.equal(ref, sample(env, WAN21, [fresh()])), "the LoRA must change the result"
+    with torch.inference_mode():
+        off = env.M["OffloadModel"]().apply(fresh(), "budget", None, 0, "", "lossless")[0]
+    assert isinstance(off, type(plain)), (type(off), type(plain))  # GGUFModelPatcher stays one
+    if lora:
+        off = with_lora(env, WAN21, [off])[0]
+    assert torch.equal(ref, sample(env, WAN21, [off])), "GGUF {} ({}) lossless: result differs".format(main, which)
+    assert torch.equal(ref, sample(env, WAN21, [off])), "a second run differs"
+    rep = engine_state(off).handle.report()
+    blocks = rep.blocks
+    assert blocks and all(b.tier != "vram" for b in blocks)
+    q = dict(off.model.diffusion_model.named_parameters())["blocks.1.self_attn.q.weight"]
+    assert isinstance(q, tensor_cls) and q.tensor_type.name == main, "the payload streams as stored"
+    for b in blocks:
+        if b.compression == "none":
+            assert b.host_bytes == b.raw_bytes, (b.name, b.host_bytes, b.raw_bytes)
+        else:
+            assert b.compression == codec.CODEC and b.host_bytes < codec.UNIT_PAYS * b.raw_bytes, \
+                (b.name, b.host_bytes, b.raw_bytes)
+    assert rep.host_bytes == sum(b.host_bytes for b in blocks)
+    assert rep.host_raw_bytes == sum(b.raw_bytes for b in blocks)
+    streamed = dict(off.model.diffusion_model.named_parameters())
+    for b in blocks:  # the codec's own verdict on the block's stored bytes: held compressed exactly where it pays
+        ts = [t for k, t in streamed.items() if k.startswith(b.name + ".")]
+        ts = [t.detach().as_subclass(torch.Tensor).contiguous().reshape(-1) for t in ts]
+        raw = torch.cat([t.view(torch.uint8) for t in ts])
+        leaves, at = [], 0
+        for t in ts:
+            n = t.numel() * t.element_size()
+            leaves.append(Leaf(at, n, t.dtype, (t.numel(),), None))
+            at += n
+        ratio = codec.encode(raw, leaves).ratio
+        if ratio < 0.9 * codec.UNIT_PAYS:
+            assert b.compression == codec.CODEC, (b.name, ratio)
+        elif ratio > codec.UNIT_PAYS:
+            assert b.compression == "none", (b.name, ratio)
+    held = {b.compression for b in blocks}
+    if main == "F16":  # half floats pay: every block is held compressed
+        assert held == {codec.CODEC}, [(b.name, b.compression, b.host_bytes, b.raw_bytes) for b in blocks]
+        assert rep.host_bytes < rep.host_raw_bytes
+    else:  # 8- and 4-bit quantized payloads spread over all byte values: they stay raw, as stored
+        assert held == {"none"} and rep.host_bytes == rep.host_raw_bytes
