@@ -33,7 +33,8 @@ from .config import OffloadConfig
 from .model.blocks import find_units
 from .model.layout import unit_tensors
 from .plan import planner
-from .plan.planner import GIB, HostFacts, Plan, PlanFacts, RamCeilingError, estimate_reserve, read_host_memory
+from .plan.planner import (GIB, HostFacts, Plan, PlanError, PlanFacts, RamCeilingError, estimate_reserve,
+                           read_host_memory)
 from .store.codec import CODEC, scratch_estimate
 from .store.compressed import estimate_layout_size, unit_compression, unit_host_bytes
 from .store import shared_host
@@ -117,7 +118,7 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
         laid = lay_out_model(model, found, file, config.disk_optional)
         facts = _facts(config, name, backend, device_name, vbudget, laid, in_ram, file_path, encoded)
         # 3. plan
-        plan = planner.make_plan(facts)
+        plan = _make_plan(facts, laid)
         refused = verify_for_disk(laid, plan.disk_units)  # the file must hold the very bytes it streams
         if refused:
             facts = replace(facts, disk_ok=tuple(ok and i not in refused for i, ok in enumerate(facts.disk_ok)))
@@ -164,6 +165,23 @@ def keep_ram_ceiling(streamer: ModelStreamer, plan: Plan, ceiling: int) -> None:
         return
     streamer.detach()
     raise EncodedLarger(grown, ram)
+
+
+def _make_plan(facts: PlanFacts, laid: ModelLayout) -> Plan:
+    """`make_plan`; a RAM ceiling refused with host_compression="off" says so when blocks held compressed would keep
+    it (the refusal names what to change)."""
+    try:
+        return planner.make_plan(facts)
+    except RamCeilingError as exc:
+        if facts.host_compression != "off" or facts.host is None or not facts.host.hard or not facts.sizes:
+            raise
+        packed = tuple(estimate_layout_size(layout) for layout in laid.layouts)
+        try:
+            planner.make_plan(replace(facts, host_compression="lossless", packed_sizes=packed))
+        except (RamCeilingError, PlanError):
+            raise exc from None
+        raise RamCeilingError(f"{exc}; or let blocks be held compressed in RAM (host_compression='auto' or "
+                              f"'lossless' keeps this ceiling)") from None
 
 
 def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str, budget: VramBudget,

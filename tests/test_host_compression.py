@@ -402,3 +402,19 @@ def test_the_estimate_samples_runs_not_a_stride():
     estimate = codec.estimate_size(sample, [codec_leaf(sample.numel(), torch.bfloat16)]) / sample.numel()
     actual = codec.encode(w.view(torch.uint8), [codec_leaf(w.numel() * 2, torch.bfloat16)]).ratio
     assert abs(estimate - actual) < 0.02, (estimate, actual)
+
+
+def test_a_ceiling_off_cannot_keep_names_compression_when_it_would():
+    """host_compression='off' under a RAM ceiling the raw blocks break (no disk file): the refusal says that holding
+    blocks compressed keeps it, and 'auto' then does (every block compressed, outputs bitwise)."""
+    model = _llama()
+    ref = _logits(model)
+    ceiling = int(0.85 * sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+    with pytest.raises(RamCeilingError, match="host_compression='auto'"):
+        _offload(model, ram_budget_bytes=ceiling, host_compression="off")
+    assert not any(p.is_meta for p in model.parameters())  # refused before anything moved
+    h = _offload(model, ram_budget_bytes=ceiling)
+    assert all(b.compression == codec.CODEC for b in h.report().blocks)
+    assert h.host_memory()["ram"] <= ceiling
+    assert torch.equal(_logits(model), ref)
+    h.detach()
