@@ -185,13 +185,18 @@ def test_mixed_ram_and_compressed_disk_units_bitwise(tmp_path, offload, monkeypa
     model = _llama()
     ref = _logits(model)
     out = _packed(tmp_path, model)
-    encodes = []
+    encodes, reads = [], []
     real = codec.encode
     monkeypatch.setattr(codec, "encode", lambda *a, **k: encodes.append(1) or real(*a, **k))
+    real_read = PackedWeights.read_stored
+    monkeypatch.setattr(PackedWeights, "read_stored",
+                        lambda self, unit, *a: reads.append(unit.name) or real_read(self, unit, *a))
     empty = _llama(meta=True)
     blk = _block_bytes(model) // 4
     ram = _all_bytes(model) - 4 * blk + 2 * blk
     h = offload(empty, _cfg(out, ram, host_compression=compression))
+    assert sorted(reads) == sorted(u["name"] for u in _index(out)["units"]), reads  # staging reads each unit once
+    assert h.streamer.staged.file._last is None  # no decoded unit held past staging
     blocks = h.report().blocks
     tiers = [b.tier for b in blocks]
     assert "disk" in tiers and any(t != "disk" for t in tiers), tiers

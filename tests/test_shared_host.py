@@ -273,15 +273,22 @@ def test_a_process_that_writes_a_weight_gets_a_private_copy_of_that_block(model_
             w.quit()
 
 
-def test_a_process_that_loaded_other_weights_keeps_its_own_copy(tmp_path):
-    """Same file, same layout, other bytes in RAM (changed after loading): never the shared copy's bytes."""
-    from offload import OffloadConfig, VramBudget, offload_module
-
+def _twin_models(tmp_path):
+    """Two copies of the worker's model with the same weights, and the safetensors file both offload from (the
+    second handle maps the shared copy the first fills, as another process would)."""
     torch.manual_seed(0)
     first, second = worker.build(), worker.build()
     path = tmp_path / "model.safetensors"
     safetensors_torch.save_file(first.state_dict(), str(path))
     second.load_state_dict(first.state_dict())
+    return first, second, path
+
+
+def test_a_process_that_loaded_other_weights_keeps_its_own_copy(tmp_path):
+    """Same file, same layout, other bytes in RAM (changed after loading): never the shared copy's bytes."""
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    first, second, path = _twin_models(tmp_path)
     with torch.no_grad():
         second[5].weight.add_(1)
         want = second(worker.inputs())
@@ -354,11 +361,7 @@ def test_ram_given_back_frees_the_copy_only_when_nobody_else_maps_it(tmp_path):
     it on its own); while another one maps it, nothing is moved (nothing would be freed)."""
     from offload import OffloadConfig, VramBudget, offload_module
 
-    torch.manual_seed(0)
-    first, second = worker.build(), worker.build()
-    path = tmp_path / "model.safetensors"
-    safetensors_torch.save_file(first.state_dict(), str(path))
-    second.load_state_dict(first.state_dict())
+    first, second, path = _twin_models(tmp_path)
     x = worker.inputs()
     with torch.no_grad():
         want = first(x)
@@ -389,11 +392,7 @@ def test_a_write_through_data_is_found_by_its_pages(tmp_path):
     turned private in this mapping gets a private copy; another mapping of the copy keeps the original bytes."""
     from offload import OffloadConfig, VramBudget, offload_module
 
-    torch.manual_seed(0)
-    first, second = worker.build(), worker.build()
-    path = tmp_path / "model.safetensors"
-    safetensors_torch.save_file(first.state_dict(), str(path))
-    second.load_state_dict(first.state_dict())
+    first, second, path = _twin_models(tmp_path)
     x = worker.inputs()
     with torch.no_grad():
         want = first(x)

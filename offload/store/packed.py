@@ -97,7 +97,7 @@ class PackedWeights:
         self._shard_of: dict[str, str] = index.shard_of
         self.stored: dict[str, StoredUnit] = index.stored  # units stored compressed (`pack --compress`)
         self._unit_of: dict[str, str] = index.unit_of  # their tensors (offsets within the unit's raw bytes)
-        self._decoded: tuple[str, torch.Tensor] | None = None  # the last unit decoded on the CPU
+        self._last: tuple[str, codec.Encoded, torch.Tensor | None] | None = None  # the last unit read (and decoded)
         self._decode_lock = threading.Lock()  # staging and the read-ahead thread may both decode
         self._spill: SpillFile | None = None
         self._spilled: dict[str, torch.Tensor] = {}  # decoded units the modules view between passes
@@ -187,6 +187,8 @@ class PackedWeights:
                     self._spill = self._spill or SpillFile()
                     self._spilled[unit] = self._spill.put(raw)
                 flat = self._spilled[unit]
+            del raw
+            self.forget_decoded()  # its bytes are in the spill map now
         ft = self.tensors[key]
         return flat[ft.start:ft.end].view(ft.dtype).view(ft.shape)
 
@@ -220,7 +222,11 @@ class PackedWeights:
 
     def encoded(self, unit: StoredUnit) -> codec.Encoded:
         """A unit stored compressed as the codec's `Encoded` in RAM, its escapes checked (the index was checked at
-        open: decoding it writes only inside the unit)."""
+        open: decoding it writes only inside the unit). The last unit read is kept until another is read or
+        `forget_decoded`, so staging reads each unit once for its encoding and its tensors."""
+        with self._decode_lock:
+            if self._last is not None and self._last[0] == unit.name:
+                return self._last[1]
         blob = torch.empty(unit.stored, dtype=torch.uint8)
         self.read_stored(unit, blob, 0, unit.stored)
         enc = codec.Encoded(blob, unit.chunks, unit.nbytes)
@@ -228,17 +234,25 @@ class PackedWeights:
             codec.check_escapes(enc)
         except ValueError as exc:
             raise self._fail(f"unit {unit.name!r}: {exc}") from None
+        with self._decode_lock:
+            self._last = (unit.name, enc, None)
         return enc
 
     def _raw(self, name: str) -> torch.Tensor:
-        """The decoded bytes of a unit stored compressed (the last one decoded is kept for the next tensor)."""
+        """The decoded bytes of a unit stored compressed (kept with its encoding, as `encoded` says)."""
         with self._decode_lock:
-            if self._decoded is not None and self._decoded[0] == name:
-                return self._decoded[1]
-        raw = codec.decode(self.encoded(self.stored[name]))
+            if self._last is not None and self._last[0] == name and self._last[2] is not None:
+                return self._last[2]
+        enc = self.encoded(self.stored[name])
+        raw = codec.decode(enc)
         with self._decode_lock:
-            self._decoded = (name, raw)
+            self._last = (name, enc, raw)
         return raw
+
+    def forget_decoded(self) -> None:
+        """Let go of the last unit read and decoded (its encoded and raw bytes): staging is done with it."""
+        with self._decode_lock:
+            self._last = None
 
     def _read_decoded(self, dst: torch.Tensor, pieces: list[tuple[str, int]], start: int, end: int,
                       whole: bool = False) -> int:
@@ -267,7 +281,7 @@ class PackedWeights:
     def close(self) -> None:
         for s in self._shards.values():
             s.close()
-        self._decoded = None
+        self.forget_decoded()
         self._spilled.clear()
         if self._spill is not None:
             self._spill.close()

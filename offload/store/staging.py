@@ -361,6 +361,9 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             copy.close()
         raise
     finally:
+        forget = getattr(file, "forget_decoded", None)  # a packed folder's last decoded unit: not held past staging
+        if forget is not None:
+            forget()
         if spill is not None:
             spill.close()  # the maps handed out keep their bytes
             release_free_heap()  # the encoder's transient buffers: freed, handed back to the OS
