@@ -211,7 +211,7 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
     scratch = packed or CODEC in forms
     return PlanFacts(
         host_compression=config.host_compression, packed_sizes=packed, file_forms=forms,
-        decode_scratch=scratch_estimate(leaf for layout in laid.layouts for leaf in layout.leaves) if scratch else 0,
+        decode_scratch=max(scratch_estimate(layout.leaves) for layout in laid.layouts) if scratch else 0,
         name=name, sizes=sizes, names=tuple(u.name for u in laid.units), rest_bytes=laid.rest_bytes,
         prefetch=config.prefetch, stream_all=config.vram_fraction <= 0, device=device_name,
         allowance=max(laid.rest_bytes + max(sizes), budget.total_bytes or 0),

@@ -48,7 +48,7 @@ from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, available, f
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LOSHARE2"  # 2: units in the codec's encoded form too
+MAGIC = b"LOSHARE3"  # 3: encoded units in the codec's chunks of version 3; 2: of version 2
 _HEAD = struct.Struct("<8sQQ")  # magic, ready (0 | 1), length of the JSON that follows
 
 

@@ -255,9 +255,10 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     in_units: set[tuple[int, str, str]] = set()
     key_of = key_namer(model)
     for unit in units:
-        tensors = in_stored_order([t for t in unit_tensors(unit.module) if id(t[3]) not in shared], file, key_of)
+        tensors, stored = in_stored_order([t for t in unit_tensors(unit.module) if id(t[3]) not in shared], file,
+                                          key_of)
         in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
-        layouts.append(plan_layout(tensors))
+        layouts.append(plan_layout(tensors, group_dtypes=not stored))
         del tensors
     rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
                                if (id(sub), name, kind) not in in_units])
