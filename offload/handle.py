@@ -51,6 +51,7 @@ class OffloadHandle(BudgetMembership):
         self.backend, self.device_name, self.budget, self.secondaries = s.backend, s.device_name, s.budget, \
             s.secondaries
         self.streamer, self._reserve, self._file_path, self._notices = s.streamer, s.reserve, s.file_path, s.notices
+        self.setup_times = s.times  # where offload_module's time went (the report's `setup`)
         self.keeper = PlanKeeper(s.facts, s.streamer, s.backend, self)  # keeps the plan current from here on
         self._final_report: OffloadReport | None = None
         self._report_base = ReportBase()
@@ -238,7 +239,8 @@ class OffloadHandle(BudgetMembership):
                             name=self.name, device=self.backend.describe(), preset=self.config.preset,
                             priority=self.priority, notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
                             kv=self._kv.report() if self._kv is not None else None,
-                            budget_reason=self.budget.explain_share(self))
+                            budget_reason=self.budget.explain_share(self),
+                            setup=self.setup_times.to_dict() if self.setup_times is not None else {})
 
     def detach(self) -> None:
         """Remove every hook; every weight becomes an ordinary tensor with its original values.

@@ -245,7 +245,7 @@ def test_a_header_with_a_chunk_table_the_codec_would_not_write_is_not_used():
     assert parse_header(body, "k", offsets, sizes) == ({0: []}, {0: (enc.size, enc.chunks)})
     bad = [c for c in enc.chunks]
     i = next(j for j, c in enumerate(bad) if c.coded)
-    bad[i] = codec.Chunk(**{**bad[i].__dict__, "k": bad[i].k + 1})  # the same size, another code width
+    bad[i] = codec.Chunk(**{**bad[i].__dict__, "bits": bad[i].bits + 1})  # the same size, another index width
     body = header_json("k", offsets, sizes, [], {0: []}, encoded={0: (enc.size, tuple(bad))})
     assert parse_header(body, "k", offsets, sizes) is None
     assert parse_header(body.replace(b'"k"', b'"other"', 1), "k", offsets, sizes) is None

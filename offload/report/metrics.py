@@ -89,6 +89,10 @@ class OffloadReport:
     # blocks in the copy shared with other processes offloading the same file (OffloadConfig.share_host)
     host_private_bytes: int = 0
     host_shared_bytes: int = 0
+    # where offload_module's time went, in ms: total_ms, layout_ms, plan_ms, stage_ms (wall) and, added up over
+    # staging's workers, read_ms (file reads), encode_ms (units encoded), spill_ms, pin_ms (host buffers allocated,
+    # pinned where planned); workers; encoded_units (encoded at setup), stored_units (a packed folder's encoding taken)
+    setup: dict[str, Any] = field(default_factory=dict)
 
     @property
     def streamed_bytes(self) -> int:

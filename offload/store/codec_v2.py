@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch
 
-from .codec import _FORMS, Chunk, Encoded
+from .codec_forms import _FORMS, Chunk, Encoded
 
 CHUNK_ELEMS = 1 << 22  # elements coded (and decoded) together
 MIN_CODED_BYTES = 4096  # smaller tensors stay raw

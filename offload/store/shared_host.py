@@ -268,26 +268,16 @@ class SharedHostCopy:
 
     # staging ------------------------------------------------------------------------------------------------------
     def place(self, i: int, layout: TensorLayout,
-              read_leaf: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor | None:
+              fill: Callable[[torch.Tensor], list[int]]) -> torch.Tensor | None:
         """Unit i's bytes in the segment, as this process's private mapping of them (None: keep a private copy).
-        The filler copies the unit's tensors in (`read_leaf(k, unit_bytes, leaf_view)` reads leaf k of a meta
-        leaf from the file); a joiner checks that the segment holds the bytes it holds."""
+        The filler puts the unit's tensors in (`fill(unit_bytes)`: meta leaves read from the file straight into the
+        segment, the others copied; returns the leaves read from the file); a joiner checks that the segment holds
+        the bytes it holds. Units may be placed from several threads."""
         off, n = self.offsets[i], self.sizes[i]
         if self.filler:
             if not self._reserve(off, n):
                 return None
-            dst = self._frombuffer(self._fill, off, n)
-            from_file = []
-            with torch.no_grad():
-                for k, (view, src) in enumerate(zip(layout.leaf_views(dst), layout.sources())):
-                    if src.is_meta or layout.leaves[k].meta:
-                        del src
-                        read_leaf(k, dst, view)  # straight into the segment where it can
-                        from_file.append(k)
-                    else:
-                        view.copy_(src)
-                        del src
-            self.file_leaves[i] = from_file
+            self.file_leaves[i] = fill(self._frombuffer(self._fill, off, n))
         else:
             if i not in self.file_leaves or i in self.encoded:
                 return None  # the filler kept this unit out of RAM (disk tier), or holds it encoded
@@ -324,14 +314,25 @@ class SharedHostCopy:
         """The filler puts unit i in its encoded form (the blob at the start of its range, the chunk table into the
         header); returns the blob in the read-only shared mapping (what the device copies from), or None (no
         room: the unit keeps a private blob)."""
-        if not self.filler or encoded.size > self.sizes[i] or not self._reserve(self.offsets[i], encoded.size):
+        if not self.filler or encoded.size > self.sizes[i]:
             return None
-        if encoded.size:
-            self._frombuffer(self._fill, self.offsets[i], encoded.size).copy_(encoded.blob)
+        target = self._frombuffer(self._fill, self.offsets[i], encoded.size) if encoded.size else None
+        in_place = target is not None and encoded.blob.data_ptr() == target.data_ptr()  # encoded there (`room`)
+        if not in_place and not self._reserve(self.offsets[i], encoded.size):
+            return None
+        if encoded.size and not in_place:
+            target.copy_(encoded.blob)
         self.file_leaves[i] = list(from_file)
         self.encoded[i] = (encoded.size, tuple(encoded.chunks))
         self.placed.append(i)
         return self._frombuffer(self._shared, self.offsets[i], encoded.size)
+
+    def room(self, i: int, size: int) -> torch.Tensor | None:
+        """The filler's room for unit i's encoded blob of `size` bytes at the start of its range (reserved; the encoder
+        writes it there, then `put_encoded` records it), or None (not the filler, or no room: a private blob)."""
+        if not self.filler or size > self.sizes[i] or not self._reserve(self.offsets[i], size):
+            return None
+        return self._frombuffer(self._fill, self.offsets[i], size)
 
     def encoded_unit(self, i: int) -> codec.Encoded | None:
         """A joiner's view of unit i held encoded in the segment (the blob in the read-only shared mapping), or None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 
@@ -79,12 +80,15 @@ class SpillFile:
         self.directory = directory or spill_dir()
         self._file = tempfile.TemporaryFile(prefix="layer-offload-spill-", dir=self.directory)
         self.size = 0
+        self._lock = threading.Lock()  # staging's workers spill units side by side
         self._close = weakref.finalize(self, self._file.close)
 
     def put(self, raw: torch.Tensor) -> torch.Tensor:
         """Write `raw` (uint8, CPU) at the end of the file and return a copy-on-write map of those bytes."""
         n = int(raw.numel())
-        offset = -(-self.size // PAGE) * PAGE
+        with self._lock:  # each unit its own range: the writes then go side by side
+            offset = -(-self.size // PAGE) * PAGE
+            self.size = offset + n
         data = memoryview(raw.contiguous().numpy()).cast("B")
         fd = self._file.fileno()
         done = 0
@@ -95,7 +99,6 @@ class SpillFile:
             self._file.seek(offset)
             self._file.write(data)
             self._file.flush()
-        self.size = offset + n
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
         view = mmap.mmap(fd, n, access=mmap.ACCESS_COPY, offset=offset)

@@ -1,0 +1,198 @@
+"""The file reads (and encodes) of staging, ahead of the unit being bound: worker threads, one per core torch is
+given, read the next units of a model from its file with large positioned reads straight into their host buffers
+(a unit's tensors that lie together in the file are one `preadv`), and encode the units held compressed from a
+transient buffer of their own into the blob's final place, while staging binds the units before them. Torch runs
+each worker's ops on one thread (the workers are the parallelism; a pool of OpenMP threads per worker would
+oversubscribe the cores), and is given its thread count back when staging ends.
+
+`SetupTimes` adds up where the time went (read, encode, spill, pin) for the report.
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..model.layout import TensorLayout
+from . import codec
+
+
+
+@dataclass
+class SetupTimes:
+    """Where a model's setup spent its time (milliseconds; read/encode/spill/pin add up the workers' time)."""
+
+    total_ms: float = 0.0
+    layout_ms: float = 0.0  # units found, laid out, matched against the file's header
+    plan_ms: float = 0.0  # the facts gathered (encoded sizes estimated) and the plan made
+    stage_ms: float = 0.0  # every unit's master in place (wall time)
+    read_ms: float = 0.0  # positioned reads of the file into host buffers
+    encode_ms: float = 0.0  # units encoded (histogram, codes, packing)
+    spill_ms: float = 0.0  # raw bytes of units held compressed written to the spill file
+    pin_ms: float = 0.0  # host buffers allocated (pinned where the plan says) and registered
+    workers: int = 1
+    encoded_units: int = 0  # units encoded at setup
+    stored_units: int = 0  # units whose encoding a packed folder stores (taken, not encoded)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, what: str, seconds: float) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + seconds * 1e3)
+
+    @contextmanager
+    def timed(self, what: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(what, time.perf_counter() - t0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()
+                if not k.startswith("_")}
+
+
+def fill_from(layout: TensorLayout, dst: torch.Tensor, file: Any, keys: list[Any] | None,
+              times: SetupTimes | None = None) -> list[int]:
+    """Put a unit's bytes into the flat buffer `dst`: leaves on the meta device (and persistent buffers of a model
+    loaded from its file) read from `file`, row-major ones straight into place by one call (neighbours in the file
+    by one positioned read), the others copied from the module's tensors. Returns the leaves read from the file."""
+    views = None
+    pieces, strided, from_file = [], [], []
+    with torch.no_grad():
+        for i, src in enumerate(layout.sources()):
+            leaf = layout.leaves[i]
+            if src.is_meta or leaf.meta:
+                from_file.append(i)
+                (pieces.append((keys[i], leaf.offset)) if leaf.stride is None else strided.append(i))
+                continue
+            if views is None:
+                views = layout.leaf_views(dst)
+            views[i].copy_(src)
+            del src
+        if pieces or strided:
+            t0 = time.perf_counter()
+            if pieces:
+                file.read_into(dst, pieces)
+            if strided:
+                views = views or layout.leaf_views(dst)
+                for i in strided:
+                    views[i].copy_(file.read_tensor(keys[i]))
+            if times is not None:
+                times.add("read_ms", time.perf_counter() - t0)
+    return from_file
+
+
+_transient = threading.local()
+
+
+def transient(nbytes: int) -> torch.Tensor:
+    """A worker's reusable buffer of at least `nbytes` (a unit's raw bytes on their way to being encoded)."""
+    buf = getattr(_transient, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _transient.buf = None  # the old one goes first
+        buf = _transient.buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf[:nbytes]
+
+
+def drop_transients() -> None:
+    """Let go of this thread's transient buffer (the workers' go with their threads)."""
+    _transient.buf = None
+
+
+def encode_unit(layout: TensorLayout, file: Any, keys: list[Any] | None,
+                alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]] | None, pin: bool,
+                times: SetupTimes, spill: Any = None) -> tuple[torch.Tensor, codec.Encoded, bool, list[int]]:
+    """A unit read into a transient buffer and encoded straight into its blob (allocated once its exact size is
+    known: `alloc_host`, or a plain CPU tensor without it), its raw bytes written to `spill`. Returns (the spill map
+    of its raw bytes, or the transient itself without `spill`: the calling thread's, valid until its next unit; the
+    encoding; pinned; the leaves read from the file)."""
+    raw = transient(layout.nbytes)
+    from_file = fill_from(layout, raw, file, keys, times)
+    t0 = time.perf_counter()
+    chunks = codec.plan(raw, layout.leaves)
+    size = codec.encoded_size(chunks)
+    times.add("encode_ms", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    if alloc_host is not None:
+        blob, pinned = alloc_host(size, pin)
+    else:
+        blob, pinned = torch.empty(size, dtype=torch.uint8), False
+    times.add("pin_ms", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    encoded = codec.write(raw, chunks, blob)
+    times.add("encode_ms", time.perf_counter() - t0)
+    with times._lock:
+        times.encoded_units += 1
+    if spill is not None:
+        t0 = time.perf_counter()
+        raw = spill.put(raw)
+        times.add("spill_ms", time.perf_counter() - t0)
+    return raw, encoded, pinned, from_file
+
+
+def ram_unit(layout: TensorLayout, file: Any, keys: list[Any] | None,
+             alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
+             times: SetupTimes) -> tuple[torch.Tensor, bool]:
+    """A unit's host buffer allocated (pinned where asked) and filled (`fill_from`): (buffer, pinned)."""
+    t0 = time.perf_counter()
+    host, pinned = alloc_host(layout.nbytes, pin)
+    times.add("pin_ms", time.perf_counter() - t0)
+    fill_from(layout, host, file, keys, times)
+    return host, pinned
+
+
+def workers() -> int:
+    """Worker threads for staging: the cores torch is given."""
+    return max(1, min(8, torch.get_num_threads()))
+
+
+class ReadAhead:
+    """Jobs (one per unit, None: nothing to do ahead) run on worker threads in order, at most one per worker ahead of
+    the one the caller waits for (host memory rises by about that many units while staging); `take(i)` waits for job i (re-raising its error). Torch runs on one thread per worker
+    meanwhile (restored by `close`)."""
+
+    def __init__(self, jobs: list[Callable[[], Any] | None], n_workers: int | None = None) -> None:
+        self.jobs = jobs
+        self.n = n_workers or workers()
+        self._threads = torch.get_num_threads()
+        self._pool = futures.ThreadPoolExecutor(self.n, thread_name_prefix="layer-offload-stage") \
+            if self.n > 1 and any(j is not None for j in jobs) else None
+        if self._pool is not None:
+            torch.set_num_threads(1)
+        self._futures: dict[int, futures.Future] = {}
+        self._next = 0
+        self._fill(0)
+
+    def _fill(self, upto: int) -> None:
+        if self._pool is None:
+            return
+        while self._next < len(self.jobs) and self._next <= upto + self.n:
+            job = self.jobs[self._next]
+            if job is not None:
+                self._futures[self._next] = self._pool.submit(job)
+            self._next += 1
+
+    def take(self, i: int) -> Any:
+        """Job i's result (run here when there are no workers)."""
+        job = self.jobs[i]
+        if job is None:
+            return None
+        if self._pool is None:
+            return job()
+        self._fill(i)
+        return self._futures.pop(i).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for f in self._futures.values():
+                f.cancel()
+            self._pool.shutdown(wait=True)
+            self._pool = None
+            self._futures.clear()
+            torch.set_num_threads(self._threads)
