@@ -58,8 +58,11 @@ def runs(leaves: Iterable, nbytes: int) -> list[tuple[int, int, torch.dtype | No
         if last is not None and dtype is not None and last[2] == dtype and (a - last[1]) % form[0] == 0:
             last[1] = b  # the padding between two tensors of one dtype: part of the run
         else:
-            if last is not None and last[1] < a:
-                segs.append([last[1], a, None])
+            if last is not None and last[1] < a:  # padding: the run before takes it where it is whole elements
+                if last[2] is not None and (a - last[1]) % _FORMS[last[2]][0] == 0:
+                    last[1] = a
+                else:
+                    segs.append([last[1], a, None])
             elif last is None and a > 0:
                 segs.append([0, a, None])
             segs.append([a, b, dtype])

