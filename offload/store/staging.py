@@ -341,8 +341,10 @@ def _jobs(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, sha
             stored = stored_unit_of(laid.file, keys, layout)
             jobs.append(None if stored is not None else functools.partial(
                 encode_unit, layout, laid.file, keys, backend.alloc_host, unit_pin, times, spill))
-        else:
+        elif any(leaf.meta for leaf in layout.leaves) or any(t.is_meta for t in layout.sources()):
             jobs.append(functools.partial(ram_unit, layout, laid.file, keys, backend.alloc_host, unit_pin, times))
+        else:  # a unit in RAM already: copied in order, so host memory rises by one unit at a time
+            jobs.append(None)
     return jobs
 
 
