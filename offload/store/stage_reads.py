@@ -101,8 +101,9 @@ def transient(nbytes: int) -> torch.Tensor:
 
 
 def drop_transients() -> None:
-    """Let go of this thread's transient buffer (the workers' go with their threads)."""
+    """Let go of this thread's transient buffer and decode scratch (the workers' go with their threads)."""
     _transient.buf = None
+    _scratch.s = None
 
 
 def encode_unit(layout: TensorLayout, file: Any, keys: list[Any] | None,
@@ -134,6 +135,38 @@ def encode_unit(layout: TensorLayout, file: Any, keys: list[Any] | None,
         raw = spill.put(raw)
         times.add("spill_ms", time.perf_counter() - t0)
     return raw, encoded, pinned, from_file
+
+
+_scratch = threading.local()
+
+
+def decode_stored(layout: TensorLayout, file: Any, stored: Any,
+                  alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool, times: SetupTimes,
+                  spill: Any) -> tuple[torch.Tensor, codec.Encoded, bool, list[int]]:
+    """A unit a packed folder stores compressed, laid out as stored: its encoded bytes read once into its blob (the
+    encoding it keeps: nothing encoded again; escapes checked by the folder), decoded on the CPU into a transient
+    buffer and spilled (what its modules view between passes). Returns what `encode_unit` does."""
+    t0 = time.perf_counter()
+    encoded = file.encoded(stored)  # read and checked (a CorruptFileError names the folder)
+    times.add("read_ms", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    blob, pinned = alloc_host(encoded.size, pin)
+    blob.copy_(encoded.blob)
+    times.add("pin_ms", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    raw = transient(layout.nbytes)
+    raw[stored.nbytes - encoded.size:stored.nbytes].copy_(blob)
+    scratch = getattr(_scratch, "s", None) or codec.DecodeScratch()
+    _scratch.s = scratch
+    codec.decode_into(raw, encoded.chunks, stored.nbytes, encoded.size, scratch)
+    raw[stored.nbytes:].zero_()
+    times.add("encode_ms", time.perf_counter() - t0)
+    with times._lock:
+        times.stored_units += 1
+    t0 = time.perf_counter()
+    master = spill.put(raw)
+    times.add("spill_ms", time.perf_counter() - t0)
+    return master, codec.Encoded(blob, encoded.chunks, encoded.nbytes), pinned, list(range(len(layout.leaves)))
 
 
 def ram_unit(layout: TensorLayout, file: Any, keys: list[Any] | None,

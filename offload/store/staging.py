@@ -29,7 +29,7 @@ from .file_keys import (file_keys, file_keys_holding, in_stored_order, key_namer
                         non_persistent_buffer, persistent_buffers_from_file, stored_unit_of)
 from .sources import BouncedSource, BounceReader, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
-from .stage_reads import ReadAhead, SetupTimes, drop_transients, encode_unit, fill_from, ram_unit
+from .stage_reads import ReadAhead, SetupTimes, decode_stored, drop_transients, encode_unit, fill_from, ram_unit
 from .storage import SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -331,16 +331,17 @@ def _jobs(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, sha
         in_copy = copy is not None and i in shared
         if tiers.get(i) == "disk" or (in_copy and i in compressed and not copy.filler):
             jobs.append(None)  # disk views; a joiner takes the copy's encoded form
-        elif in_copy and i in compressed:  # the filler: encoded here, put in the copy in order
+        elif i in compressed:  # the filler of a shared copy encodes into its room there, in order put in it
             stored = stored_unit_of(laid.file, keys, layout)
-            jobs.append(None if stored is not None else functools.partial(
-                encode_unit, layout, laid.file, keys, _room_in(copy, i, backend.alloc_host), False, times, spill))
+            alloc = _room_in(copy, i, backend.alloc_host) if in_copy else backend.alloc_host
+            if stored is not None and stored.nbytes == layout.nbytes:
+                jobs.append(functools.partial(decode_stored, layout, laid.file, stored, alloc, unit_pin,
+                                              times, spill))
+            else:
+                jobs.append(functools.partial(encode_unit, layout, laid.file, keys, alloc, unit_pin,
+                                              times, spill))
         elif in_copy:
             jobs.append(functools.partial(place_shared, copy, i, layout, laid.file, keys, times))
-        elif i in compressed:
-            stored = stored_unit_of(laid.file, keys, layout)
-            jobs.append(None if stored is not None else functools.partial(
-                encode_unit, layout, laid.file, keys, backend.alloc_host, unit_pin, times, spill))
         elif any(leaf.meta for leaf in layout.leaves) or any(t.is_meta for t in layout.sources()):
             jobs.append(functools.partial(ram_unit, layout, laid.file, keys, backend.alloc_host, unit_pin, times))
         else:  # a unit in RAM already: copied in order, so host memory rises by one unit at a time
