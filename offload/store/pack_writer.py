@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ..model.blocks import KNOWN_BLOCK_LISTS
-from ..model.layout import ALIGN, Leaf, align
+from ..model.layout import ALIGN, SMALL_LEAF, Leaf, align
 from . import codec
 from .packed import FORMAT, INDEX, UNIT_ALIGN, PackedWeights
 from .header_check import CorruptFileError, name_of
@@ -268,7 +268,8 @@ def pack_file(src: str | os.PathLike | SafetensorsFile, out_dir: str | os.PathLi
 
     `units`: (unit name, [(key, offset in the unit)]) in execution order, e.g. from a model's layouts; by default
     they are grouped from the key names (`group_units`), tensors at 512-byte aligned offsets, one dtype's together
-    (dtypes in the order the file first names them; the file's order within each), as the engine lays a unit out.
+    (dtypes in the order the file first names them; within each, tensors of SMALL_LEAF bytes and more first, each
+    group in the file's order), as the engine lays a unit out.
     `order`: unit names in execution order (the units it does not name follow in their own order).
     `compress`: units stored losslessly compressed where that pays (`write_packed`).
     """
@@ -283,7 +284,8 @@ def pack_file(src: str | os.PathLike | SafetensorsFile, out_dir: str | os.PathLi
                 rank: dict[torch.dtype, int] = {}
                 for key in unit_keys:  # one dtype's tensors together, as the engine lays a unit out
                     rank.setdefault(file.tensors[key].dtype, len(rank))
-                for key in sorted(unit_keys, key=lambda k: rank[file.tensors[k].dtype]):
+                for key in sorted(unit_keys, key=lambda k: (rank[file.tensors[k].dtype],
+                                                            file.tensors[k].end - file.tensors[k].start < SMALL_LEAF)):
                     ft = file.tensors[key]
                     pieces.append((key, off))
                     off = align(off + ft.end - ft.start)
