@@ -112,3 +112,27 @@ def test_a_large_unit_pays_a_decode_per_scratch_piece_only():
             codec.decode_into(slot, enc.chunks, raw.numel(), enc.size, scratch)
         assert torch.equal(slot, raw)
     assert len(c.ops) <= 4 * 8 + 2 and "aten.empty.memory_format" not in c.ops
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_garbage_encoded_bytes_decode_inside_the_unit(seed):
+    """A hostile stream under a valid chunk list (what a crafted shard holds: the index is checked, the bytes are not
+    until the CPU's escape check): every index it holds is inside the table, every escape clamped into its piece,
+    so the decode writes only the unit's bytes of the slot, whatever the bytes."""
+    g = torch.Generator().manual_seed(seed)
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        values = torch.randn(20_000, generator=g) * 0.02
+        values[::997] = 1e4 if dtype != torch.float8_e4m3fn else 400.0  # outside the window: listed escapes
+        raw = values.to(dtype).view(torch.uint8)
+        raw = torch.cat([raw, torch.zeros((-raw.numel()) % 512, dtype=torch.uint8)])
+        enc = codec.encode(raw, [Leaf(0, raw.numel(), dtype, (raw.numel() // dtype.itemsize,), None)])
+        assert any(c.coded for c in enc.chunks)
+        garbage = torch.randint(0, 256, (enc.size,), dtype=torch.uint8, generator=g)
+        slot = torch.full((raw.numel() + 64,), 7, dtype=torch.uint8)
+        slot[raw.numel() - enc.size:raw.numel()] = garbage
+        codec.decode_into(slot, enc.chunks, raw.numel(), enc.size, codec.DecodeScratch())
+        assert bool((slot[raw.numel():] == 7).all())
+        if any(c.n_esc for c in enc.chunks):
+            with pytest.raises(ValueError):  # the CPU's check refuses what the device would clamp
+                codec.check_escapes(codec.Encoded(torch.full((enc.size,), 0xFF, dtype=torch.uint8), enc.chunks,
+                                                  enc.nbytes))
