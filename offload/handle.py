@@ -240,7 +240,22 @@ class OffloadHandle(BudgetMembership):
                             priority=self.priority, notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
                             kv=self._kv.report() if self._kv is not None else None,
                             budget_reason=self.budget.explain_share(self),
-                            setup=self.setup_times.to_dict() if self.setup_times is not None else {})
+                            setup=self._setup_report())
+
+    def _setup_report(self) -> dict:
+        """Where setup's time went, and the blocks encoded after it (held raw until each is done)."""
+        out = self.setup_times.to_dict() if self.setup_times is not None else {}
+        background = self.streamer.background
+        if background is not None:
+            out.update(background.status())
+        return out
+
+    def wait_encoded(self, timeout: float | None = None) -> bool:
+        """Wait until the blocks encoded after setup (`report().setup["background_units"]`: the plan holds them
+        compressed, staging kept them raw so the load takes what a raw one does) are held compressed; False on
+        timeout. Nothing to wait for: True."""
+        background = self.streamer.background
+        return True if background is None else background.wait(timeout)
 
     def detach(self) -> None:
         """Remove every hook; every weight becomes an ordinary tensor with its original values.

@@ -43,6 +43,7 @@ from .store.packed import open_weights
 from .store.file_keys import stored_units
 from .store.stage_reads import SetupTimes
 from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
+from .stream.background_encode import BackgroundEncoder
 from .stream.devices import SecondaryDevices
 from .stream.streamer import ModelStreamer, PassListener
 
@@ -138,9 +139,10 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
         t2 = time.perf_counter()
         times.plan_ms = (t2 - t1) * 1e3
         # 4. stage
+        later = plan.host_plan.encode_later
         staged = stage_model(laid, plan.host_tiers, backend, config.pin_memory, plan.bounce_count,
                              plan.bounce_bytes, progress, plan.shared_units, plan.host_plan.compressed,
-                             plan.host_plan.rest_spilled, times)
+                             plan.host_plan.rest_spilled, times, later)
         times.stage_ms = (time.perf_counter() - t2) * 1e3
     except BaseException:
         if file is not None:
@@ -152,7 +154,10 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
         keep_ram_ceiling(streamer, plan, int(config.ram_budget_bytes))
     secondaries.attach(streamer.placement, backend, [u.staged.module for u in streamer.units])
     tiers = tuple(u.tier for u in streamer.units)
-    forms = tuple(unit_compression(u.staged) for u in streamer.units)
+    # a unit encoded after setup is planned in the form it will have (the decode's scratch is kept for it)
+    forms = tuple(CODEC if u.index in later else unit_compression(u.staged) for u in streamer.units)
+    if later:
+        streamer.background = BackgroundEncoder(streamer, sorted(later))
     notices = {}
     if config.pin_memory and backend.supports_pinned_host and any(
             u.master.host is not None and not u.master.pinned for u in staged.units):
@@ -230,4 +235,5 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
         prefetch=config.prefetch, stream_all=config.vram_fraction <= 0, device=device_name,
         allowance=max(laid.rest_bytes + max(sizes), budget.total_bytes or 0),
         dtypes=tuple(tuple(sorted({str(leaf.dtype) for leaf in layout.leaves})) for layout in laid.layouts),
-        disk_ok=tuple(laid.disk_ok), host=host)
+        disk_ok=tuple(laid.disk_ok), host=host,
+        from_file=tuple(any(leaf.meta for leaf in layout.leaves) for layout in laid.layouts))

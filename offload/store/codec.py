@@ -197,15 +197,17 @@ def encoded_size(chunks: Iterable[Chunk]) -> int:
     return sum(c.size for c in chunks)
 
 
-def write(raw: torch.Tensor, chunks: tuple[Chunk, ...], blob: torch.Tensor) -> Encoded:
+def write(raw: torch.Tensor, chunks: tuple[Chunk, ...], blob: torch.Tensor, serial: bool = False) -> Encoded:
     """Encode `raw` as `chunks` (from `plan`) into `blob` (uint8 of `encoded_size(chunks)` bytes, anywhere on the CPU:
-    pinned, or the shared host copy)."""
+    pinned, or the shared host copy). `serial`: in sub-blocks small enough that torch runs every op on this thread
+    (a thread beside the model's own compute: no OpenMP team of its own to contend with it)."""
+    sub = unit_code.SERIAL_ELEMS if serial else unit_code.SUB_ELEMS
     with torch.no_grad():
         for c in chunks:
             piece = raw[c.dst:c.dst + c.nbytes]
             out = blob[c.src:c.src + c.size]
             if c.coded:
-                unit_code.encode_piece(piece, c, out)
+                unit_code.encode_piece(piece, c, out, sub)
             else:
                 out.copy_(piece)
     return Encoded(blob, chunks, int(raw.numel()))

@@ -352,13 +352,16 @@ def _jobs(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, sha
 def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, bounce_count: int,
                 bounce_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
                 shared: frozenset[int] = frozenset(), compressed: frozenset[int] | set[int] = frozenset(),
-                spill_rest: bool = False, times: SetupTimes | None = None) -> StagedModel:
+                spill_rest: bool = False, times: SetupTimes | None = None,
+                encode_later: frozenset[int] = frozenset()) -> StagedModel:
     """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk; the units in `shared` in the
     host copy shared with other processes offloading the same file) and form (`compressed`: held in RAM in the
     codec's form), one unit at a time in order, with the next units read (and encoded) ahead on staging's workers
     (`stage_reads.py`), and the read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`) for the units
-    that are bounced. `times` adds up where the time went."""
+    that are bounced. `times` adds up where the time went. The units in `encode_later` are staged raw (encoded on a
+    thread after setup, `stream/background_encode.py`)."""
     units, layouts, file, keys = laid.units, laid.layouts, laid.file, laid.keys
+    compressed = frozenset(compressed) - encode_later
     times = times if times is not None else SetupTimes()
     masters: list[StagingBuffer] = []
     total = len(units) + 1

@@ -171,7 +171,10 @@ def _work(n: int) -> _Work:
     return w
 
 
-def encode_piece(raw: torch.Tensor, c: Any, out: torch.Tensor) -> None:
+SERIAL_ELEMS = 1 << 15  # sub-blocks this small run every torch op on the calling thread (under its parallel grain)
+
+
+def encode_piece(raw: torch.Tensor, c: Any, out: torch.Tensor, sub: int = SUB_ELEMS) -> None:
     """Write piece `c` (a codec.Chunk of version 3) of the raw bytes `raw` (its `nbytes`, uint8) into `out` (its
     `size` encoded bytes). Table-driven: a key of each element's (or pair of elements') top bytes looks its index
     and its escapes up in tables of the code, so a sub-block costs a handful of passes whatever the code."""
@@ -187,7 +190,7 @@ def encode_piece(raw: torch.Tensor, c: Any, out: torch.Tensor) -> None:
     packed = out[(elem - 1) * n:(elem - 1) * n + packed_n]
     out[(elem - 1) * n + packed_n:pos_at].zero_()
     found = 0
-    step = SUB_ELEMS - SUB_ELEMS % (m * g * 2)
+    step = sub - sub % (m * g * 2)
     for a in range(0, n, step):
         z = min(n, a + step) - a
         w = _work(z)
