@@ -267,17 +267,26 @@ class SharedHostCopy:
             os.close(fd)
 
     # staging ------------------------------------------------------------------------------------------------------
-    def place(self, i: int, layout: TensorLayout,
-              fill: Callable[[torch.Tensor], list[int]]) -> torch.Tensor | None:
+    def place(self, i: int, layout: TensorLayout, fill: Callable[[torch.Tensor], list[int]],
+              write: Callable[[int, int], list[int]] | None = None) -> torch.Tensor | None:
         """Unit i's bytes in the segment, as this process's private mapping of them (None: keep a private copy).
-        The filler puts the unit's tensors in (`fill(unit_bytes)`: meta leaves read from the file straight into the
-        segment, the others copied; returns the leaves read from the file); a joiner checks that the segment holds
-        the bytes it holds. Units may be placed from several threads."""
+        The filler puts the unit's tensors in: `write(fd, offset)` writes them through the segment's descriptor
+        (one copy from the model file's pages into the segment's, no page zeroed first; a full /dev/shm is ENOSPC
+        there), else `fill(unit_bytes)` into its reserved pages (meta leaves read from the file straight into the
+        segment, the others copied); both return the leaves read from the file. A joiner checks that the segment
+        holds the bytes it holds. Units may be placed from several threads."""
         off, n = self.offsets[i], self.sizes[i]
         if self.filler:
-            if not self._reserve(off, n):
+            if write is not None:
+                try:
+                    self.file_leaves[i] = write(self.fd, off)
+                except OSError as exc:
+                    self._full(exc)
+                    return None
+            elif not self._reserve(off, n):
                 return None
-            self.file_leaves[i] = fill(self._frombuffer(self._fill, off, n))
+            else:
+                self.file_leaves[i] = fill(self._frombuffer(self._fill, off, n))
         else:
             if i not in self.file_leaves or i in self.encoded:
                 return None  # the filler kept this unit out of RAM (disk tier), or holds it encoded
@@ -303,12 +312,15 @@ class SharedHostCopy:
             os.posix_fallocate(self.fd, off, round_up(n))
             return True
         except OSError as exc:
-            if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
-                SharedHostCopy.said_full = True
-                log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
-                            "RAM (a container's /dev/shm may be small: docker run --shm-size)", SEGMENT_DIR, exc)
-            self.refused += 1
+            self._full(exc)
             return False
+
+    def _full(self, exc: OSError) -> None:
+        if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
+            SharedHostCopy.said_full = True
+            log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
+                        "RAM (a container's /dev/shm may be small: docker run --shm-size)", SEGMENT_DIR, exc)
+        self.refused += 1
 
     def put_encoded(self, i: int, encoded: codec.Encoded, from_file: list[int]) -> torch.Tensor | None:
         """The filler puts unit i in its encoded form (the blob at the start of its range, the chunk table into the

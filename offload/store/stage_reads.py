@@ -10,6 +10,8 @@ oversubscribe the cores), and is given its thread count back when staging ends.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import ctypes
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -86,6 +88,39 @@ def fill_from(layout: TensorLayout, dst: torch.Tensor, file: Any, keys: list[Any
             if times is not None:
                 times.add("read_ms", time.perf_counter() - t0)
     return from_file
+
+
+def write_through(layout: TensorLayout, file: Any, keys: list[Any] | None,
+                  times: SetupTimes | None = None) -> Callable[[int, int], list[int]] | None:
+    """For a unit every leaf of which comes from the file (row-major, in the file's own map: a model built on the
+    meta device), a writer of its bytes through a descriptor (`fd`, the unit's `offset` there): each tensor
+    written from the file's pages straight into the destination's (the shared host copy's) by `pwrite`, the padding
+    left a hole (it reads as zeros). None where some leaf is not such (the caller fills a mapping instead)."""
+    if file is None or not keys or not hasattr(file, "view") or not hasattr(os, "pwrite"):
+        return None
+    stored_name = getattr(file, "stored_name", None)
+    leaves = layout.leaves
+    if not all(leaf.meta and leaf.stride is None and k is not None and file.aligned(k)
+               and (stored_name is None or stored_name(k) is None) for leaf, k in zip(leaves, keys)):
+        return None
+    if not all(t.is_meta or leaf.meta for t, leaf in zip(layout.sources(), leaves)):
+        return None
+
+    def write(fd: int, offset: int) -> list[int]:
+        t0 = time.perf_counter()
+        for key, leaf in zip(keys, leaves):
+            src = file.view(key)
+            data = memoryview((ctypes.c_ubyte * leaf.nbytes).from_address(src.data_ptr())).cast("B")
+            done = 0
+            while done < leaf.nbytes:
+                done += os.pwrite(fd, data[done:], offset + leaf.offset + done)
+            del data, src
+        file.check_unchanged()  # a write that raced the copy must not pass as the original bytes
+        if times is not None:
+            times.add("read_ms", time.perf_counter() - t0)
+        return list(range(len(leaves)))
+
+    return write
 
 
 _transient = threading.local()

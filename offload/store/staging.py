@@ -29,7 +29,8 @@ from .file_keys import (file_keys, file_keys_holding, in_stored_order, key_namer
                         non_persistent_buffer, persistent_buffers_from_file, stored_unit_of)
 from .sources import BouncedSource, BounceReader, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
-from .stage_reads import ReadAhead, SetupTimes, decode_stored, drop_transients, encode_unit, fill_from, ram_unit
+from .stage_reads import (ReadAhead, SetupTimes, decode_stored, drop_transients, encode_unit, fill_from, ram_unit,
+                          write_through)
 from .storage import SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -459,7 +460,8 @@ def place_shared(copy: SharedHostCopy, index: int, layout: TensorLayout, file: A
                  times: SetupTimes | None = None) -> torch.Tensor | None:
     """Unit `index` placed in the host copy shared between processes: the filler reads it from the file straight
     into the segment (`stage_reads.fill_from`); None where the copy cannot hold it."""
-    return copy.place(index, layout, lambda dst: fill_from(layout, dst, file, keys, times))
+    return copy.place(index, layout, lambda dst: fill_from(layout, dst, file, keys, times),
+                      write_through(layout, file, keys, times))
 
 
 def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:
