@@ -11,7 +11,9 @@ real trained weights beside the bound their exponents' entropy sets, in one run.
      model allocated with `to_empty`): what a loader does;
    - off / lossless: `offload_module(model, OffloadConfig.from_preset("budget", device="sim", disk_path=file,
      host_compression=...))` (every block streams, so every block is staged in host RAM; lossless encodes them all);
-   - packed: the same from a folder packed with `pack --compress` (the stored encoding is taken, not encoded again).
+   - packed: the same from a folder packed with `pack --compress` (the stored encoding is taken, not encoded again);
+   - off / lossless with `share_host="off"`: the blocks in this process's own buffers instead of the host copy shared
+     between processes (the default with a `disk_path`, which tmpfs writes one writer at a time).
    Beside each, the setup's parts from `OffloadReport.setup` (read, encode, spill, pin: added up over the workers),
    the blocks the plan holds compressed that setup kept raw and had encoded after it (`HostPlan.encode_later`: RAM
    allows, no ceiling), and when every block was held compressed (`handle.wait_encoded()`).
@@ -102,9 +104,10 @@ def plain_load(path: Path, d: int, depth: int) -> float:
     return took
 
 
-def offload_load(disk_path: Path, d: int, depth: int, mode: str) -> tuple[float, dict]:
+def offload_load(disk_path: Path, d: int, depth: int, mode: str, share: str = "auto") -> tuple[float, dict]:
     model = _meta(d, depth)
-    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(disk_path), host_compression=mode)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(disk_path), host_compression=mode,
+                                    share_host=share)
     t0 = time.perf_counter()
     handle = offload_module(model, cfg, budget=VramBudget(None))
     took = time.perf_counter() - t0
@@ -118,7 +121,7 @@ def offload_load(disk_path: Path, d: int, depth: int, mode: str) -> tuple[float,
     return took, parts
 
 
-CONFIGS = ("plain", "off", "lossless", "packed --compress, lossless")
+CONFIGS = ("plain", "off", "lossless", "packed --compress, lossless", "off, share_host off", "lossless, share_host off")
 
 
 def one_run(config: str, folder: Path, d: int, depth: int) -> tuple[float, dict]:
@@ -130,6 +133,8 @@ def one_run(config: str, folder: Path, d: int, depth: int) -> tuple[float, dict]
         return offload_load(path, d, depth, "off")
     if config == "lossless":
         return offload_load(path, d, depth, "lossless")
+    if config.endswith("share_host off"):
+        return offload_load(path, d, depth, config.split(",")[0], share="off")
     return offload_load(packed, d, depth, "lossless")
 
 
