@@ -182,12 +182,16 @@ def decode_stored(layout: TensorLayout, file: Any, stored: Any,
     encoding it keeps: nothing encoded again; escapes checked by the folder), decoded on the CPU into a transient
     buffer and spilled (what its modules view between passes). Returns what `encode_unit` does."""
     t0 = time.perf_counter()
-    encoded = file.encoded(stored)  # read and checked (a CorruptFileError names the folder)
-    times.add("read_ms", time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    blob, pinned = alloc_host(encoded.size, pin)
-    blob.copy_(encoded.blob)
+    blob, pinned = alloc_host(stored.stored, pin)
     times.add("pin_ms", time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    file.read_stored(stored, blob, 0, stored.stored)  # straight into the blob it keeps
+    encoded = codec.Encoded(blob, stored.chunks, stored.nbytes)
+    try:
+        codec.check_escapes(encoded)
+    except ValueError as exc:
+        raise file._fail(f"unit {stored.name!r}: {exc}") from None
+    times.add("read_ms", time.perf_counter() - t0)
     t0 = time.perf_counter()
     raw = transient(layout.nbytes)
     raw[stored.nbytes - encoded.size:stored.nbytes].copy_(blob)
@@ -201,7 +205,7 @@ def decode_stored(layout: TensorLayout, file: Any, stored: Any,
     t0 = time.perf_counter()
     master = spill.put(raw)
     times.add("spill_ms", time.perf_counter() - t0)
-    return master, codec.Encoded(blob, encoded.chunks, encoded.nbytes), pinned, list(range(len(layout.leaves)))
+    return master, encoded, pinned, list(range(len(layout.leaves)))
 
 
 def ram_unit(layout: TensorLayout, file: Any, keys: list[Any] | None,
