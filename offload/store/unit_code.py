@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -125,7 +126,7 @@ def _lookups(c: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(index, escape) tables of a code for the encoder: for every key (a top byte, or two elements' top bytes as a
     16-bit key where m > 1), its index (of m = 1 element, or of 2) and which of its elements are listed escapes."""
     key = ("enc", c.elem, c.sbits, c.rbits, c.n_codes, c.base, min(c.m, 2))
-    found = _TABLES.get(key)
+    found = _cached(key)
     if found is not None:
         return found
     ebits = 8 - c.sbits - c.rbits
@@ -143,10 +144,7 @@ def _lookups(c: Any) -> tuple[torch.Tensor, torch.Tensor]:
         k = torch.arange(1 << 16, dtype=torch.int64)
         sym = sym[k & 255] + a_sym * sym[k >> 8]
         esc = esc[k & 255] | (esc[k >> 8] << 1)
-    found = (sym.to(torch.uint8 if int(sym.max()) < 256 else torch.int16), esc)
-    with _TABLE_LOCK:
-        _TABLES[key] = found
-    return found
+    return _keep(key, (sym.to(torch.uint8 if int(sym.max()) < 256 else torch.int16), esc))
 
 
 class _Work:
@@ -261,15 +259,37 @@ def encode_piece(raw: torch.Tensor, c: Any, out: torch.Tensor, sub: int = SUB_EL
 # ---------------------------------------------------------------------------------------------------------------
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}  # (code, device) -> table, and (group, device) -> shifts (bounded)
+_TABLES: "OrderedDict[tuple, Any]" = OrderedDict()  # (code, device) -> decode table; encoder lookups; shifts
 _TABLE_LOCK = threading.Lock()
+TABLE_CACHE_BYTES = 8 << 20  # the tables kept, least recently used dropped first (a long run meets many codes)
+
+
+def _cached(key: tuple) -> Any:
+    with _TABLE_LOCK:
+        found = _TABLES.get(key)
+        if found is not None:
+            _TABLES.move_to_end(key)
+        return found
+
+
+def _keep(key: tuple, value: Any) -> Any:
+    """Cache `value` (a tensor or a tuple of them), dropping the least recently used past TABLE_CACHE_BYTES."""
+    def size(v: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in (v if isinstance(v, tuple) else (v,)))
+    with _TABLE_LOCK:
+        _TABLES[key] = value
+        total = sum(size(v) for v in _TABLES.values())
+        while total > TABLE_CACHE_BYTES and len(_TABLES) > 1:
+            _, old = _TABLES.popitem(last=False)
+            total -= size(old)
+    return value
 
 
 def table(c: Any, device: torch.device) -> torch.Tensor:
     """For every index (2**bits of them), the word of its m elements: their top bytes in place, the other bytes zero,
     an escape's exponent 0; an index past the code's last gives a zero word (a hostile stream reads inside it)."""
     key = ("t", c.elem, c.sbits, c.rbits, c.n_codes, c.base, c.m, c.bits, str(device))
-    found = _TABLES.get(key)
+    found = _cached(key)
     if found is not None:
         return found
     ebits = 8 - c.sbits - c.rbits
@@ -287,21 +307,14 @@ def table(c: Any, device: torch.device) -> torch.Tensor:
             top |= (low >> c.rbits) << 7
         word |= top << (8 * (c.elem * i + c.elem - 1))
     word[v >= a_sym ** c.m] = 0
-    out = word.to(WORDS[c.m * c.elem]).to(device)  # narrowing keeps the low bytes
-    with _TABLE_LOCK:
-        if len(_TABLES) > 128:
-            _TABLES.clear()
-        _TABLES[key] = out
-    return out
+    return _keep(key, word.to(WORDS[c.m * c.elem]).to(device))  # narrowing keeps the low bytes
 
 
 def _shifts(g: int, bits: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     key = ("s", g, bits, dtype, str(device))
-    found = _TABLES.get(key)
+    found = _cached(key)
     if found is None:
-        found = (torch.arange(g, dtype=torch.int64) * bits).to(dtype).to(device)
-        with _TABLE_LOCK:
-            _TABLES[key] = found
+        found = _keep(key, (torch.arange(g, dtype=torch.int64) * bits).to(dtype).to(device))
     return found
 
 
