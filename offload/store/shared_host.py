@@ -9,9 +9,9 @@ unit while it stages (`place`) and the others map once it is complete.
 - Naming: `layer-offload-<uid>-<sha256 of the file's identity and the layout>`; created with O_EXCL (mode 0600),
   so exactly one process fills it. Only our own files are used (shm_segment.py: this uid's, no group/other bits,
   checked before opening and on the descriptor mapped, the expected size): another user's file under our name is
-  never opened nor removed, and this process stages a private copy. A header (magic, the full key, the size, per unit its offset, which leaves were read from the
-  file and its form) is written last; a segment whose header does not match is ignored (the process stages its own
-  copy).
+  never opened nor removed, and this process stages a private copy. A header (magic, the full key, the size, per
+  unit its offset, which leaves were read from the file and its form) is written last; a segment whose header does
+  not match is ignored (the process stages its own copy).
 - Forms: a unit the filler's plan holds compressed is in the segment in its encoded form (`put_encoded`: the blob
   at the start of the unit's range, its chunk table in the header), decoded on the device as a private compressed
   unit is. A joining process reads the forms before it plans (`peek`) and takes them as facts (`planner.make_plan`

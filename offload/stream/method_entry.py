@@ -5,10 +5,11 @@ calls, so the unit would compute on its host master (a device mismatch on a GPU)
 
 `wrap_unit_methods` puts a `MethodEntry` on the unit and on each of its children, in the instance's `__dict__`, for
 the public methods their own classes define (not torch's, not a library base class's, not a setter or loader) that
-may compute with the unit's weights (`method_reads.MethodReads`: a helper that touches no weight stays plain): when the unit is not in, the call brings it in exactly as a forward would (the unit's
-pre-hook), and lets it go after (its forward hook); the unit's own forward hooks inside the call do nothing
-(`InFlag.nested`), so a method that calls `forward` stays one entry. While the unit is in, the wrapper only calls
-through. `unwrap_unit_methods` takes them off (detach).
+may compute with the unit's weights (`method_reads.MethodReads`: a helper that touches no weight stays plain): when
+the unit is not in, the call brings it in exactly as a forward would (the unit's pre-hook), and lets it go after (its
+forward hook); the unit's own forward hooks inside the call do nothing (`InFlag.nested`), so a method that calls
+`forward` stays one entry. While the unit is in, the wrapper only calls through. `unwrap_unit_methods` takes them
+off (detach).
 
 A `MethodEntry` is the bound method to whoever looks at it: `inspect.signature`, `inspect.ismethod`, `__name__`,
 `__qualname__`, `__doc__`, `__module__`, `__wrapped__` (as the function has it), `__self__` (the module),

@@ -62,7 +62,8 @@ def _audioldm2() -> dict[str, Any]:
     torch.manual_seed(0)
     # the peer's GPT2Model has no GenerationMixin under transformers 5 and the pipeline calls its
     # `_update_model_kwargs_for_generation` (diffusers issue 12630): the class the pipeline declares, same config
-    language_model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_head=2, n_layer=2, vocab_size=1000, n_ctx=99, n_positions=99))
+    language_model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_head=2, n_layer=2, vocab_size=1000, n_ctx=99,
+                                                n_positions=99))
     language_model.config.max_new_tokens = 8
     torch.manual_seed(0)
     projection_model = AudioLDM2ProjectionModel(text_encoder_dim=16, text_encoder_1_dim=32, langauge_model_dim=16)
