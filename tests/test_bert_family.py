@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from offload import PRESETS, OffloadConfig
+from offload.stream.method_entry import MethodEntry
 from tests.host_master_guard import host_master_guard
 
 transformers = pytest.importorskip("transformers")
@@ -75,6 +76,8 @@ def test_chunked_feed_forward_streams_bitwise_under_every_preset(family, offload
         want = _outputs(model(**x))
     for preset in PRESETS:
         handle = offload(model, OffloadConfig.from_preset(preset, device="sim"))
+        # the chunk function computes with the layer's weights (its children's): wrapped, and looks unwrapped
+        assert all(type(m.feed_forward_chunk) is MethodEntry for m in layers)
         blocks = handle.report().blocks
         assert blocks and (preset != "budget" or all(b.tier != "vram" for b in blocks))  # budget: every layer streams
         for _ in range(2):

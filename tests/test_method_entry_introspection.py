@@ -19,6 +19,7 @@ import inspect
 import io
 import pickle
 import types
+import typing
 import weakref
 
 import pytest
@@ -114,6 +115,9 @@ CHECKS = {
     "ismethod": lambda m, mod: inspect.ismethod(m),
     "isinstance MethodType": lambda m, mod: isinstance(m, types.MethodType),
     "isfunction / isroutine": lambda m, mod: (inspect.isfunction(m), inspect.isroutine(m), callable(m)),
+    "generator / coroutine": lambda m, mod: (inspect.isgeneratorfunction(m), inspect.iscoroutinefunction(m)),
+    "get_type_hints": lambda m, mod: typing.get_type_hints(m),
+    "vars": lambda m, mod: vars(m),
     "getsource": lambda m, mod: inspect.getsource(m),
     "equal to a fresh bound method": lambda m, mod: (m == getattr(type(mod), m.__name__).__get__(mod),
                                                      getattr(type(mod), m.__name__).__get__(mod) == m),
