@@ -10,7 +10,7 @@ oversubscribe the cores), and is given its thread count back when staging ends.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import ctypes
+import mmap
 import os
 import threading
 import time
@@ -92,11 +92,12 @@ def fill_from(layout: TensorLayout, dst: torch.Tensor, file: Any, keys: list[Any
 
 def write_through(layout: TensorLayout, file: Any, keys: list[Any] | None,
                   times: SetupTimes | None = None) -> Callable[[int, int], list[int]] | None:
-    """For a unit every leaf of which comes from the file (row-major, in the file's own map: a model built on the
-    meta device), a writer of its bytes through a descriptor (`fd`, the unit's `offset` there): each tensor
-    written from the file's pages straight into the destination's (the shared host copy's) by `pwrite`, the padding
-    left a hole (it reads as zeros). None where some leaf is not such (the caller fills a mapping instead)."""
-    if file is None or not keys or not hasattr(file, "view") or not hasattr(os, "pwrite"):
+    """For a unit every leaf of which comes from the file (row-major, aligned: a model built on the meta device), a
+    writer of its bytes through a descriptor (`fd`, the unit's `offset` there): each tensor written from the file's
+    pages (a read-only map of the unit's range, closed at once) straight into the destination's (the shared host
+    copy's) by `pwrite`, the padding left a hole (it reads as zeros). None where some leaf is not such (the caller
+    fills a mapping instead)."""
+    if file is None or not keys or not hasattr(file, "tensors") or not hasattr(os, "pwrite"):
         return None
     stored_name = getattr(file, "stored_name", None)
     leaves = layout.leaves
@@ -108,13 +109,29 @@ def write_through(layout: TensorLayout, file: Any, keys: list[Any] | None,
 
     def write(fd: int, offset: int) -> list[int]:
         t0 = time.perf_counter()
+        by_file: dict[int, list[tuple[Any, Any]]] = {}
+        readers = {}
         for key, leaf in zip(keys, leaves):
-            src = file.view(key)
-            data = memoryview((ctypes.c_ubyte * leaf.nbytes).from_address(src.data_ptr())).cast("B")
-            done = 0
-            while done < leaf.nbytes:
-                done += os.pwrite(fd, data[done:], offset + leaf.offset + done)
-            del data, src
+            reader = file.shard(key) if hasattr(file, "shard") else file  # a packed folder: the shard holding it
+            readers[id(reader)] = reader
+            by_file.setdefault(id(reader), []).append((reader.tensors[key], leaf))
+        for rid, pieces in by_file.items():
+            reader = readers[rid]
+            lo = min(ft.start for ft, _ in pieces) // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+            hi = max(ft.end for ft, _ in pieces)
+            # a map of this unit's range alone, let go at once: the model's file stays unmapped (no resident pages)
+            view = mmap.mmap(reader._fd, hi - lo, offset=lo, access=mmap.ACCESS_READ)
+            try:
+                data = memoryview(view)
+                for ft, leaf in pieces:
+                    part = data[ft.start - lo:ft.end - lo]
+                    done = 0
+                    while done < leaf.nbytes:
+                        done += os.pwrite(fd, part[done:], offset + leaf.offset + done)
+                    del part
+                del data
+            finally:
+                view.close()
         file.check_unchanged()  # a write that raced the copy must not pass as the original bytes
         if times is not None:
             times.add("read_ms", time.perf_counter() - t0)
