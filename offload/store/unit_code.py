@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 CHUNK_ELEMS = 1 << 22  # elements of one piece: what bounds the decode scratch
-SUB_ELEMS = 1 << 20  # elements the encoder works on at a time (its temporaries stay in the cache)
+SUB_ELEMS = 1 << 18  # elements the encoder works on at a time (its temporaries stay in the cache: about 2 MiB)
 ALLOWED_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14)  # index widths whose groups fill at most 8 bytes
 MAX_BITS = 14  # the widest index (a table of 16K words)
 WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -150,13 +150,14 @@ def _lookups(c: Any) -> tuple[torch.Tensor, torch.Tensor]:
 class _Work:
     """The encoder's temporaries for SUB_ELEMS elements, reused across sub-blocks (one set per thread)."""
 
-    def __init__(self, n: int) -> None:
-        self.key = torch.empty(n, dtype=torch.int32)
-        self.idx = torch.empty(n, dtype=torch.int16)
-        self.esc = torch.empty(n, dtype=torch.uint8)
-        self.u8 = torch.empty(n, dtype=torch.uint8)
-        self.w64 = torch.empty(n, dtype=torch.int64)
-        self.t64 = torch.empty(n, dtype=torch.int64)
+    def __init__(self, n: int) -> None:  # n elements: n / 2 keys (pairs), at most n / 4 groups of indices
+        self.n = n
+        self.key = torch.empty(n // 2, dtype=torch.int32)
+        self.idx = torch.empty(n // 2 + n // 4, dtype=torch.int16)
+        self.esc = torch.empty(n // 2, dtype=torch.uint8)
+        self.u8 = torch.empty(n // 2, dtype=torch.uint8)
+        self.w64 = torch.empty(n // 4 + 1, dtype=torch.int64)
+        self.t64 = torch.empty(n // 4 + 1, dtype=torch.int64)
 
 
 _work_local = threading.local()
@@ -164,7 +165,8 @@ _work_local = threading.local()
 
 def _work(n: int) -> _Work:
     w = getattr(_work_local, "w", None)
-    if w is None or w.key.numel() < n:
+    if w is None or w.n < n:
+        w = _work_local.w = None  # the old one goes first
         w = _work_local.w = _Work(max(n, SUB_ELEMS))
     return w
 
@@ -195,7 +197,7 @@ def encode_piece(raw: torch.Tensor, c: Any, out: torch.Tensor, sub: int = SUB_EL
         top = cols[a:a + z, elem - 1]
         per = 2 if m > 1 else 1  # elements per key
         nk = z // per
-        key = w.key[:nk]
+        key = w.key[:nk] if nk <= w.key.numel() else torch.empty(nk, dtype=torch.int32)
         if per == 2:
             pairs = top.view(nk, 2)
             key.copy_(pairs[:, 1])
