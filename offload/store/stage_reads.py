@@ -252,6 +252,7 @@ class ReadAhead:
         self._threads = torch.get_num_threads()
         self._pool = futures.ThreadPoolExecutor(self.n, thread_name_prefix="layer-offload-stage") \
             if self.n > 1 and any(j is not None for j in jobs) else None
+        self.pooled = self._pool is not None  # workers ran: their arenas hold freed transients until trimmed
         if self._pool is not None:
             torch.set_num_threads(1)
         self._futures: dict[int, futures.Future] = {}

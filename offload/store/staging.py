@@ -436,7 +436,8 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             forget()
         if spill is not None:
             spill.close()  # the maps handed out keep their bytes
-            release_free_heap()  # the encoder's transient buffers: freed, handed back to the OS
+        if spill is not None or (ahead is not None and ahead.pooled):
+            release_free_heap()  # the encoder's and the workers' transient buffers: freed, handed back to the OS
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
         source: UnitSource = (disk_source(file, keys[i], master.layout.leaves, master.layout.nbytes, reader, backend)
