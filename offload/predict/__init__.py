@@ -20,4 +20,4 @@ Used from outside: `predict`, `Prediction`, `predict_configs`, `predict_profile`
 from .prediction import (CONTEXT_BYTES, DEFAULT_DISK_GBPS, BlockPrediction, Prediction, analyse_on_meta,  # noqa: F401
                          predict, predict_configs, predict_profile, profile_model, unit_sizes)
 from .workflow import ModelPlan, WorkflowPlan, card_from_figures, plan_workflow  # noqa: E402,F401
-from .workflow_graph import WorkflowError  # noqa: E402,F401
+from .workflow_flat import WorkflowError  # noqa: E402,F401
