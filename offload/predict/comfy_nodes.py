@@ -115,28 +115,38 @@ def widget_names(records: Iterable[list[Any]]) -> list[str]:
 
 
 class NodeDefs:
-    """Node definitions by type: {"in": input records, "out": output types, "output_node": bool}. Types missing
-    from `own` (a running ComfyUI's) are looked up in the table shipped with the package."""
+    """Node definitions by type: {"in": input records, "out": output types, "output_node": bool}. A running
+    ComfyUI's node classes (`classes`, asked lazily, one type at a time) come first; types they lack, or whose
+    INPUT_TYPES() fails, are looked up in the table shipped with the package."""
 
-    def __init__(self, own: Mapping[str, Mapping[str, Any]] | None = None, table: bool = True) -> None:
+    def __init__(self, own: Mapping[str, Mapping[str, Any]] | None = None, table: bool = True,
+                 classes: Mapping[str, Any] | None = None) -> None:
         self.own = dict(own or {})
+        self.classes = classes
         self.table = _table() if table else {}
 
     @classmethod
     def from_input_types(cls, classes: Mapping[str, Any]) -> NodeDefs:
-        """From node classes (ComfyUI's NODE_CLASS_MAPPINGS): a class whose INPUT_TYPES() fails is left to the table."""
-        own: dict[str, dict[str, Any]] = {}
-        for name, node_class in classes.items():
+        """From node classes (ComfyUI's NODE_CLASS_MAPPINGS), each asked for INPUT_TYPES() when first needed."""
+        return cls(classes=classes)
+
+    def _own(self, ctype: str) -> Mapping[str, Any] | None:
+        if ctype in self.own or self.classes is None:
+            return self.own.get(ctype)
+        node_class = self.classes.get(ctype)
+        record = None
+        if node_class is not None:
             try:
-                records = input_records(node_class.INPUT_TYPES())
-            except Exception:  # noqa: BLE001 - another pack's node: the shipped table, else the UI's records
-                continue
-            own[str(name)] = {"in": records, "out": [str(t) for t in getattr(node_class, "RETURN_TYPES", ()) or ()],
-                              "output_node": bool(getattr(node_class, "OUTPUT_NODE", False))}
-        return cls(own)
+                record = {"in": input_records(node_class.INPUT_TYPES()),
+                          "out": [str(t) for t in getattr(node_class, "RETURN_TYPES", ()) or ()],
+                          "output_node": bool(getattr(node_class, "OUTPUT_NODE", False))}
+            except Exception:  # noqa: BLE001 - another pack's node failing: the shipped table, else the UI's records
+                record = None
+        self.own[ctype] = record
+        return record
 
     def get(self, ctype: str) -> Mapping[str, Any] | None:
-        return self.own.get(ctype) or self.table.get(ctype)
+        return self._own(ctype) or self.table.get(ctype)
 
     def widgets(self, ctype: str) -> list[str] | None:
         d = self.get(ctype)
@@ -159,7 +169,8 @@ class NodeDefs:
         return {n for n, _, f in d["in"] if "l" in f} if d else set()
 
     def source(self) -> str:
-        return "this ComfyUI's node definitions" if self.own else f"{_table_source()}'s node definitions"
+        return "this ComfyUI's node definitions" if self.classes is not None else \
+            f"{_table_source()}'s node definitions"
 
 
 @lru_cache(maxsize=1)

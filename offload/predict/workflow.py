@@ -300,8 +300,10 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
     for s in facts.samplers:
         key = s.model_loader if s.model_loader in models else f"{s.model_loader}:diffusion"
         desc, plan = descs.get(key), models.get(key)
-        entry: dict[str, Any] = {"sampler": s.node, "model": key, "steps": s.steps, "cfg": s.cfg,
-                                 "width": s.width, "height": s.height, "frames": s.frames, "batch": s.batch}
+        entry: dict[str, Any] = {"sampler": s.node, "class_type": s.class_type, "model": key,
+                                 "model_file": plan.name if plan is not None else None, "steps": s.steps,
+                                 "total_steps": s.total_steps, "cfg": s.cfg, "width": s.width, "height": s.height,
+                                 "frames": s.frames, "batch": s.batch, "subgraph": s.subgraph}
         samplers_out.append(entry)
         if desc is None or plan is None or desc.role not in ("diffusion", "unknown"):
             entry["note"] = "its diffusion model was not found or not read: not costed"
