@@ -219,7 +219,7 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
                      f"the model files (the disk tier; presets that allow it)")
     graph_read = {"read_whole": facts.complete, "unread": facts.unread, "form": facts.form,
                   "files": len(models), "files_loaded": sum(m.runs for m in models.values()),
-                  "samplers": len(facts.samplers)}
+                  "samplers": len(facts.samplers), "samplers_not_run": facts.idle_samplers}
     return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes, graph_read)
 
 

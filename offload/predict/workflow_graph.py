@@ -75,6 +75,7 @@ class GraphFacts:
     unread: list[str] = field(default_factory=list)  # what keeps the graph from being read whole
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> the template's {url, directory}
     form: str = "api"
+    idle_samplers: list[dict[str, Any]] = field(default_factory=list)  # {"node", "class_type", "why"}: never run
 
     @property
     def complete(self) -> bool:
@@ -223,7 +224,10 @@ def read_graph(graph: dict[str, Any], defs: NodeDefs | None = None) -> GraphFact
         for m in node.properties.get("models") or []:
             if isinstance(m, dict) and isinstance(m.get("name"), str):
                 declared.setdefault(m["name"], {"url": m.get("url"), "directory": m.get("directory")})
-    return GraphFacts(loaders, samplers, text_encodes, decodes, tts, notes, r.unread, declared, flat.form)
+    idle = [{"node": n.id, "class_type": n.class_type, "why": r._runs(n)[1]}
+            for n in list(flat.nodes.values()) + list(flat.skipped.values())
+            if n.class_type in SAMPLERS and not r._runs(n)[0]]
+    return GraphFacts(loaders, samplers, text_encodes, decodes, tts, notes, r.unread, declared, flat.form, idle)
 
 
 def _preset_from_path(flat: FlatGraph, path: list[str], loaders: dict[str, LoaderRef], offload_type: str) -> None:
@@ -319,9 +323,20 @@ def _sampler(r: _Reader, node: FlatNode, loaders: dict[str, LoaderRef], is_model
     src = r.flat.nodes.get(lat[-1]) if lat else None
     if src is not None and "width" in src.inputs:
         si = src.inputs
+        scale = 1.0  # latent upscales between the size's source and the sampler (a second, sharper stage)
+        for nid in lat[:-1]:
+            up = r.flat.nodes[nid]
+            if up.class_type == "LatentUpscaleBy":
+                scale *= r.num(up.inputs.get("scale_by"), 1.0)
+            elif up.class_type == "LTXVLatentUpsampler":  # LTX's spatial upscaler models are x2 (x1.5 says so)
+                model = r.upstream(up.inputs.get("upscale_model"), "LATENT_UPSCALE_MODEL", lambda n: True)
+                name = str(r.flat.nodes[model[-1]].inputs.get("model_name", "")) if model else ""
+                scale *= 1.5 if "x1.5" in name else 2.0
         w, h = r.values.number(si.get("width")), r.values.number(si.get("height"))
-        ref.width, ref.height = (int(w) or None) if w else None, (int(h) or None) if h else None
-        length = r.values.number(si.get("length")) if "length" in si else None
+        ref.width = int(w * scale) or None if w else None
+        ref.height = int(h * scale) or None if h else None
+        with_length = next((r.flat.nodes[n] for n in [*lat[:-1], lat[-1]] if "length" in r.flat.nodes[n].inputs), None)
+        length = r.values.number(with_length.inputs.get("length")) if with_length is not None else None
         ref.frames = int(length) if length else None
         ref.batch = max(1, int(r.num(si.get("batch_size"), 1)))
     return ref
