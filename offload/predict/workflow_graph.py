@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .comfy_nodes import DIRECTORY_KINDS, LOADERS, NodeDefs
+from .comfy_nodes import DIRECTORY_KINDS, LOADERS, NO_FILE, NodeDefs
 from .workflow_flat import FlatGraph, FlatNode, WorkflowError, is_link
 from .workflow_read import flatten
 from .workflow_values import UNKNOWN, Values
@@ -133,6 +133,8 @@ class _Reader:
             for widget, folder, role in table:
                 raw = node.inputs.get(widget)
                 name = self.values.value(raw)
+                if name in NO_FILE:
+                    continue
                 if not isinstance(name, str) or not name:
                     if node.id in self.runs:
                         self.unread.append(f"{node.class_type} {self.flat.where(nid)}: its {widget} is "
