@@ -67,6 +67,10 @@ LOADERS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "FrameInterpolationModelLoader": (("model_name", "frame_interpolation", "frame_interpolation"),),
     "OpticalFlowLoader": (("model_name", "optical_flow", "optical_flow"),),
     "LoadMediaPipeFaceLandmarker": (("model_name", "detection", "detection"),),
+    # the pip-installable fork's (0.12) own names for some of the above
+    "ControlNetLoaderWeights": (("control_net_name", "controlnet", "controlnet"),),
+    "LTXVAudioVAELoader1": (("ckpt_name", "checkpoints", "audio_vae"),),
+    "LatentUpscaleModelLoader1": (("model_name", "latent_upscale_models", "latent_upscale_model"),),
 }
 for _t in ("CLIPLoader", "CLIPLoaderGGUF"):
     LOADERS[_t] = (("clip_name", "clip_gguf" if _t.endswith("GGUF") else "text_encoders", "text_encoder"),)

@@ -124,7 +124,7 @@ class _Reader:
     def loaders(self) -> dict[str, LoaderRef]:
         found: dict[str, LoaderRef] = {}
         for nid, node in list(self.flat.nodes.items()) + list(self.flat.skipped.items()):
-            declared = {m.get("name"): m for m in node.properties.get("models") or [] if isinstance(m, dict)}
+            declared = _declared(node)
             table = LOADERS.get(node.class_type)
             if table is None:  # a loader this reader does not know: the template names its file and folder
                 table = tuple((w, DIRECTORY_KINDS.get(str(m.get("directory")), str(m.get("directory"))),
@@ -171,6 +171,13 @@ class _Reader:
     def num(self, v: Any, default: float) -> float:
         x = self.values.number(v)
         return default if x is None else x
+
+
+def _declared(node: FlatNode) -> dict[str, dict[str, Any]]:
+    """The model files a UI node's `properties.models` names (what the frontend's missing-models dialog lists)."""
+    models = node.properties.get("models") if isinstance(node.properties, dict) else None
+    return {m["name"]: m for m in models if isinstance(m, dict) and isinstance(m.get("name"), str)} \
+        if isinstance(models, list) else {}
 
 
 def _role(node: FlatNode | None, loaders: dict[str, LoaderRef]) -> str | None:
@@ -223,9 +230,8 @@ def read_graph(graph: dict[str, Any], defs: NodeDefs | None = None) -> GraphFact
                      "the models are planned, the run is not")
     declared: dict[str, dict[str, Any]] = {}
     for node in list(flat.nodes.values()) + list(flat.skipped.values()):
-        for m in node.properties.get("models") or []:
-            if isinstance(m, dict) and isinstance(m.get("name"), str):
-                declared.setdefault(m["name"], {"url": m.get("url"), "directory": m.get("directory")})
+        for name, m in _declared(node).items():
+            declared.setdefault(name, {"url": m.get("url"), "directory": m.get("directory")})
     idle = [{"node": n.id, "class_type": n.class_type, "why": r._runs(n)[1]}
             for n in list(flat.nodes.values()) + list(flat.skipped.values())
             if n.class_type in SAMPLERS and not r._runs(n)[0]]

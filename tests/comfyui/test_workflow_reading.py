@@ -32,14 +32,21 @@ def comfy(pack):
     """ComfyUI's core nodes with comfy_extras loaded (as a server has them), and the pack's engine modules."""
     import nodes
 
-    if "LTXVAudioVAELoader" not in nodes.NODE_CLASS_MAPPINGS:
-        init = nodes.init_extra_nodes
-        kwargs = {k: False for k in ("init_custom_nodes", "init_api_nodes") if k in inspect.signature(init).parameters}
-        result = init(**kwargs)
-        if inspect.iscoroutine(result):
-            asyncio.run(result)
+    classes = nodes.NODE_CLASS_MAPPINGS
+    if hasattr(nodes, "init_extra_nodes"):  # upstream ComfyUI: comfy_extras are loaded by the server at start
+        if "VAELoader" in classes and "ImageOnlyCheckpointLoader" not in classes:
+            init = nodes.init_extra_nodes
+            kwargs = {k: False for k in ("init_custom_nodes", "init_api_nodes")
+                      if k in inspect.signature(init).parameters}
+            result = init(**kwargs)
+            if inspect.iscoroutine(result):
+                asyncio.run(result)
+    else:  # the pip-installable fork (0.12): its own node registry
+        from comfy.nodes.package import import_all_nodes_in_workspace
+
+        classes = dict(import_all_nodes_in_workspace(vanilla_custom_nodes=False).NODE_CLASS_MAPPINGS)
     predict = import_module(pack.__name__ + ".offload.predict")
-    return {"nodes": nodes, "predict": predict, "pack": pack,
+    return {"classes": classes, "predict": predict, "pack": pack,
             "comfy_nodes": import_module(pack.__name__ + ".offload.predict.comfy_nodes"),
             "graph": import_module(pack.__name__ + ".offload.predict.workflow_graph")}
 
@@ -58,7 +65,7 @@ def test_loader_table_matches_this_comfyui(comfy, tmp_path):
         folder_paths.add_model_folder_path(folder, str(tmp_path / folder))
     getattr(folder_paths, "filename_list_cache", {}).clear()
     found = {}
-    for name, cls in comfy["nodes"].NODE_CLASS_MAPPINGS.items():
+    for name, cls in comfy["classes"].items():
         try:
             spec = cls.INPUT_TYPES()
         except Exception:  # noqa: BLE001 - a node whose definition needs something absent here
@@ -78,7 +85,7 @@ def test_loader_table_matches_this_comfyui(comfy, tmp_path):
         if widget not in entries or not seen <= KIND_FOLDERS.get(entries[widget], {entries[widget]}):
             wrong.append(f"{name}.{widget} loads from {sorted(seen)}; LOADERS: {entries.get(widget)}")
     for name, entries in loaders.items():
-        if name in comfy["nodes"].NODE_CLASS_MAPPINGS and not name.startswith("Offload"):
+        if name in comfy["classes"] and not name.startswith("Offload"):
             wrong += [f"LOADERS has {name}.{w}; this ComfyUI's node lists no model files there"
                       for w, _, _ in entries if (name, w) not in found]
     assert not wrong, "\n".join(wrong)
@@ -102,7 +109,7 @@ def test_this_comfyuis_definitions_read_the_templates_as_the_table_does(comfy):
     """The panel reads a graph with the running server's node definitions, the CLI with the table shipped from
     ComfyUI 0.33's: on ComfyUI's templates both find the same files and the same samplers, steps and sizes (a node
     whose inputs changed between versions may differ on an older ComfyUI; at most 5% of the templates)."""
-    live = comfy["predict"].NodeDefs.from_input_types(comfy["nodes"].NODE_CLASS_MAPPINGS)
+    live = comfy["predict"].NodeDefs.from_input_types(comfy["classes"])
     read = comfy["graph"].read_graph
     same, differ = 0, []
     for name, wf in _templates():
