@@ -75,7 +75,7 @@ class GraphFacts:
     unread: list[str] = field(default_factory=list)  # what keeps the graph from being read whole
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> the template's {url, directory}
     form: str = "api"
-    idle_samplers: list[dict[str, Any]] = field(default_factory=list)  # {"node", "class_type", "why"}: never run
+    idle_samplers: list[dict[str, Any]] = field(default_factory=list)  # {"node", "class_type", "why", "ref"}
 
     @property
     def complete(self) -> bool:
@@ -232,9 +232,13 @@ def read_graph(graph: dict[str, Any], defs: NodeDefs | None = None) -> GraphFact
     for node in list(flat.nodes.values()) + list(flat.skipped.values()):
         for name, m in _declared(node).items():
             declared.setdefault(name, {"url": m.get("url"), "directory": m.get("directory")})
-    idle = [{"node": n.id, "class_type": n.class_type, "why": r._runs(n)[1]}
-            for n in list(flat.nodes.values()) + list(flat.skipped.values())
-            if n.class_type in SAMPLERS and not r._runs(n)[0]]
+    idle = []  # samplers the workflow holds but does not run: read all the same, said why
+    for n in list(flat.nodes.values()) + list(flat.skipped.values()):
+        if n.class_type in SAMPLERS and not r._runs(n)[0]:
+            kept = len(r.unread)
+            ref = _sampler(r, n, loaders, is_model)
+            del r.unread[kept:]  # what it would not tell does not keep the run from being read whole
+            idle.append({"node": n.id, "class_type": n.class_type, "why": r._runs(n)[1], "ref": ref})
     return GraphFacts(loaders, samplers, text_encodes, decodes, tts, notes, r.unread, declared, flat.form, idle)
 
 
