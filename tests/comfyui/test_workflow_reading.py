@@ -21,7 +21,8 @@ if not comfy_available():
     pytest.skip(skip_reason(), allow_module_level=True)
 
 # a loader's folder kind -> the ComfyUI folders its files may come from
-KIND_FOLDERS = {"diffusion_models": {"diffusion_models", "unet"}, "unet_gguf": {"diffusion_models", "unet", "unet_gguf"},
+KIND_FOLDERS = {"diffusion_models": {"diffusion_models", "unet"},
+                "unet_gguf": {"diffusion_models", "unet", "unet_gguf"},
                 "text_encoders": {"text_encoders", "clip"}, "clip_gguf": {"text_encoders", "clip", "clip_gguf"},
                 "vae": {"vae", "vae_approx"}}
 PROBE = "lo-probe-{}.safetensors"
