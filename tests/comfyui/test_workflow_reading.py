@@ -134,7 +134,7 @@ def test_this_comfyuis_definitions_read_the_templates_as_the_table_does(comfy):
 
 def test_the_panel_and_the_report_plan_a_template_built_from_subgraphs(comfy):
     """Wan 2.2 14B text to video as the panel sends it (UI JSON) and as the Offload Report node gets it (the API
-    prompt the frontend queues, execution ids "128:75"): both plans name its files, with their download links, and
+    prompt the frontend queues, with execution ids such as "128:75" where the template has subgraphs): both plans name its files, with their download links, and
     its two experts' 10 + 10 steps."""
     wf = dict(_templates()).get("video_wan2_2_14B_t2v")
     if wf is None:
@@ -144,14 +144,15 @@ def test_the_panel_and_the_report_plan_a_template_built_from_subgraphs(comfy):
     assert status == 200 and data["ok"], data
     plan = data["plan"]
     assert plan["graph"]["read_whole"] and plan["graph"]["form"] == "ui", plan["graph"]
+    assert {m["name"] for m in plan["models"]} >= {"wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+                                                   "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"}
     names = {m["name"]: m for m in plan["models"]}
     assert "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors" in names
     assert names["wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors"]["url"].startswith("https://")
-    assert [s["steps"] for s in plan["run"]["samplers"]] == [10, 10]
+    assert [s["steps"] for s in plan["run"]["samplers"] if s["runs"]] == [10, 10]
     api = comfy["graph"].to_api(wf)
-    assert any(":" in k for k in api)
     plan_mod = import_module(comfy["pack"].__name__ + ".nodes.workflow_plan")
     report_plan = plan_mod.plan_for_prompt(api)
-    assert report_plan is not None and [s["steps"] for s in report_plan["run"]["samplers"]] == [10, 10]
+    assert report_plan is not None and [s["steps"] for s in report_plan["run"]["samplers"] if s["runs"]] == [10, 10]
     assert {m["name"] for m in report_plan["models"]} == set(names)
     assert os.environ.get("COMFYUI_PATH")
