@@ -117,12 +117,20 @@ class SimBackend(Backend):
         self._queued = 0  # copies handed to the copy engine thread and not finished yet
         self._throttled = bool(bandwidth_gbps) or bool(latency_us)
         self._memcpy_gbps: float | None = None  # the host's memcpy speed, measured when first asked (h2d_gbps)
-        self._worker = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
-        self._worker.start()
-        atexit.register(self._stop)  # a daemon thread killed mid-copy at exit would abort the process
+        self._worker: threading.Thread | None = None  # the copy engine thread, started by the first queued copy
+
+    def _enqueue(self, item: tuple) -> None:
+        """Hand a copy (or a decode) to the copy engine thread, starting it the first time."""
+        with self._lock:
+            self._queued += 1
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
+                self._worker.start()
+                atexit.register(self._stop)  # a daemon thread killed mid-copy at exit would abort the process
+        self._queue.put(item)
 
     def _stop(self) -> None:
-        if self._worker.is_alive():
+        if self._worker is not None and self._worker.is_alive():
             self._queue.put(None)
             self._worker.join()
 
@@ -203,9 +211,7 @@ class SimBackend(Backend):
             event.start = start
             return event
         event = SimEvent()
-        with self._lock:
-            self._queued += 1
-        self._queue.put((dst, src, after, event))
+        self._enqueue((dst, src, after, event))
         return event
 
     def then(self, event: SimEvent, fn: Callable[[], None]) -> SimEvent:
@@ -221,9 +227,7 @@ class SimBackend(Backend):
             done.time = time.perf_counter()
             return done
         done = SimEvent()
-        with self._lock:
-            self._queued += 1
-        self._queue.put((None, fn, event, done))
+        self._enqueue((None, fn, event, done))
         return done
 
     def _run(self) -> None:
