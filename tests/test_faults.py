@@ -467,7 +467,7 @@ def _interrupt(call: Callable[[], object], module: torch.nn.Module) -> None:
         hook.remove()
 
 
-def _run_in_thread(model, x, timeout: float = 30.0):
+def _run_in_thread(model, x, timeout: float = 300.0):  # a guard against a hang, not a speed bound
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("out", run(model, (x,))), daemon=True)
     t.start()
@@ -526,7 +526,7 @@ def test_interrupted_thread_that_ended_does_not_block_the_next():
 
     t = threading.Thread(target=cancelled)
     t.start()
-    t.join(30)
+    t.join(300)
     assert not errors, errors
     assert torch.equal(_run_in_thread(model, x), ref)
     assert torch.equal(run(model, (x,)), ref)
