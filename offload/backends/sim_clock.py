@@ -38,7 +38,7 @@ def _rate(name: str, gbps: float | None) -> float | None:
     if gbps is None:
         return None
     if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not gbps > 0 or math.isinf(gbps):
-        raise ValueError(f"SimClock: {name} must be a number of GB/s above 0 (or None: free), got {gbps!r}")
+        raise ValueError(f"SimClock: {name} must be a finite rate above 0 (or None: free), got {gbps!r}")
     return float(gbps)
 
 
@@ -62,6 +62,7 @@ class SimClock:
         return self._now * 1e3
 
     def now_s(self) -> float:
+        """Seconds on the compute lane (what the backend's events carry)."""
         return self._now
 
     def advance(self, ms: float) -> None:
@@ -124,8 +125,10 @@ class SimClock:
     def timed(self, kind: str, nbytes: int, work: Callable[[], T]) -> tuple[T, float]:
         """Run the read; it takes `nbytes` at the clock's rate for `kind` (free where none is set), and the next
         copy issued on this thread waits for it on the transfer lane."""
+        if kind not in READ_KINDS:
+            raise ValueError(f"SimClock.timed: kind must be one of {READ_KINDS}, got {kind!r}")
         result = work()
-        gbps = self.read_gbps.get(kind)
+        gbps = self.read_gbps[kind]
         seconds = nbytes / (gbps * 1e9) if gbps else 0.0
         self._read.seconds = seconds
         return result, seconds * 1e3
