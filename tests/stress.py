@@ -7,6 +7,7 @@ passed; a failing run's output is kept under `--logs`. Exit code 0 only when eve
 
     python tests/stress.py --runs 20 --busy 1 tests/test_cost_placement.py ...
     python tests/stress.py --runs 10 --busy 1          # no files: the whole suite (`make test` under load)
+    python tests/stress.py --runs 3 --busy 0 --jitter-ms 1   # the wall clock jumps at random (tests/wall_clock_jitter.py)
 """
 from __future__ import annotations
 
@@ -45,21 +46,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy", type=int, default=1, help="cores kept busy by a busy-loop process each (default 1)")
     ap.add_argument("--logs", default=str(ROOT / ".make" / "stress"), help="where a failing run's output goes")
     ap.add_argument("--pytest-args", default="-q -p no:cacheprovider", help="extra pytest arguments")
+    ap.add_argument("--jitter-ms", type=float, default=None,
+                    help="also push the engine's wall clock ahead at random, this many ms per reading on average, "
+                         "with a busy moment now and then (tests/wall_clock_jitter.py; a new seed per run)")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.busy < 0:
         ap.error("--runs must be at least 1 and --busy at least 0")
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pytest", *args.pytest_args.split(), *args.files]
+    env = dict(os.environ)
+    if args.jitter_ms is not None:
+        cmd[3:3] = ["-p", "tests.wall_clock_jitter"]
+        env["LO_JITTER_MS"] = str(args.jitter_ms)
     what = " ".join(args.files) if args.files else "the whole suite"
-    print(f"[stress] {args.runs} runs of {what} with {args.busy} core(s) kept busy", flush=True)
+    print(f"[stress] {args.runs} runs of {what} with {args.busy} core(s) kept busy"
+          f"{'' if args.jitter_ms is None else f', the wall clock jittered ({args.jitter_ms} ms)'}", flush=True)
     busy = start_busy(args.busy)
     passed, failed = 0, []
     started = time.monotonic()
     try:
         for k in range(1, args.runs + 1):
             t0 = time.monotonic()
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            env["LO_JITTER_SEED"] = str(1000 + k)
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
             tail = (proc.stdout.strip().splitlines() or [""])[-1]
             if proc.returncode == 0:
                 passed += 1
