@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import torch
 import torch.nn as nn
 
-from .sim import SimBackend, SimEvent, _copy_bytes
+from .sim import SimBackend, SimEvent, copy_bytes
 
 T = TypeVar("T")
 READ_KINDS = ("disk", "bounce")
@@ -170,7 +170,7 @@ class ClockedSimBackend(SimBackend):
         try:
             if after is not None:
                 after.wait()  # complete already: events are recorded done and copies are made at once
-            _copy_bytes(dst, src)
+            copy_bytes(dst, src)
         except BaseException as exc:  # reported where the copy is waited for, as on the wall-clock device
             error = exc
         read = self.clock.take_read()
