@@ -260,7 +260,7 @@ def test_a_transfer_that_fails_mid_pass(monkeypatch):
     h = offload_module(model, OffloadConfig.from_preset("budget", device="sim", **_private()), budget=VramBudget(None))
     assert torch.equal(run(model, (x,)), ref)
     for k in range(2 * DEPTH):
-        real = sim._copy_bytes
+        real = sim.copy_bytes
         calls = itertools.count()
 
         def flaky(dst, src, k=k):
@@ -268,20 +268,20 @@ def test_a_transfer_that_fails_mid_pass(monkeypatch):
                 raise OSError("injected: PCIe error")
             real(dst, src)
 
-        monkeypatch.setattr(sim, "_copy_bytes", flaky)
+        monkeypatch.setattr(sim, "copy_bytes", flaky)
         try:
             out = run(model, (x,))
             assert torch.equal(out, ref), f"copy {k} failed: wrong output"  # the failed copy was never used
         except RuntimeError as err:
             assert "injected" in str(err), err
-        monkeypatch.setattr(sim, "_copy_bytes", real)
+        monkeypatch.setattr(sim, "copy_bytes", real)
         for _ in range(2):
             assert torch.equal(run(model, (x,)), ref), f"after failed copy {k}"
 
     def broken(dst, src):
         raise OSError("injected: the link is down")
 
-    monkeypatch.setattr(sim, "_copy_bytes", broken)  # a persistent failure is not retried forever: it raises
+    monkeypatch.setattr(sim, "copy_bytes", broken)  # a persistent failure is not retried forever: it raises
     with pytest.raises(RuntimeError, match="link is down"):
         run(model, (x,))
     monkeypatch.undo()
