@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jitter-ms", type=float, default=None,
                     help="also push the engine's wall clock ahead at random, this many ms per reading on average, "
                          "with a busy moment now and then (tests/wall_clock_jitter.py; a new seed per run)")
+    ap.add_argument("--jitter-seed", type=int, default=1000, help="the first run's jitter seed (the next ones follow)")
     args = ap.parse_args(argv)
     if args.runs < 1 or args.busy < 0:
         ap.error("--runs must be at least 1 and --busy at least 0")
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for k in range(1, args.runs + 1):
             t0 = time.monotonic()
-            env["LO_JITTER_SEED"] = str(1000 + k)
+            env["LO_JITTER_SEED"] = str(args.jitter_seed + k)
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
             tail = (proc.stdout.strip().splitlines() or [""])[-1]
             if proc.returncode == 0:
