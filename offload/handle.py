@@ -130,8 +130,11 @@ class OffloadHandle(BudgetMembership):
         self._reserve.after_forward(self.backend, self.budget, self.device_total())
 
     def after_backward(self) -> None:
-        """After the first backward through streamed blocks (training): the reserve grows to a step's peak."""
+        """After a backward through streamed blocks (training): the reserve grows to a step's peak (the first one),
+        and a plan the measurements asked for during the step is placed."""
         self._reserve.after_backward(self.backend, self.budget, self.device_total())
+        if self.keeper.after_backward():
+            self.budget.notify_room()  # a smaller plan may have given bytes back
 
     def _warn_grad(self) -> None:
         if self._grad_said or not torch.is_grad_enabled():

@@ -347,7 +347,7 @@ def test_command_line_pack_compress(tmp_path):
     src = _save(_llama(layers=2), tmp_path / "m.safetensors")
     out = tmp_path / "cli.packed"
     proc = subprocess.run([sys.executable, "-m", "offload", "pack", str(src), str(out), "--compress"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "2 unit(s) compressed" in proc.stdout
     assert _index(out)["version"] == 3

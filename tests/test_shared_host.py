@@ -72,7 +72,7 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.flush()
-        self.proc.wait(timeout=60)
+        self.proc.wait(timeout=900)
         assert self.proc.returncode == 0, self.proc.stderr.read()[-3000:]
 
 

@@ -83,9 +83,8 @@ class CompressedSource:
 
     def _fill(self, blob: torch.Tensor) -> Callable[[torch.Tensor, int, int], int]:
         def fill(buf: torch.Tensor, start: int, end: int) -> int:
-            t0 = time.perf_counter()
-            buf[:end - start].copy_(blob[start:end])
-            self.read_ms += (time.perf_counter() - t0) * 1e3
+            _, ms = self.reader.clock.timed("bounce", end - start, lambda: buf[:end - start].copy_(blob[start:end]))
+            self.read_ms += ms
             return 0
         return fill
 
@@ -120,11 +119,9 @@ class StoredDiskSource:
         self.read_ms = 0.0
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
-        t0 = time.perf_counter()
-        try:
-            return self.file.read_stored(self.unit, buf, start, end)
-        finally:
-            self.read_ms += (time.perf_counter() - t0) * 1e3
+        n, ms = self.reader.clock.timed("disk", end - start, lambda: self.file.read_stored(self.unit, buf, start, end))
+        self.read_ms += ms
+        return n
 
     def issue(self, dst: torch.Tensor, after: Any) -> Any:
         self.reads += 1
