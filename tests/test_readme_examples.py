@@ -141,3 +141,55 @@ def test_example_runs_as_written(index, capsys, monkeypatch, tmp_path):
         with torch.no_grad():
             assert torch.equal(model(x.to(y.device)).to(y.device), y), "offloaded output differs from the plain one"
     assert capsys.readouterr().out.strip(), f"{doc}:{line}: the example prints what it shows"
+
+
+_SHELL_FENCE = re.compile(r"^( *)```(?:bash|sh|shell)\n(.*?)\n\1```", re.S | re.M)
+
+
+def shell_lines() -> list[tuple[str, str]]:
+    """Every command line of the documents' ```bash blocks (comments cut, continuation lines joined)."""
+    out = []
+    for doc in documents():
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+            text = f.read()
+        for m in _SHELL_FENCE.finditer(text):
+            for line in textwrap.dedent(m.group(2)).replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                if line and not line.startswith("#"):
+                    out.append((doc, line))
+    return out
+
+
+def test_the_documented_commands_exist(monkeypatch):
+    """The shell examples cannot all run here (they install things, start ComfyUI, need a GPU), but what they name
+    must exist: every `python -m offload ...` line parses with the CLI's own parser and names known cards, every
+    `make <target>` is a target of the Makefile, and every script run with `python` is in the repository."""
+    import shlex
+
+    import offload.__main__ as cli
+    import offload.demo as demo
+    from offload.predict import cards, plan_cli
+
+    lines = shell_lines()
+    with open(os.path.join(ROOT, "Makefile"), encoding="utf-8") as f:
+        targets = set(re.findall(r"^([\w-]+):", f.read(), re.M))
+    parsed: list = []
+    monkeypatch.setattr(plan_cli, "main", lambda args: parsed.append(args) or 0)
+    monkeypatch.setattr(demo, "main", lambda args: parsed.append(args) or 0)
+    monkeypatch.setattr(cli, "_pack", lambda args: parsed.append(args) or 0)
+    offload_lines = [(d, line) for d, line in lines if line.startswith("python -m offload ")]
+    assert offload_lines, "no `python -m offload` command in the documents"
+    for doc, line in offload_lines:
+        argv = shlex.split(line)[3:]
+        try:
+            assert cli.main(argv) == 0, (doc, line)
+        except SystemExit as e:  # argparse refused it
+            raise AssertionError(f"{doc}: `{line}` does not parse ({e})") from None
+        card = getattr(parsed[-1], "card", None)
+        if card and card != "measure":
+            cards.get_card(card)  # a ValueError names the unknown card
+    for doc, line in lines:
+        for script in re.findall(r"\bpython3? ((?:benchmarks|tools|tests)/[\w/.-]+\.py)", line):
+            assert os.path.isfile(os.path.join(ROOT, script)), f"{doc}: `{line}` names {script}, which does not exist"
+        for target in re.findall(r"(?:^|&&\s*|\s)make\s+([a-z][\w-]*)", line):
+            assert target in targets, f"{doc}: `{line}` names make target {target!r}, not in the Makefile"
