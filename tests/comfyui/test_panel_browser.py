@@ -68,10 +68,14 @@ def prompt(seed: int = 3) -> dict:
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
     """(server, driver, console entries so far) with the page loaded and the frontend started."""
+    import torch
+
     base = str(tmp_path_factory.mktemp("comfy_browser"))
     paths = cs.prepare_base_dir(base)
-    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET))
-    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_HI))
+    # float32, the dtype ComfyUI computes in on the CPU: the plan (from the files' headers) and the run then hold the
+    # same bytes, as a GPU's float16 file and run do (the plan beside the run in the screenshot compares like for like)
+    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET), dtype=torch.float32)
+    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_HI), dtype=torch.float32)
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_MD))
     example_models(base)
     server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
