@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import glob
 import os
 import re
@@ -129,18 +130,30 @@ def test_example_runs_as_written(index, capsys, monkeypatch, tmp_path):
     doc, line, code, marker = runnable_blocks()[index]
     names = [n.strip() for m in _STAND_INS.findall(marker) for n in m.split(",") if n.strip()]
     assert all(n in STAND_INS for n in names), f"{doc}:{line}: unknown stand-in in {names}; known: {list(STAND_INS)}"
+    import offload
+
     monkeypatch.chdir(ROOT)
+    made: list = []  # every handle the example makes: detached at the end (the simulated device is the process's)
+    real = offload.offload_module
+    monkeypatch.setattr(offload, "offload_module", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     namespace: dict = {"__name__": f"example_{index}"}
-    with contextlib.ExitStack() as stack:
-        for n in names:
-            stack.enter_context(STAND_INS[n](monkeypatch, str(tmp_path)))
-        exec(compile(code, f"{doc} python block at line {line}", "exec"), namespace)  # noqa: S102 - the docs are the test
-    if all(k in namespace for k in ("model", "x", "y")):
-        model, x, y = namespace["model"], namespace["x"], namespace["y"]
-        assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()), "detach() left hooks"
-        with torch.no_grad():
-            assert torch.equal(model(x.to(y.device)).to(y.device), y), "offloaded output differs from the plain one"
-    assert capsys.readouterr().out.strip(), f"{doc}:{line}: the example prints what it shows"
+    try:
+        with contextlib.ExitStack() as stack:
+            for n in names:
+                stack.enter_context(STAND_INS[n](monkeypatch, str(tmp_path)))
+            exec(compile(code, f"{doc} python block at line {line}", "exec"), namespace)  # noqa: S102 - the docs
+        if all(k in namespace for k in ("model", "x", "y")):
+            model, x, y = namespace["model"], namespace["x"], namespace["y"]
+            assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()), "detach() left hooks"
+            with torch.no_grad():
+                assert torch.equal(model(x.to(y.device)).to(y.device), y), "offloaded output differs from the plain one"
+        assert capsys.readouterr().out.strip(), f"{doc}:{line}: the example prints what it shows"
+    finally:
+        for handle in made:
+            with contextlib.suppress(offload.DetachedError):
+                handle.detach()
+        namespace.clear()
+        gc.collect()
 
 
 _SHELL_FENCE = re.compile(r"^( *)```(?:bash|sh|shell)\n(.*?)\n\1```", re.S | re.M)
