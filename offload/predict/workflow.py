@@ -26,7 +26,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..config import PRESETS, OffloadConfig
 from .cards import MEMORY_EFFICIENCY, Card, get_card
@@ -36,6 +36,11 @@ from .model_files import ModelFileError, TensorInfo, read_tensor_infos
 from .model_kinds import FAMILIES, ModelDesc, describe, split_checkpoint
 from .prediction import CONTEXT_BYTES, Prediction, _profile_on_card, predict_profile
 from .workflow_graph import GraphFacts, LoaderRef, read_graph
+
+from .header_source import download_size
+
+if TYPE_CHECKING:
+    from .header_source import RemoteHeaders
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,8 @@ class ModelPlan:
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     without_offloading: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    url: str | None = None  # a missing file's download link, from the workflow
+    download: dict[str, Any] | None = None  # a missing file planned from its URL's header: url, bytes, source
 
     @property
     def chosen(self) -> dict[str, Any]:
@@ -71,7 +78,8 @@ class ModelPlan:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("key", "role", "name", "path", "found", "family", "label", "dtype",
-                                           "file_bytes", "preset", "calls", "presets", "without_offloading", "notes")}
+                                           "file_bytes", "preset", "calls", "presets", "without_offloading", "notes",
+                                           "url", "download")}
         d.update({k: self.chosen.get(k) for k in ("fits", "vram_bytes", "activation_bytes", "host_bytes",
                                                  "disk_bytes", "ms_per_call", "resident_ms_per_call")})
         return d
@@ -86,10 +94,11 @@ class WorkflowPlan:
     run: dict[str, Any]
     ram: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    downloads: list[dict[str, Any]] = field(default_factory=list)  # missing files the workflow links (header_source)
 
     def to_dict(self) -> dict[str, Any]:
         return _finite({"card": self.card, "models": [m.to_dict() for m in self.models], "run": self.run,
-                        "ram": self.ram, "notes": self.notes})
+                        "ram": self.ram, "notes": self.notes, "downloads": self.downloads})
 
 
 def _finite(value: Any) -> Any:
@@ -148,8 +157,10 @@ def _text_tokens(ref: LoaderRef, desc: ModelDesc) -> int:
 
 
 def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card: "Card | str | None" = None,
-                  ram_bytes: int | None = None, presets: Sequence[str] | None = None) -> WorkflowPlan:
-    """The workflow `graph` planned on `card` (see the module doc): headers read, nothing loaded."""
+                  ram_bytes: int | None = None, presets: Sequence[str] | None = None,
+                  remote: "RemoteHeaders | None" = None) -> WorkflowPlan:
+    """The workflow `graph` planned on `card` (see the module doc): headers read, nothing loaded. `remote`: the
+    links of missing files and, where its mode says, their headers from the cache or the network."""
     notes: list[str] = []
     if card is None:
         notes.append(f"no card given: planned for {DEFAULT_CARD}")
@@ -164,26 +175,31 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
     notes.extend(facts.notes)
     models: dict[str, ModelPlan] = {}
     descs: dict[str, ModelDesc] = {}
+    paths = {key: _find(find_file, ref) for key, ref in facts.loaders.items()}
+    if remote is not None:  # every missing file's header at once
+        remote.prepare((ref.folder, ref.name) for key, ref in facts.loaders.items() if paths[key] is None)
     for key, ref in facts.loaders.items():
-        path = find_file(ref.folder, ref.name)
-        if path is None and ref.folder == "text_encoders":
-            path = find_file("clip", ref.name)
+        path = paths[key]
         plan = ModelPlan(key, ref.role, ref.name, path, path is not None, preset=_preset_of(ref, facts))
         models[key] = plan
         if path is None:
-            plan.notes.append(f"{ref.name} not found in {ref.folder}: not planned")
-            continue
-        try:
-            infos = _read(path, ref.role)
-        except (ModelFileError, OSError) as exc:
-            plan.found = False
-            plan.notes.append(str(exc))
-            continue
+            infos = _remote_infos(plan, ref, remote)
+            if infos is None:
+                continue
+            path = plan.path
+        else:
+            try:
+                infos = _read(path, ref.role)
+            except (ModelFileError, OSError) as exc:
+                plan.found = False
+                plan.notes.append(str(exc))
+                continue
         plan.file_bytes = sum(i.nbytes for i in infos.values())
         if ref.role == "checkpoint":
             parts = split_checkpoint(infos)
             for part, part_infos in parts.items():
-                sub = ModelPlan(f"{key}:{part}", part, ref.name, path, True, preset=plan.preset)
+                sub = ModelPlan(f"{key}:{part}", part, ref.name, path, True, preset=plan.preset, url=plan.url,
+                                download=plan.download)
                 models[sub.key] = sub
                 descs[sub.key] = _describe(sub, part_infos, ref.folder)
             del models[key]
@@ -197,7 +213,35 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
         notes.append(f"everything loaded at once needs {ram['needed_bytes'] / GIB:.1f} GiB of host RAM, "
                      f"{ram['free_bytes'] / GIB:.1f} GiB is free: {ram['disk_bytes'] / GIB:.1f} GiB would stream from "
                      f"the model files (the disk tier; presets that allow it)")
-    return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes)
+    downloads = remote.downloads() if remote is not None else []
+    got = [d for d in downloads if d["bytes"] is not None]
+    if got:
+        notes.append(f"planned from the headers of {len(got)} file(s) not downloaded yet: "
+                     f"{download_size(sum(d['bytes'] for d in got))} to download")
+    return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes, downloads)
+
+
+def _find(find_file: Callable[[str, str], str | None], ref: LoaderRef) -> str | None:
+    path = find_file(ref.folder, ref.name)
+    if path is None and ref.folder == "text_encoders":
+        path = find_file("clip", ref.name)
+    return path
+
+
+def _remote_infos(plan: ModelPlan, ref: LoaderRef, remote: "RemoteHeaders | None") -> dict[str, TensorInfo] | None:
+    """A missing file's tensors from its URL's header (`remote`), as a local file's; None (with a note) without."""
+    got = remote.lookup(ref.folder, ref.name) if remote is not None else None
+    if got is None or got.infos is None:
+        plan.notes.append(f"{ref.name} not found in {ref.folder}: not planned")
+        if got is not None:
+            plan.url = got.url
+            plan.notes.append(f"header not read: {got.error}" if got.error else
+                              f"the workflow links it: {got.url} (plan with its header: --fetch-headers, or the "
+                              f"panel's button)")
+        return None
+    plan.url, plan.path, plan.found = got.url, got.url, True
+    plan.download = {"url": got.url, "bytes": got.download_bytes, "source": got.source}
+    return got.infos
 
 
 def _read(path: str, role: str) -> dict[str, TensorInfo]:
@@ -373,7 +417,7 @@ def _ram(models: dict[str, ModelPlan], descs: dict[str, ModelDesc], ram_bytes: i
     needed = sum(m.chosen.get("host_bytes") or 0 for m in models.values())
     spill = max(0, needed - ram_bytes)
     streamable = sum(m.chosen.get("host_bytes") or 0 for m in models.values()
-                     if m.role == "diffusion" and m.path and m.path.endswith(".safetensors"))
+                     if m.role == "diffusion" and m.path and m.name.endswith(".safetensors"))
     return {"free_bytes": ram_bytes, "needed_bytes": needed, "fits": spill == 0, "disk_bytes": min(spill, streamable),
             "short_bytes": max(0, spill - streamable)}
 
