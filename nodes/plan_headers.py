@@ -18,6 +18,7 @@ ALLOWED_SOURCES = ("https://huggingface.co/", "https://hf.co/", "https://civitai
                    "http://localhost:")
 TIMEOUT_S = 10.0  # the longest wait for any byte of a header
 DEADLINE_S = 60.0  # one header, all its requests together
+MAX_FILES = 16  # headers one request reads from the network (a template names a handful of models)
 
 
 class HeaderRequestError(ValueError):
@@ -66,4 +67,5 @@ def remote_for(body: Dict[str, Any], graph: Dict[str, Any], max_nodes: int) -> A
     if isinstance(nodes, list) and len(nodes) > max_nodes:
         raise HeaderRequestError("the workflow has {} nodes; at most {} are planned".format(len(nodes), max_nodes))
     mode = "fetch" if fetch else "cache" if cached else "links"
-    return RemoteHeaders(workflow_links(source), mode, timeout=TIMEOUT_S, deadline=DEADLINE_S, allow=refusal)
+    return RemoteHeaders(workflow_links(source), mode, timeout=TIMEOUT_S, deadline=DEADLINE_S, allow=refusal,
+                         max_files=MAX_FILES)

@@ -4,7 +4,7 @@ the header-fetching tests (tests/test_header_fetch.py, tests/comfyui/test_header
 Paths: /files/<rel> honours one byte range (206 + Content-Range), /norange/<rel> answers 200 with the whole file
 whatever the Range header (and stops when the client hangs up), /redirect/<rel> answers 302 with a relative Location
 to /files/<rel>, /away/<rel> a 302 to the same file on another host name (localhost), /loop/<rel> redirects to
-itself, /stall/<rel> answers nothing until the server stops, /hf/<repo>/resolve/<rev>/<path> stands in for a Hugging
+itself, /tofile/<rel> to file:///<rel>, /stall/<rel> answers nothing until the server stops, /hf/<repo>/resolve/<rev>/<path> stands in for a Hugging
 Face endpoint (HF_ENDPOINT): a 302 to /files/<basename of path> on localhost, as the Hub sends to its CDN. Every
 request is logged (path, Range, Authorization, User-Agent, Host) and the body bytes sent per path are counted.
 """
@@ -75,9 +75,9 @@ class HeaderServer:
         if kind == "stall":
             self.release.wait(60)
             return
-        if kind in ("redirect", "away", "loop"):
+        if kind in ("redirect", "away", "loop", "tofile"):
             target = {"redirect": f"/files/{rel}", "away": self.url("files", rel, host="localhost"),
-                      "loop": f"/loop/{rel}"}[kind]
+                      "loop": f"/loop/{rel}", "tofile": f"file:///{rel}"}[kind]
             return self._redirect(h, target)
         if kind == "hf":
             return self._redirect(h, self.url("files", rel.rsplit("/", 1)[-1], host="localhost"))

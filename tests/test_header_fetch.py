@@ -231,6 +231,25 @@ def test_hugging_face_urls_go_through_huggingface_hub(tmp_path, monkeypatch):
     assert remote.lookup("vae", "wan_2.1_vae.safetensors").error_kind == "offline"
 
 
+def test_only_http_redirects_and_a_bounded_count_of_files(served, tmp_path):
+    server, root, empty = served
+    links = workflow_links({"models": [
+        {"name": FILES["vae"], "url": server.url("tofile", "etc/passwd.safetensors"), "directory": "vae"},
+        {"name": FILES["text_encoders"], "url": server.url("files", FILES["text_encoders"]),
+         "directory": "text_encoders"},
+        {"name": FILES["diffusion_models"], "url": server.url("files", FILES["diffusion_models"]),
+         "directory": "diffusion_models"}]})
+    remote = RemoteHeaders(links, "fetch", HeaderCache(tmp_path / "cache"), max_files=2)
+    remote.prepare([("vae", FILES["vae"]), ("text_encoders", FILES["text_encoders"]),
+                    ("diffusion_models", FILES["diffusion_models"])])
+    vae = remote.lookup("vae", FILES["vae"])
+    assert vae.error_kind == "scheme" and "file:///etc/passwd.safetensors is not an http(s) URL" in vae.error
+    assert remote.lookup("text_encoders", FILES["text_encoders"]).infos is not None
+    over = remote.lookup("diffusion_models", FILES["diffusion_models"])
+    assert over.error_kind == "too_many"
+    assert not [r for r in server.requests() if r["path"].endswith(FILES["diffusion_models"])]
+
+
 def test_links_are_read_boundedly(tmp_path):
     wf = {"models": [{"name": "a.safetensors", "url": "ftp://x/a.safetensors", "directory": "vae"},
                      {"name": "b.safetensors", "url": "file:///etc/b.safetensors", "directory": "vae"},

@@ -76,9 +76,11 @@ class RemoteHeaders:
 
     def __init__(self, links: list[ModelLink], mode: str = "fetch", cache: HeaderCache | None = None,
                  timeout: float = TIMEOUT_S, deadline: float = DEADLINE_S,
-                 allow: Callable[[str], str | None] | None = None, fetch: Callable[..., Any] = fetch_header) -> None:
+                 allow: Callable[[str], str | None] | None = None, fetch: Callable[..., Any] = fetch_header,
+                 max_files: int = MAX_FILES) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.max_files = max_files
         self.links, self.mode, self.cache = links, mode, cache if cache is not None else HeaderCache()
         self.timeout, self.deadline, self.allow, self._fetch = timeout, deadline, allow, fetch
         self.found: dict[str, RemoteModel] = {}  # by URL
@@ -95,10 +97,10 @@ class RemoteHeaders:
             if link is not None and link.url not in self.found:
                 links.setdefault(link.url, link)
         todo = list(links.values())
-        over = todo[MAX_FILES:] if self.mode == "fetch" else []
+        over = todo[self.max_files:] if self.mode == "fetch" else []
         for link in over:
             self.found[link.url] = RemoteModel(link.name, link.url, link.directory, error_kind="too_many", error=(
-                f"{link.url}: more than {MAX_FILES} missing models in one plan: this one's header is not read"))
+                f"{link.url}: more than {self.max_files} missing models in one plan: this one's header is not read"))
         todo = todo[:len(todo) - len(over)]
         if len(todo) > 1 and self.mode == "fetch":
             with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="lo-header") as pool:
