@@ -53,7 +53,7 @@ def default_dir() -> Path:
 
 
 def _uid() -> int | None:
-    return os.getuid() if hasattr(os, "getuid") else None
+    return os.geteuid() if hasattr(os, "geteuid") else None  # the effective uid, as the shared host copy's rule
 
 
 def _ours(st: os.stat_result) -> str | None:
@@ -98,18 +98,25 @@ class HeaderCache:
         if not self._folder_ok(create=False):
             return None
         path = self.path(url)
+        try:
+            before = os.lstat(path)  # what is there, before anything is opened (a link, a FIFO: never opened)
+        except OSError:
+            return None
+        why = _ours(before) if stat.S_ISREG(before.st_mode) else "not a regular file"
+        if why:
+            self._note(str(path), f"{path} is {why}: ignored")
+            return None
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
         try:
             fd = os.open(path, flags)
         except OSError:
-            return None  # none (or a link: refused by O_NOFOLLOW)
+            return None
         try:
             st = os.fstat(fd)
-            why = _ours(st) if stat.S_ISREG(st.st_mode) else "not a regular file"
-            if why is None:
-                return self._read(fd, st.st_size, path, url, fmt)
-            self._note(str(path), f"{path} is {why}: ignored")
-            return None
+            if (st.st_ino, st.st_dev) != (before.st_ino, before.st_dev) or _ours(st):
+                self._note(str(path), f"{path} changed while it was opened: ignored")
+                return None
+            return self._read(fd, st.st_size, path, url, fmt)
         except CorruptFileError as exc:
             self._note(str(path), f"{exc}: ignored")
             return None
