@@ -3,7 +3,8 @@
 version, counts, metadata key/values skipped, then each tensor's name, dims, ggml type and offset).
 
 Nothing past the header is read: a 30 GB model file costs a few kilobytes to megabytes of reading. Used by the
-workflow plan (`workflow.py`) and the single-model command (`plan_cli.py`).
+workflow plan (`workflow.py`) and the single-model command (`plan_cli.py`); a header read from a URL (`header_source`)
+goes through the same checks (`safetensors_infos_from_header`, `parse_gguf` on its bytes).
 """
 from __future__ import annotations
 
