@@ -3,8 +3,15 @@
 API (used by the ComfyUI panel's route and `python -m offload plan workflow.json`):
 
     plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card: Card | str | None = None,
-                  ram_bytes: int | None = None, presets: Sequence[str] | None = None) -> WorkflowPlan
-    WorkflowPlan.to_dict() -> dict   # strict JSON (no NaN / infinity): {"card", "models", "run", "ram", "notes"}
+                  ram_bytes: int | None = None, presets: Sequence[str] | None = None,
+                  remote: RemoteHeaders | None = None) -> WorkflowPlan
+    WorkflowPlan.to_dict() -> dict   # strict JSON (no NaN / infinity): {"card", "models", "run", "ram", "notes",
+                                     # "downloads"}
+
+`remote` (header_source.RemoteHeaders): a file `find_file` does not find is planned from its header read from the
+download link the workflow carries (cache or network, as its mode says), as the same file on disk would be; its
+model has `url` and `download` ({url, bytes, source}), the plan `downloads` (each linked missing file, its bytes or
+why its header was not read).
 
 `graph` is ComfyUI's API JSON or UI JSON (`workflow_graph.read_graph`). `find_file(folder_kind, name)` gives the
 path of a loader's file or None: kinds "diffusion_models", "checkpoints", "text_encoders", "vae", "loras",
