@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from typing import Any, Dict, List, Optional
+from urllib.parse import urlsplit
 
 # ComfyUI frontend's MissingModelsWarning / missingModelMetadata: the sources its download buttons accept
 ALLOWED_SOURCES = ("https://huggingface.co/", "https://hf.co/", "https://civitai.com/", "https://civitai.red/",
@@ -36,10 +37,25 @@ def allowed_sources() -> List[str]:
     return out
 
 
+def _within(url: str, source: str) -> bool:
+    """Whether `url` is under the source prefix `source`: the same scheme and host (and port, where the source names
+    one), a path below the source's, and no user part (`http://localhost:80@elsewhere/` is elsewhere's)."""
+    try:
+        u, s = urlsplit(url), urlsplit(source)
+        port, want = u.port, s.port
+    except ValueError:
+        return False
+    if "@" in u.netloc or "\\" in url or u.scheme.lower() != s.scheme.lower() or u.hostname != s.hostname:
+        return False
+    if want is not None and (port or {"http": 80, "https": 443}.get(u.scheme.lower())) != want:
+        return False
+    return (u.path or "/").startswith(s.path or "/")
+
+
 def refusal(url: str) -> Optional[str]:
     """Why the server does not ask `url` (None: it does)."""
     sources = allowed_sources()
-    if any(url.startswith(s) for s in sources):
+    if any(_within(url, s) for s in sources):
         return None
     return ("{}: the server reads headers only from {} (ComfyUI's download sources; more with "
             "LAYER_OFFLOAD_HEADER_SOURCES)".format(url[:200], ", ".join(sources)))

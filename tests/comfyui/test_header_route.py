@@ -128,3 +128,21 @@ def test_only_comfyui_download_sources_are_asked(env, monkeypatch):
 def test_bad_header_requests_answer_400(env, extra, needle):
     status, data = env["routes"].handle_post("plan", dict({"prompt": prompt(REMOTE)}, **extra))
     assert status == 400 and needle in data["error"], data
+
+
+@pytest.mark.parametrize("url,asked", [
+    ("https://huggingface.co/Comfy-Org/x/resolve/main/a.safetensors", True),
+    ("https://HuggingFace.co/Comfy-Org/x/resolve/main/a.safetensors", True),
+    ("http://localhost:8188/a.safetensors", True),
+    ("https://civitai.com/api/download/models/1", True),
+    ("http://localhost:80@attacker.example/a.safetensors", False),  # the host is attacker.example
+    ("https://huggingface.co@attacker.example/a.safetensors", False),
+    ("https://huggingface.co.attacker.example/a.safetensors", False),
+    ("http://huggingface.co/Comfy-Org/x/resolve/main/a.safetensors", False),  # another scheme
+    ("http://127.0.0.1:8188/a.safetensors", False),
+    ("http://localhost:99999/a.safetensors", False),  # no such port: refused, not an exception
+])
+def test_download_sources_are_matched_by_host_not_by_text(env, url, asked):
+    """A URL's host decides, as the request would go: a user part or a longer host name never passes for a source."""
+    plan_headers = import_module(env["routes"].__name__.rsplit(".", 1)[0] + ".plan_headers")
+    assert (plan_headers.refusal(url) is None) == asked, url
