@@ -137,6 +137,23 @@ def test_top_level_models_list_and_the_cache(served, tmp_path):
     assert not any(m["found"] for m in links_only["models"]) and len(server.requests()) == asked
 
 
+def test_a_model_the_workflow_does_not_load_is_not_asked(served, tmp_path):
+    """A muted loader's file keeps its link but its header is never read (the plan says it does not load)."""
+    server, root, empty = served
+    urls = {k: server.url("files", v) for k, v in FILES.items()}
+    wf = linked(urls)
+    lora = {"id": 99, "type": "LoraLoaderModelOnly", "mode": 2, "inputs": [], "outputs": [], "properties": {
+        "models": [{"name": "lo_muted_lora.safetensors", "url": server.url("files", "lo_muted_lora.safetensors"),
+                    "directory": "loras"}]}, "widgets_values": ["lo_muted_lora.safetensors", 1.0]}
+    wf["nodes"].append(lora)
+    plan, _ = fetched(wf, empty, tmp_path / "cache")
+    muted = next(m for m in plan["models"] if m["name"] == "lo_muted_lora.safetensors")
+    assert muted["runs"] is False and not muted["found"] and muted["download"] is None, muted
+    assert not any("lo_muted_lora" in r["path"] for r in server.requests())
+    assert sorted(d["name"] for d in plan["downloads"]) == sorted(FILES.values())
+    assert all(m["found"] for m in plan["models"] if m["runs"])
+
+
 def test_a_server_without_ranges_a_stall_and_a_redirect_loop_are_named(served, tmp_path):
     server, root, empty = served
     urls = {"diffusion_models": server.url("norange", FILES["diffusion_models"]),

@@ -71,7 +71,7 @@ export function planRequestExtras(app) {
 export function downloadSection(data, busy, replan) {
   const p = data && data.plan;
   if (!p) return null;
-  const linked = (p.models || []).filter((m) => !m.found && m.url);
+  const linked = (p.models || []).filter((m) => m.runs !== false && !m.found && m.url); // a muted loader: not asked
   const downloads = p.downloads || [];
   const read = downloads.filter((d) => d.bytes !== null && d.bytes !== undefined);
   if (!linked.length && !read.length) return null;
