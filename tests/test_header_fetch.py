@@ -352,3 +352,44 @@ def test_cli_fetch_headers(served, tmp_path, capsys):
     assert [x["source"] for x in d["downloads"]] == ["cache"] * 3 and sum(x["bytes"] for x in d["downloads"]) == total
     assert main(["plan", str(root / FILES["vae"]), "--fetch-headers"]) != 0
     assert "give a workflow .json" in capsys.readouterr().err
+
+
+def test_comfyuis_own_template_planned_from_the_hub_as_from_disk(tmp_path, monkeypatch, capsys):
+    """ComfyUI's own Wan 2.1 text-to-video template (comfyui-workflow-templates-json, as the template browser opens
+    it), with the Hugging Face links it carries (`?download=true` and all), planned with `--fetch-headers` against a
+    Hub mirror on loopback (HF_ENDPOINT; the Hub redirects to its CDN): the same plan as its files on disk, and only
+    each header and its length read."""
+    pytest.importorskip("huggingface_hub")
+    templates = pytest.importorskip("comfyui_workflow_templates_json")
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    template = Path(templates.__file__).parent / "templates" / "text_to_video_wan.json"
+    links = workflow_links(json.loads(template.read_text()))
+    assert sorted(link.name for link in links) == sorted(FILES.values())
+    assert all(link.url.startswith("https://huggingface.co/Comfy-Org/") for link in links)
+    root = tmp_path / "served"
+    wan_file(root / FILES["diffusion_models"], pad_to=BIG)
+    t5_file(root / FILES["text_encoders"])
+    wan_vae_file(root / FILES["vae"])
+    models = tmp_path / "models"
+    for folder, name in FILES.items():
+        (models / folder).mkdir(parents=True)
+        os.link(root / name, models / folder / name)
+    args = ["plan", str(template), "--card", "rtx4070-12gb", "--ram", "32GB", "--json"]
+    assert main(args + ["--models-dir", str(models)]) == 0
+    disk = json.loads(capsys.readouterr().out)
+    with HeaderServer(root) as server:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.port}/hf")
+        assert main(args + ["--models-dir", str(tmp_path / "empty"), "--fetch-headers",
+                            "--header-cache", str(tmp_path / "cache")]) == 0
+        remote = json.loads(capsys.readouterr().out)
+        hub, cdn = server.requests("hf"), server.requests("files")
+    assert disk["graph"]["read_whole"] and disk["run"]["complete"]
+    assert comparable(remote) == comparable(disk)
+    assert {d["name"]: d["bytes"] for d in remote["downloads"]} == {n: (root / n).stat().st_size
+                                                                    for n in FILES.values()}
+    assert len(hub) == len(cdn) == 6  # per file: the Hub's redirect, then the CDN's two ranges
+    for name in FILES.values():
+        assert [r["range"] for r in cdn if r["path"].endswith(name)] == [
+            "bytes=0-7", f"bytes=8-{7 + header_length(root / name)}"]
