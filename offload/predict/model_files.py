@@ -2,8 +2,10 @@
 `store.storage.SafetensorsFile`, whose checks apply) and GGUF (the header parsed here, per the GGUF spec: magic,
 version, counts, metadata key/values skipped, then each tensor's name, dims, ggml type and offset).
 
-Nothing past the header is read: a 30 GB model file costs a few kilobytes to megabytes of reading. Used by the
-workflow plan (`workflow.py`) and the single-model command (`plan_cli.py`).
+Nothing past the header is read but the few bytes of JSON each quantized layer's `comfy_quant` tensor holds (its
+format: a packed 4-bit payload computes as twice its stored last dimension), so a 30 GB model file costs kilobytes
+to megabytes of reading. Shapes are what the model computes with, bytes what the file stores. Used by the workflow
+plan (`workflow.py`) and the single-model command (`plan_cli.py`).
 """
 from __future__ import annotations
 
@@ -12,17 +14,21 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from ..store.header_check import MAX_BYTES, CorruptFileError, check_no_overlap, open_regular
+import torch
 
-# safetensors dtype -> bytes per element
-ST_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-            "I8": 1, "U8": 1, "BOOL": 1, "C64": 8, "U16": 2, "U32": 4, "U64": 8}
-# torch dtype name (as SafetensorsFile gives it) -> safetensors dtype name
-ST_NAMES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
-            "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-            "bool": "BOOL", "complex64": "C64", "uint16": "U16", "uint32": "U32", "uint64": "U64"}
+from ..store.header_check import (DTYPES, MAX_BYTES, SAFETENSORS_DTYPES, CorruptFileError, check_no_overlap,
+                                  open_regular, parse_json)
+
+# safetensors dtype -> bytes per element (a packed kind's: a fraction), and the torch dtype's name (as
+# SafetensorsFile gives it) -> safetensors dtype name: the engine's one table (store/header_check.py)
+ST_BYTES = {name: bits / 8 for name, (bits, _) in SAFETENSORS_DTYPES.items()}
+ST_NAMES = {str(dtype).replace("torch.", ""): name for name, dtype in DTYPES.items()}
+# ComfyUI's quantized formats whose payload packs two 4-bit weights per stored byte (comfy/quant_ops.py QUANT_ALGOS:
+# a layer's `comfy_quant` names its format): the weight's logical last dimension is twice the stored one
+PACKED_FORMATS = {"nvfp4": 2, "convrot_w4a4": 2, "asym_w4a8_int8": 2}
+_MAX_QUANT_CONF = 4096  # a comfy_quant tensor is a few dozen bytes of JSON
 # ggml type id -> (name, elements per block, bytes per block): ggml/include/ggml.h's enum ggml_type and ggml.c's
 # type_traits table (blck_size, type_size)
 GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
@@ -46,9 +52,11 @@ _MAX_NESTING = 8  # arrays of arrays in the metadata (the spec allows them; real
 class TensorInfo:
     """One tensor as the file stores it: its logical shape (torch order), stored dtype and stored bytes."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as the model computes with it (a packed 4-bit payload's logical shape)
     dtype: str
-    nbytes: int
+    nbytes: int  # as stored
+    quant: str = ""  # its layer's quantized format (ComfyUI's comfy_quant), "" when plain
+    scale: bool = False  # a quantized layer's scale or format tensor, not a weight the model computes with
 
 
 class ModelFileError(CorruptFileError):
@@ -75,10 +83,44 @@ def read_safetensors_infos(path: Path) -> dict[str, TensorInfo]:
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read: {exc}") from None
     try:
-        return {name: TensorInfo(t.shape, str(t.dtype).replace("torch.", ""), t.end - t.start)
-                for name, t in f.tensors.items()}
+        formats = quant_formats(f)
+        out = {}
+        for name, t in f.tensors.items():
+            layer, _, leaf = name.rpartition(".")
+            per = PACKED_FORMATS.get(formats.get(layer, ""), 1) if leaf == "weight" else 1
+            shape = t.shape[:-1] + (t.shape[-1] * per,) if per > 1 and t.shape else t.shape
+            quant = formats.get(layer, "")
+            out[name] = TensorInfo(shape, str(t.dtype).replace("torch.", ""), t.end - t.start, quant,
+                                   bool(quant) and leaf not in ("weight", "bias"))
+        return out
     finally:
         f.close()
+
+
+def quant_formats(f: Any) -> dict[str, str]:
+    """Each quantized layer's format (ComfyUI's: its `<layer>.comfy_quant` tensor, a few bytes of JSON read from
+    the file, or the header's `_quantization_metadata`); a malformed entry is left out (the layer is priced as
+    stored)."""
+    out: dict[str, str] = {}
+    meta = f.metadata.get("_quantization_metadata") if isinstance(f.metadata, dict) else None
+    confs: list[tuple[str, Any]] = []
+    if isinstance(meta, str):
+        try:
+            layers = parse_json(meta.encode("utf-8"), f.path, "quantization metadata").get("layers", {})
+            confs += list(layers.items()) if isinstance(layers, dict) else []
+        except (CorruptFileError, AttributeError):
+            pass
+    for key, t in f.tensors.items():
+        if key.endswith(".comfy_quant") and t.dtype == torch.uint8 and t.end - t.start <= _MAX_QUANT_CONF:
+            try:
+                confs.append((key[:-len(".comfy_quant")],
+                              parse_json(bytes(f.read_tensor(key).tolist()), f.path, f"{key} (a layer's format)")))
+            except CorruptFileError:
+                continue
+    for layer, conf in confs:
+        if isinstance(conf, dict) and isinstance(conf.get("format"), str):
+            out[layer] = conf["format"]
+    return out
 
 
 def _need(fh: BinaryIO, n: int, path: Path) -> bytes:
@@ -170,8 +212,9 @@ def file_dtype(infos: dict[str, TensorInfo]) -> str:
     """The dtype most of the file's matrix weights are stored in ('bf16', 'fp16', 'fp8_e4m3fn', 'Q4_K', ...)."""
     counts: dict[str, int] = {}
     for info in infos.values():
-        if len(info.shape) == 2:
-            counts[info.dtype] = counts.get(info.dtype, 0) + math.prod(info.shape)
+        if len(info.shape) == 2 and not info.scale:
+            kind = info.quant or info.dtype  # a quantized layer counts as its format (nvfp4, mxfp8, int8_tensorwise)
+            counts[kind] = counts.get(kind, 0) + math.prod(info.shape)
     top = max(counts, key=counts.__getitem__) if counts else "bfloat16"
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8_e4m3fn",
             "float8_e5m2": "fp8_e5m2", "BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(top, top)

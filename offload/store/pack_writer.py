@@ -20,7 +20,7 @@ from ..model.blocks import KNOWN_BLOCK_LISTS
 from ..model.layout import ALIGN, Leaf, align
 from . import codec
 from .packed import FORMAT, INDEX, UNIT_ALIGN, PackedWeights
-from .header_check import CorruptFileError, name_of
+from .header_check import CorruptFileError, file_shape, name_of
 from .storage import SafetensorsFile, _writable_bytes
 
 DEFAULT_SHARD_BYTES = 4 << 30
@@ -120,7 +120,7 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 def _entry(t: PackTensor, offset: int, scale: str | None) -> dict[str, Any]:
     return {"name": t.name, "offset": offset, "nbytes": t.nbytes, "dtype": name_of(t.dtype),
-            "shape": list(t.shape), "scale": scale}
+            "shape": file_shape(t.dtype, t.shape), "scale": scale}
 
 
 class _ShardWriter:
