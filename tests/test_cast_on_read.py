@@ -132,3 +132,25 @@ def test_release_host_memory_moves_cast_blocks_to_the_disk_tier(tmp_path, offloa
     assert {b.tier for b in h.report().blocks} == {"disk"}
     with host_master_guard(h), torch.no_grad():
         assert torch.equal(model(x), ref)
+
+
+def test_a_handle_read_with_a_cast_packs_the_cast_bytes(tmp_path, offload):
+    """`handle.pack` of a model whose disk-tier blocks are cast on read stores them as the model holds them: the
+    folder then streams them with no cast."""
+    path = _bf16_file(tmp_path)
+    model = seeded(LayersModel, dim=64, depth=DEPTH).to(torch.bfloat16).float()
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        ref = model(x)
+    h = offload(model, _cfg(path, _ceiling(model)))
+    with torch.no_grad():
+        model(x)
+    assert "disk" in [b.tier for b in h.report().blocks]
+    h.pack(str(tmp_path / "packed"))
+    h.detach()
+    model = seeded(LayersModel, dim=64, depth=DEPTH).to(torch.bfloat16).float()
+    h = offload(model, _cfg(str(tmp_path / "packed"), _ceiling(model)))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+    disk = [b for b in h.report().blocks if b.tier == "disk"]
+    assert disk and not any("cast" in b.placement for b in disk)

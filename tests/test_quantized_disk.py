@@ -15,6 +15,7 @@ from offload.plan.planner import RamCeilingError  # noqa: E402
 from tests.host_master_guard import host_master_guard  # noqa: E402
 from tests.quantized_models import (FORMATS, QuantizedTensor, available, comfy_state_dict, quant_stack,  # noqa: E402
                                     quantized_bytes, save_comfy_checkpoint)
+from offload.store.pack_writer import pack_file  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 PARAMS = [pytest.param(f.name, marks=pytest.mark.skipif(not available(f), reason=f"comfy_kitchen lacks {f.layout}"))
@@ -175,3 +176,25 @@ def test_quantized_blocks_held_compressed_are_bitwise(fmt, offload):
         assert (b.compression != "none") == (b.host_bytes < b.raw_bytes)
     if fmt == "fp8_e5m2":
         assert all(b.compression != "none" and b.host_bytes < 0.95 * b.raw_bytes for b in h.report().blocks)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "w4a8_int8"])
+@pytest.mark.parametrize("packed_from", ["handle", "file"])
+def test_a_packed_quantized_model_streams_from_its_folder(fmt, packed_from, tmp_path, offload):
+    """`handle.pack` writes a quantized block's inner tensors beside its weight's name (laid out as the engine's
+    buffer: one read a unit); `pack_file` packs the ComfyUI file as it is; either folder is a disk tier."""
+    model = quant_stack(fmt)
+    x = _x()
+    ref = model(x)
+    if packed_from == "handle":
+        h = offload(model, _cfg())
+        model(x)
+        h.pack(str(tmp_path / "packed"))
+        h.detach()
+    else:
+        pack_file(save_comfy_checkpoint(model, tmp_path / "q.safetensors"), str(tmp_path / "packed"))
+    model = quant_stack(fmt)
+    h = offload(model, _cfg(disk_path=str(tmp_path / "packed"), ram_budget_bytes=_ceiling(model)))
+    with host_master_guard(h), torch.no_grad():
+        assert torch.equal(model(x), ref)
+    assert "disk" in [b.tier for b in h.report().blocks]
