@@ -330,6 +330,17 @@ def check_frames(family: str, frames: int) -> None:
         raise ValueError(f"--frames {frames}: {rule}")
 
 
+def _library(spec: ModelSpec) -> str:
+    return "transformers" if spec.family == "transformers" else "diffusers"
+
+
+def _library_installed(spec: ModelSpec) -> bool:
+    """Whether the library that builds `spec` on the meta device is installed (diffusers / transformers)."""
+    import importlib.util
+
+    return importlib.util.find_spec(_library(spec)) is not None
+
+
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     """Build the model on the meta device (or price a model file from its header), predict every preset on the card,
     print the table (or JSON)."""
@@ -361,6 +372,10 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         if Path(args.model).suffix.lower() not in (".safetensors", ".gguf") or not Path(args.model).exists():
             raise
         spec = None  # a family the meta-device path cannot build: its header's costs instead
+    if spec is not None and not _library_installed(spec) and Path(args.model).suffix.lower() == ".safetensors":
+        log.info("%s is not installed here (ComfyUI's own python has no diffusers): %s is priced from its header",
+                 _library(spec), args.model)
+        spec = None
     if spec is None:
         from .file_plan import predict_file
 
