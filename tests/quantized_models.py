@@ -116,6 +116,9 @@ def comfy_state_dict(model: nn.Module, prefix: str = "") -> dict[str, torch.Tens
             sd[f"{p}bias"] = module.bias
             conf = {"format": module.quant_format, **module.conf}
             sd[f"{p}comfy_quant"] = torch.tensor(list(json.dumps(conf).encode("utf-8")), dtype=torch.uint8)
+            for name, t in module._parameters.items():  # extra quantization parameters (input_scale) by their names
+                if t is not None and name not in ("weight", "bias"):
+                    sd[f"{p}{name}"] = t
             continue
         for name, t in list(module._parameters.items()) + list(module._buffers.items()):
             if t is not None:

@@ -146,6 +146,8 @@ def test_an_older_scaled_fp8_file_is_matched_by_bytes_whatever_its_scale_names(t
     it loads the file: comfy/utils.py convert_old_quants) and block scales may be stored as uint8 (ComfyUI views
     them as float8_e8m0fnu): the inner tensors are found by their bytes beside the weight."""
     model = quant_stack("mxfp8")
+    for block in model.blocks:  # ComfyUI registers a layer's input scale as `input_scale`; old files say scale_input
+        block.fc1.input_scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
     x = _x()
     ref = model(x)
     sd = comfy_state_dict(model)
@@ -153,6 +155,8 @@ def test_an_older_scaled_fp8_file_is_matched_by_bytes_whatever_its_scale_names(t
     for k, v in sd.items():
         if k.endswith(".weight_scale"):
             renamed[k[:-len("weight_scale")] + "scale_weight"] = v.view(torch.uint8)
+        elif k.endswith(".input_scale"):
+            renamed[k[:-len("input_scale")] + "scale_input"] = v
         elif not k.endswith(".comfy_quant"):
             renamed[k] = v
     save_file(renamed, str(tmp_path / "old.safetensors"))

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from ..store.header_check import (DTYPES, MAX_BYTES, SAFETENSORS_DTYPES, CorruptFileError, check_no_overlap,
-                                  open_regular, parse_json)
+from ..store.gguf_file import GGML_TYPES, GGUF_MAGIC, read_gguf_header  # noqa: F401  (re-exported)
+from ..store.header_check import DTYPES, SAFETENSORS_DTYPES, CorruptFileError, open_regular, parse_json
 
 # safetensors dtype -> bytes per element (a packed kind's: a fraction), and the torch dtype's name (as
 # SafetensorsFile gives it) -> safetensors dtype name: the engine's one table (store/header_check.py)
@@ -29,25 +28,6 @@ ST_NAMES = {str(dtype).replace("torch.", ""): name for name, dtype in DTYPES.ite
 # a layer's `comfy_quant` names its format): the weight's logical last dimension is twice the stored one
 PACKED_FORMATS = {"nvfp4": 2, "convrot_w4a4": 2, "asym_w4a8_int8": 2}
 _MAX_QUANT_CONF = 4096  # a comfy_quant tensor is a few dozen bytes of JSON
-# ggml type id -> (name, elements per block, bytes per block): ggml/include/ggml.h's enum ggml_type and ggml.c's
-# type_traits table (blck_size, type_size)
-GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84),
-              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-              15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-              19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
-              23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
-              28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
-              35: ("TQ2_0", 256, 66)}
-GGUF_MAGIC = b"GGUF"
-_MAX_TENSORS = 1 << 20  # more tensors than any model has: a corrupt count, refused before looping on it
-_MAX_KV = 1 << 20
-_MAX_STRING = 64 << 20  # one metadata string (a tokenizer's merges list is one array of many short strings)
-_MAX_DIMS = 8
-_MAX_ARRAY = 1 << 24  # items of one metadata array (a tokenizer's vocabulary is ~260k)
-_MAX_NESTING = 8  # arrays of arrays in the metadata (the spec allows them; real files nest at most 2)
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor as the file stores it: its logical shape (torch order), stored dtype and stored bytes."""
@@ -123,89 +103,21 @@ def quant_formats(f: Any) -> dict[str, str]:
     return out
 
 
-def _need(fh: BinaryIO, n: int, path: Path) -> bytes:
-    raw = fh.read(n)
-    if len(raw) != n:
-        raise ModelFileError(f"{path}: truncated GGUF header")
-    return raw
-
-
-def _string(fh: BinaryIO, path: Path) -> str:
-    (n,) = struct.unpack("<Q", _need(fh, 8, path))
-    if n > _MAX_STRING:
-        raise ModelFileError(f"{path}: GGUF string of {n} bytes: corrupt header")
-    return _need(fh, n, path).decode("utf-8", "replace")
-
-
-# GGUF metadata value types: uint8, int8, uint16, int16, uint32, int32, float32, bool, string, array, uint64, int64,
-# float64 (gguf spec: gguf_metadata_value_type)
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _skip_value(fh: BinaryIO, vtype: int, path: Path, depth: int = 0) -> None:
-    if vtype in _SCALAR:
-        _need(fh, _SCALAR[vtype], path)
-    elif vtype == 8:
-        _string(fh, path)
-    elif vtype == 9:
-        etype, count = struct.unpack("<IQ", _need(fh, 12, path))
-        if count > _MAX_ARRAY:
-            raise ModelFileError(f"{path}: GGUF array of {count} items: corrupt header")
-        if depth >= _MAX_NESTING:
-            raise ModelFileError(f"{path}: GGUF arrays nested deeper than {_MAX_NESTING}: corrupt header")
-        if etype in _SCALAR:
-            fh.seek(_SCALAR[etype] * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _skip_value(fh, etype, path, depth + 1)
-    else:
-        raise ModelFileError(f"{path}: unknown GGUF metadata type {vtype}")
-
-
 def read_gguf_infos(path: Path) -> dict[str, TensorInfo]:
     """The tensor table of a GGUF file (v2/v3): names, shapes (reversed from ggml's order to torch's), ggml types and
-    stored bytes; the metadata key/values are skipped over."""
+    stored bytes, read and checked by `store.gguf_file` (the disk tier's reader)."""
     fd = open_regular(path, "GGUF file")  # a FIFO, device or folder is refused before it is opened
     try:
-        with os.fdopen(fd, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if _need(fh, 4, path) != GGUF_MAGIC:
-                raise ModelFileError(f"{path}: not a GGUF file (no GGUF magic)")
-            (version,) = struct.unpack("<I", _need(fh, 4, path))
-            if version not in (2, 3):
-                raise ModelFileError(f"{path}: GGUF version {version}; versions 2 and 3 are read")
-            n_tensors, n_kv = struct.unpack("<QQ", _need(fh, 16, path))
-            if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
-                raise ModelFileError(f"{path}: GGUF header claims {n_tensors} tensors, {n_kv} keys: corrupt")
-            for _ in range(n_kv):
-                _string(fh, path)
-                (vtype,) = struct.unpack("<I", _need(fh, 4, path))
-                _skip_value(fh, vtype, path)
-            out: dict[str, TensorInfo] = {}
-            spans: list[tuple[int, int, str]] = []
-            for _ in range(n_tensors):
-                name = _string(fh, path)
-                (n_dims,) = struct.unpack("<I", _need(fh, 4, path))
-                if n_dims > _MAX_DIMS:
-                    raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dims: corrupt header")
-                dims = struct.unpack(f"<{n_dims}Q", _need(fh, 8 * n_dims, path))
-                gtype, offset = struct.unpack("<IQ", _need(fh, 12, path))
-                if gtype not in GGML_TYPES:
-                    raise ModelFileError(f"{path}: tensor {name!r} has ggml type {gtype}, unknown here")
-                tname, block, block_bytes = GGML_TYPES[gtype]
-                numel = math.prod(dims)
-                nbytes = -(-numel // block) * block_bytes
-                if name in out:
-                    raise ModelFileError(f"{path}: tensor {name[:200]!r} is listed twice")
-                if numel > MAX_BYTES or offset + nbytes > size:  # the data section lies inside the file
-                    raise ModelFileError(f"{path}: tensor {name[:200]!r} ({list(dims)} {tname}, {nbytes} bytes at "
-                                         f"data offset {offset}) does not fit the {size}-byte file: corrupt header")
-                out[name] = TensorInfo(tuple(int(d) for d in reversed(dims)), tname, nbytes)
-                spans.append((offset, offset + nbytes, f"tensor {name[:200]!r}"))
-            check_no_overlap(path, spans)  # offsets are relative to the one data section
-            return out
+        tensors = read_gguf_header(fd, path, os.fstat(fd).st_size)
+    except ModelFileError:
+        raise
+    except CorruptFileError as exc:
+        raise ModelFileError(str(exc)) from None
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read: {exc}") from None
+    finally:
+        os.close(fd)
+    return {t.name: TensorInfo(t.shape, t.type, t.nbytes) for t in tensors}
 
 
 def file_dtype(infos: dict[str, TensorInfo]) -> str:

@@ -14,6 +14,7 @@ gives, per preset, the plan, the memory it takes and the predicted step time on 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
@@ -86,14 +87,14 @@ def _block_bytes(keys: dict[str, Any], lists: tuple[str, ...]) -> tuple[list[int
     blocks: dict[tuple[int, int], int] = {}
     rest = 0
     for name, info in keys.items():
-        nbytes = info["nbytes"]  # as stored: a quantized weight's payload and its scales
+        nbytes = align(info["nbytes"])  # as stored: a quantized weight's payload and its scales
         for li, lst in enumerate(lists):
             m = re.match(re.escape(lst) + r"\.(\d+)\.", name)
             if m:
-                blocks[(li, int(m.group(1)))] = blocks.get((li, int(m.group(1))), 0) + align(nbytes)
+                blocks[(li, int(m.group(1)))] = blocks.get((li, int(m.group(1))), 0) + nbytes
                 break
         else:
-            rest += align(nbytes)
+            rest += nbytes
     return [blocks[k] for k in sorted(blocks)], rest
 
 
@@ -330,15 +331,10 @@ def check_frames(family: str, frames: int) -> None:
         raise ValueError(f"--frames {frames}: {rule}")
 
 
-def _library(spec: ModelSpec) -> str:
-    return "transformers" if spec.family == "transformers" else "diffusers"
-
-
-def _library_installed(spec: ModelSpec) -> bool:
-    """Whether the library that builds `spec` on the meta device is installed (diffusers / transformers)."""
-    import importlib.util
-
-    return importlib.util.find_spec(_library(spec)) is not None
+def _missing_library(spec: ModelSpec) -> str | None:
+    """The library that builds `spec` on the meta device (diffusers / transformers) when it is not installed."""
+    lib = "transformers" if spec.family == "transformers" else "diffusers"
+    return lib if importlib.util.find_spec(lib) is None else None
 
 
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
@@ -372,9 +368,9 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         if Path(args.model).suffix.lower() not in (".safetensors", ".gguf") or not Path(args.model).exists():
             raise
         spec = None  # a family the meta-device path cannot build: its header's costs instead
-    if spec is not None and not _library_installed(spec) and Path(args.model).suffix.lower() == ".safetensors":
-        log.info("%s is not installed here (ComfyUI's own python has no diffusers): %s is priced from its header",
-                 _library(spec), args.model)
+    if spec is not None and Path(args.model).suffix.lower() == ".safetensors" and _missing_library(spec):
+        log.info("%s is not installed (ComfyUI's python): %s is priced from its header", _missing_library(spec),
+                 args.model)
         spec = None
     if spec is None:
         from .file_plan import predict_file

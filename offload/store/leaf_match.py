@@ -179,9 +179,16 @@ def _entry_leaves(recipe: Any, path: str = "") -> list[tuple[int, str]]:
     return out
 
 
+def _siblings(index: FileIndex, prefix: str, name: str) -> list[str]:
+    """The keys stored beside `name` under `prefix` (its module's tensors)."""
+    module_path = name.rpartition(".")[0]
+    return index.children.get(prefix + module_path if module_path else prefix.rstrip("."), [])
+
+
 def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]]) -> str | None:
-    """The key prefix under which the file stores the unit: every plain tensor's name there, and for every tensor
-    subclass some tensor beside its name (its module's)."""
+    """The key prefix under which the file stores the unit: some tensor of the unit under its own name there, and
+    every tensor under its name or among the tensors stored beside it (a quantized weight's scales, a tensor the
+    loader renamed: ComfyUI's `scale_input` is its `input_scale`)."""
     if not names:
         return ""
     tried: list[str] = []
@@ -190,9 +197,8 @@ def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]]) -> str | None:
             if prefix in tried:
                 continue
             tried.append(prefix)
-            if all((prefix + n in index.file.tensors) if plain else
-                   bool(index.children.get(prefix + n.rpartition(".")[0] if "." in n else prefix.rstrip(".")))
-                   for n, plain in names):
+            held = [prefix + n in index.file.tensors for n, _ in names]
+            if any(held) and all(h or _siblings(index, prefix, n) for h, (n, _) in zip(held, names)):
                 return prefix
     return None
 
@@ -217,12 +223,10 @@ def unit_candidates(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module
             what = f"{name}{'.' + inner if inner else ''}"
             if not leaf.row_major:
                 return None, f"{what} is not row-major (the disk tier views the file's bytes as they lie)"
-            if plain:
+            if plain and prefix + name in file.tensors:
                 found = _plain_candidates(file, prefix + name, leaf)
-            else:
-                module_path, _, attr = name.rpartition(".")
-                found = _inner_candidates(file, index.children.get(prefix + module_path if module_path else
-                                                                   prefix.rstrip("."), []), leaf, attr)
+            else:  # an inner tensor, or a tensor stored under another name: among its module's, by bytes
+                found = _inner_candidates(file, _siblings(index, prefix, name), leaf, name.rpartition(".")[2])
             found = [(k, c) for k, c in found if c is not None or file.aligned(k)]  # a view needs aligned bytes
             if not found:
                 ft = file.tensors.get(prefix + name) if plain else None

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from conftest import comfy_available, load_comfy_and_pack, node_classes, skip_reason
+from conftest import comfy_available, load_comfy_and_pack, load_tests_module, node_classes, skip_reason
 
 if not comfy_available():
     pytest.skip(skip_reason(), allow_module_level=True)
@@ -209,3 +209,36 @@ def test_an_mxfp8_file_loads_and_plans(env, capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["family"] == "wan" and out["presets"]["budget"]["blocks"]
+
+
+@pytest.mark.parametrize("which", ["builtin", "ComfyUI-GGUF"])
+def test_a_gguf_model_streams_from_its_gguf_file(env, which, monkeypatch):
+    """A GGUF loader's model (city96's ComfyUI-GGUF, or a fork's built-in comfy.gguf) offloaded with its .gguf file
+    as the disk tier (what the pack passes once it knows the file): under a RAM ceiling its blocks stream their
+    quantized bytes from the GGUF file, bitwise the loader's result."""
+    families = load_tests_module("comfyui/test_families.py")
+    from families.wan import WAN21
+
+    fenv = families.Env(env["pack"], env["dir"])
+    load, tensor_cls = families.gguf_loader(fenv, which)
+    name = families._gguf_file(fenv, "Q8_0")
+    path = os.path.join(env["dir"], name)
+
+    def fresh():
+        with torch.inference_mode():
+            return load(name)
+
+    ref = families.sample(fenv, WAN21, [fresh()])
+    probe = env["apply"].offload_patcher(fresh(), "budget", disk_path=path, host_compression="off")
+    staged = handle(probe).streamer.staged
+    ram = staged.rest_bytes + sum(u.nbytes for u in staged.units) // 2 + (256 << 10)
+    real = env["apply"].make_config
+    monkeypatch.setattr(env["apply"], "make_config", lambda *a, **k: real(*a, ram_budget_bytes=ram, **k))
+    with torch.inference_mode():
+        off = env["apply"].offload_patcher(fresh(), "budget", disk_path=path, host_compression="off")
+    monkeypatch.undo()
+    h = handle(off)
+    assert torch.equal(ref, families.sample(fenv, WAN21, [off]))
+    assert "disk" in [b.tier for b in h.report().blocks], [b.placement for b in h.report().blocks]
+    assert h.host_memory()["ram"] <= ram
+    assert isinstance(off.model.diffusion_model.blocks[-1].self_attn.q.weight, tensor_cls)
