@@ -33,6 +33,7 @@ from .storage import CorruptFileError
 
 log = logging.getLogger("offload.store.staging")  # the messages keep the logger they always had
 
+_KEEP_READ = 1 << 16  # file tensors up to this size stay read while one unit is checked (a payload is read, let go)
 Candidate = tuple[str, "torch.dtype | None"]  # (file key, the file's dtype when the leaf is a cast of it, else None)
 
 
@@ -256,9 +257,11 @@ def holding_map(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, st
                 have = src.detach().contiguous().reshape(-1).view(torch.uint8)
                 pick: Candidate | None = None
                 for key, cast in found:
-                    if key not in read:
-                        read[key] = file.read_tensor(key)
-                    t = read[key]
+                    t = read.get(key)
+                    if t is None:
+                        t = file.read_tensor(key)
+                        if t.numel() * t.element_size() <= _KEEP_READ:  # scales others may try: kept for the unit
+                            read[key] = t
                     value = t.to(leaf.dtype) if cast is not None else as_leaf(t, leaf)
                     if torch.equal(value.reshape(-1).view(torch.uint8), have):
                         pick = (key, cast)
