@@ -170,14 +170,28 @@ def test_every_format_through_the_offload_loader_is_bitwise_under_a_ram_ceiling(
 
 
 @pytest.mark.parametrize("preset", ["mid_range", "high_end"])
-def test_mixed_plans_of_a_quantized_model_with_a_lora(env, preset):
-    """Resident, streamed and (disk_optional, RAM allowing) RAM blocks of one quantized model, LoRA on and off."""
-    variant = "float8_e4m3fn" if "float8_e4m3fn" in _algos() else pytest.skip("this ComfyUI has no quantized formats")
+@pytest.mark.parametrize("ceiling", [False, True], ids=["ram", "ram-ceiling"])
+def test_mixed_plans_of_a_quantized_model_with_a_lora(env, preset, ceiling, monkeypatch):
+    """Resident, streamed and (under a RAM ceiling) disk-tier blocks of one quantized model, LoRA on and off."""
+    variant = "nvfp4" if "nvfp4" in _algos() else pytest.skip("this ComfyUI has no nvfp4")
     name = quantized_file(env, variant)
     ref, ref_lora = sample(env, plain(env, name)), sample(env, with_lora(env, plain(env, name)))
-    off = offloaded(env, name, preset)
+    device_budget = None
+    if ceiling:  # a VRAM budget keeping some blocks resident and the rest streamed, half of those from disk
+        staged = handle(offloaded(env, name)).streamer.staged
+        device_budget = staged.rest_bytes + 4 * max(u.nbytes for u in staged.units)
+    real = env["apply"].make_config
+    extra = {"ram_budget_bytes": half_ceiling(env, name)} if ceiling else {}
+    if device_budget:
+        extra["vram_budget_bytes"] = device_budget
+    monkeypatch.setattr(env["apply"], "make_config", lambda *a, **k: real(*a, **extra, **k))
+    with torch.inference_mode():
+        off = env["M"]["OffloadDiffusionModelLoader"]().load(name, "default", preset, host_compression="off")[0]
+    monkeypatch.undo()
     assert torch.equal(sample(env, with_lora(env, off)), ref_lora)
     assert torch.equal(sample(env, off), ref)
+    tiers = {b.tier for b in handle(off).report().blocks}
+    assert "vram" in tiers and (not ceiling or "disk" in tiers), tiers
 
 
 @pytest.mark.parametrize("dtype", ["default", "fp8_e4m3fn"])
