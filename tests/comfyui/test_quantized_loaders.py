@@ -213,6 +213,23 @@ def test_weights_comfyui_casts_keep_the_disk_tier(env, dtype, monkeypatch):
     assert torch.equal(sample(env, with_lora(env, off)), sample(env, with_lora(env, plain(env, BF16, dtype))))
 
 
+def test_quantized_blocks_held_compressed_through_the_offload_loader(env):
+    """host_compression lossless on an e5m2 fp8_scaled file: the blocks' payloads are held in the codec's form (the
+    codec pays on e5m2's wider exponent) and decoded bitwise, LoRA on and off."""
+    if "float8_e5m2" not in _algos():
+        pytest.skip("this ComfyUI lacks float8_e5m2")
+    name = quantized_file(env, "float8_e5m2")
+    ref, ref_lora = sample(env, plain(env, name)), sample(env, with_lora(env, plain(env, name)))
+    off = offloaded(env, name, compression="lossless")
+    assert handle(off).wait_encoded(60)  # blocks a large file leaves to the background encoder: held compressed now
+    blocks = handle(off).report().blocks
+    assert any(b.compression != "none" and b.host_bytes < b.raw_bytes for b in blocks), \
+        [(b.name, b.compression, b.host_bytes, b.raw_bytes) for b in blocks]
+    assert torch.equal(sample(env, off), ref)
+    assert torch.equal(sample(env, with_lora(env, off)), ref_lora)
+    assert torch.equal(sample(env, off), ref), "after the LoRA"
+
+
 def test_an_mxfp8_file_loads_and_plans(env, capsys):
     if "mxfp8" not in _algos():
         pytest.skip("this ComfyUI lacks mxfp8")
