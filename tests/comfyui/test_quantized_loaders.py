@@ -169,10 +169,13 @@ def test_every_format_through_the_offload_loader_is_bitwise_under_a_ram_ceiling(
     assert h.host_memory()["ram"] <= ram
 
 
-@pytest.mark.parametrize("preset", ["mid_range", "high_end"])
-@pytest.mark.parametrize("ceiling", [False, True], ids=["ram", "ram-ceiling"])
+@pytest.mark.parametrize("preset,ceiling", [("mid_range", False), ("high_end", False), ("auto", True),
+                                            ("consumer", True)],
+                         ids=["mid_range-ram", "high_end-ram", "auto-ram-ceiling", "consumer-ram-ceiling"])
 def test_mixed_plans_of_a_quantized_model_with_a_lora(env, preset, ceiling, monkeypatch):
-    """Resident, streamed and (under a RAM ceiling) disk-tier blocks of one quantized model, LoRA on and off."""
+    """Resident, streamed and (under a RAM ceiling) disk-tier blocks of one quantized model, LoRA on and off. The
+    RAM ceiling goes with the presets that allow the disk tier (mid_range and high_end refuse a ceiling the blocks
+    break, by design: RamCeilingError names what to change)."""
     variant = "nvfp4" if "nvfp4" in _algos() else pytest.skip("this ComfyUI has no nvfp4")
     name = quantized_file(env, variant)
     ref, ref_lora = sample(env, plain(env, name)), sample(env, with_lora(env, plain(env, name)))
