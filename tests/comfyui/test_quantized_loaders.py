@@ -265,9 +265,11 @@ def test_a_gguf_model_streams_from_its_gguf_file(env, which, monkeypatch):
             return load(name)
 
     ref = families.sample(fenv, WAN21, [fresh()])
-    probe = env["apply"].offload_patcher(fresh(), "budget", disk_path=path, host_compression="off")
+    with torch.inference_mode():  # as ComfyUI runs every node
+        probe = env["apply"].offload_patcher(fresh(), "budget", disk_path=path, host_compression="off")
     staged = handle(probe).streamer.staged
     ram = staged.rest_bytes + sum(u.nbytes for u in staged.units) // 2 + (256 << 10)
+    del staged, probe
     real = env["apply"].make_config
     monkeypatch.setattr(env["apply"], "make_config", lambda *a, **k: real(*a, ram_budget_bytes=ram, **k))
     with torch.inference_mode():
