@@ -277,6 +277,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk", action="store_true", help="the model file may serve blocks RAM cannot hold "
                                                             "(the disk tier; presets that allow it)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    from .workflow_cli import add_workflow_arguments
+
+    add_workflow_arguments(parser)
 
 
 def card_from_args(args: argparse.Namespace) -> Any:
@@ -331,12 +334,6 @@ def check_frames(family: str, frames: int) -> None:
         raise ValueError(f"--frames {frames}: {rule}")
 
 
-def _missing_library(spec: ModelSpec) -> str | None:
-    """The library that builds `spec` on the meta device (diffusers / transformers) when it is not installed."""
-    lib = "transformers" if spec.family == "transformers" else "diffusers"
-    return lib if importlib.util.find_spec(lib) is None else None
-
-
 def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     """Build the model on the meta device (or price a model file from its header), predict every preset on the card,
     print the table (or JSON)."""
@@ -350,6 +347,8 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         from . import workflow_cli
 
         return workflow_cli.run(args, card, ram, out)
+    if getattr(args, "fetch_headers", False):
+        raise ValueError("--fetch-headers reads the headers of a workflow's missing models; give a workflow .json")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
@@ -368,10 +367,10 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         if Path(args.model).suffix.lower() not in (".safetensors", ".gguf") or not Path(args.model).exists():
             raise
         spec = None  # a family the meta-device path cannot build: its header's costs instead
-    if spec is not None and Path(args.model).suffix.lower() == ".safetensors" and _missing_library(spec):
-        log.info("%s is not installed (ComfyUI's python): %s is priced from its header", _missing_library(spec),
-                 args.model)
-        spec = None
+    lib = spec is not None and ("transformers" if spec.family == "transformers" else "diffusers")
+    if lib and Path(args.model).suffix.lower() == ".safetensors" and importlib.util.find_spec(lib) is None:
+        log.info("%s is not installed (ComfyUI's python): %s is priced from its header", lib, args.model)
+        spec = None  # the library that builds it on the meta device is missing
     if spec is None:
         from .file_plan import predict_file
 
