@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from ..model.layout import TensorLayout
-from . import codec
+from . import codec, shared_local
 from .shared_forms import chunk_room, header_json, parse_header
 from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, available, fcntl, file_identity,  # noqa: F401
                           map_segment, private_pages, punch_hole, release, round_up, segment_key, sweep_stale)
@@ -109,6 +109,7 @@ class SharedHostCopy:
         self.file_leaves: dict[int, list[int]] = {}  # filled units -> leaves read from the file (the header's)
         self.encoded: dict[int, tuple[int, tuple[codec.Chunk, ...]]] = {}  # units filled encoded: (size, chunks)
         self.placed: list[int] = []
+        self.let_go: set[int] = set()  # placed units this model no longer holds in RAM (disk tier, a private copy)
         self.refused = 0
         self._fill: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_WRITE) if filler else None
         self._private: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_COPY)
@@ -117,6 +118,7 @@ class SharedHostCopy:
         self._pinned: dict[int, torch.Tensor] = {}  # unit -> its registered view in the shared mapping
         # a model dropped without detach() lets go too (device registrations first, while the mappings exist)
         self._closer = weakref.finalize(self, release, fd, str(path), os.fstat(fd).st_ino, self._unregisters)
+        shared_local.add(self)  # another model of this process maps it through our lock (shared_local.py)
 
     # opening ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -182,12 +184,14 @@ class SharedHostCopy:
     @classmethod
     def _join(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int],
               total: int) -> "SharedHostCopy | None":
+        fd = shared_local.lock_descriptor(path)  # another model of this process maps it: share its lock
         try:
-            fd = os.open(path, os.O_RDONLY)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the filler still fills it
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the filler still fills it (held already through a duplicate)
             try:
                 same = os.stat(path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -393,8 +397,18 @@ class SharedHostCopy:
             warnings.simplefilter("ignore", UserWarning)  # the read-only mapping: torch warns it is not writable
             return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=off)
 
+    def open_here(self) -> bool:
+        return self._closer.alive
+
+    def filler_busy(self) -> bool:
+        return self._fill is not None
+
+    def holds(self, i: int) -> bool:
+        """Whether this model holds unit i in the copy (placed, not let go, the copy still mapped)."""
+        return i in self.placed and i not in self.let_go and self._closer.alive
+
     def alone(self) -> bool:
-        """Whether no other process (nor another model of this one) maps the copy now."""
+        """Whether no other process maps the copy now (other models of this one share this process's lock)."""
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
@@ -405,7 +419,12 @@ class SharedHostCopy:
 
     def give_back(self, i: int) -> bool:
         """Free unit i's pages in the segment, when no other process maps it (the unit left this process's RAM for
-        the disk tier under RAM pressure); False where another process still maps the copy (nothing is freed)."""
+        the disk tier under RAM pressure); False where another process still maps the copy, or another model of this
+        one still holds the unit (nothing is freed: the pages go when the last of them lets the unit go)."""
+        self.let_go.add(i)
+        if shared_local.holds_elsewhere(self, i):
+            self.drop_private_pages(i)
+            return False
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only when no other process holds it
         except OSError:
