@@ -8,6 +8,7 @@ from comfy_api.latest import ComfyExtension, io
 from .apply import OffloadAny, OffloadCLIP, OffloadModel
 from .budget import OffloadVramBudget
 from .loaders import OffloadCheckpointLoader, OffloadDiffusionModelLoader
+from .model_files import install as record_model_files
 from .report import OffloadReport
 from .routes import register_routes
 from .tts import OffloadTTSGenerate, OffloadTTSLoader, register_tts_folder
@@ -36,3 +37,4 @@ def comfy_entrypoint() -> LayerOffloadExtension:
 
 register_tts_folder()
 register_routes()
+record_model_files()  # the files ComfyUI's loaders read, so Offload Model / CLIP / Any get the disk tier
