@@ -1,5 +1,5 @@
-"""The ComfyUI face of Layer Offload: the V3 node classes and their extension, the tts folder, the panel's routes, and the
-record of the files ComfyUI's loaders read (so Offload Model / CLIP / Any know a model's file)."""
+"""The ComfyUI face of Layer Offload: the V3 node classes and their extension, the tts folder, the panel's routes,
+and the record of the files ComfyUI's loaders read (so Offload Model / CLIP / Any know a model's file)."""
 from __future__ import annotations
 
 from typing import List

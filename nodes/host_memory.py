@@ -125,7 +125,7 @@ def _with_engine(free_pins: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _engine_first(poll: Callable[..., Any]) -> Callable[..., Any]:
-    """ComfyUI 0.12's RAMPressureCache.poll, after the engine's models gave back what RAM falls short of the headroom."""
+    """ComfyUI 0.12's RAMPressureCache.poll, after the engine's models gave back what RAM lacks of the headroom."""
 
     def poll_after_engine_ram(self: Any, ram_headroom: Any, *args: Any, **kwargs: Any) -> Any:
         try:
