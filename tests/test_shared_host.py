@@ -41,11 +41,13 @@ QUIET_HEAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 class Worker:
     """A worker process and its line protocol (see tests/shared_host_worker.py)."""
 
-    def __init__(self, path: Path, share: str = "auto", load: str = "meta", extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, path: Path, share: str = "auto", load: str = "meta", extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared_host_worker", str(path), share, load,
                                       *extra],
                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **QUIET_HEAP})
+                                     text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **QUIET_HEAP,
+                                                     **(env or {})})
         self.expect("ready")
 
     def expect(self, word: str) -> str:
@@ -480,8 +482,9 @@ def test_a_segment_with_another_header_is_never_used(tmp_path):
     path.write_bytes(b"x" * 100)
     blocks, layouts = _layouts()
     key = shared_host.segment_key(shared_host.file_identity(path), layouts, ["0", "1"])
-    name = tmp_path / (shared_host.PREFIX + key[:40])
+    name = tmp_path / shared_host.segment_name(key)
     name.write_bytes(b"\0" * 8192)  # no header: a filler died before writing it
+    name.chmod(0o600)
     holder = os.open(name, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_SH)  # someone still holds it
     try:
@@ -498,9 +501,11 @@ def test_a_segment_with_another_header_is_never_used(tmp_path):
 def test_a_segment_left_by_a_killed_process_is_swept(tmp_path):
     """A process killed while holding a segment cannot unlink it: the next one to create a segment removes every
     segment nobody holds (older than a minute); one in use stays."""
-    left, used = tmp_path / (shared_host.PREFIX + "a"), tmp_path / (shared_host.PREFIX + "b")
+    left, used = tmp_path / shared_host.segment_name("a" * 40), tmp_path / shared_host.segment_name("b" * 40)
     left.write_bytes(b"1")
     used.write_bytes(b"2")
+    left.chmod(0o600)
+    used.chmod(0o600)
     old = time.time() - 2 * shared_host.STALE_AFTER_S
     os.utime(left, (old, old))
     os.utime(used, (old, old))

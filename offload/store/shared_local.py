@@ -36,12 +36,12 @@ def lock_descriptor(path: Path) -> int | None:
     """A duplicate of the descriptor (and so of the shared lock) of a complete copy of the segment now at `path` that
     this process maps, or None (the caller opens and locks the segment itself)."""
     try:
-        ino = os.stat(path).st_ino
+        here = os.lstat(path)
     except OSError:
         return None
     with _lock:
         for c in _live(str(path)):
-            if not c.filler_busy() and os.fstat(c.fd).st_ino == ino:
+            if not c.filler_busy() and (c.stat.st_dev, c.stat.st_ino) == (here.st_dev, here.st_ino):
                 return os.dup(c.fd)
     return None
 
