@@ -2,13 +2,15 @@
 
 A model from ComfyUI's own loaders (Load Diffusion Model, Load Checkpoint, Load CLIP, DualCLIPLoader, ...) or another
 pack's carries no path; without one the engine has no disk tier for it and cannot give RAM back. The pack learns it
-two ways, tried in order:
+three ways, tried in order:
 
 - **Recorded at load** (feature-detected wrappers, installed once): `comfy.utils.load_torch_file` notes which file
   each tensor it hands out came from, and comfy.sd's state-dict loaders, through which ComfyUI's loaders and most
   packs' build their models (`load_diffusion_model_state_dict`, `load_state_dict_guess_config`,
   `load_text_encoder_state_dicts`), put the files of the tensors they were given on the module they return (the
   patcher's model; a CLIP's `cond_stage_model`).
+- **Mapped**: weights that still view the file they were read from (GGUF loaders keep their tensors memory-mapped
+  from the .gguf file) name it in the process's memory map (`/proc/self/maps`, Linux).
 - **Matched** where nothing was recorded (a pack that reads files its own way, a model loaded before the pack): the
   safetensors files `load_torch_file` read lately, then those in ComfyUI's model folders for the kind of model, by
   header (the model's block tensors found by name and shape, names compared without leading parts the file lacks)
@@ -20,6 +22,7 @@ file holding most of its bytes; where no file is found the report says why (`Fil
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import logging
@@ -38,6 +41,7 @@ log = logging.getLogger("layer_offload")
 FILES_ATTR = "_layer_offload_files"  # on a model module: the files its loader read, most bytes first
 WRAPPED_ATTR = "_layer_offload_records"
 SAFETENSORS = (".safetensors", ".sft")
+STREAMABLE = SAFETENSORS + (".gguf",)  # the files the engine's disk tier reads (and packed folders)
 FOLDERS = {"model": ("diffusion_models", "unet", "checkpoints"),
            "clip": ("text_encoders", "clip", "checkpoints")}
 FOLDERS_ANY = ("diffusion_models", "unet", "checkpoints", "text_encoders", "clip", "tts")
@@ -56,7 +60,7 @@ class FileFound:
 
     path: Optional[str]
     reason: str = ""  # why there is no file, or which blocks the file leaves out; "" when it holds them all
-    how: str = ""  # "recorded" or "matched"
+    how: str = ""  # "recorded", "mapped" or "matched"
 
 
 # recording -------------------------------------------------------------------------------------------------------
@@ -329,22 +333,49 @@ def _recorded(model: Any, root: torch.nn.Module) -> Tuple[str, ...]:
 
 
 def _not_streamable(path: str) -> str:
-    ext = os.path.splitext(path)[1] or "(no extension)"
-    what = "a GGUF file" if ext.lower() == ".gguf" else "a {} file".format(ext)
-    return ("its file {} is {}: the disk tier streams from .safetensors files (and packed folders), so its blocks "
-            "stay in RAM and no RAM is given back".format(path, what))
+    kind = os.path.splitext(path)[1] or "(no extension)"
+    return ("its file {} is a {} file: the disk tier streams from .safetensors and .gguf files (and packed folders), "
+            "so its blocks stay in RAM and no RAM is given back".format(path, kind))
+
+
+def mapped_files(tensors: Iterable[torch.Tensor]) -> List[str]:
+    """The files these tensors' bytes are memory-mapped from, most bytes first (`/proc/self/maps`; [] elsewhere)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    spans = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/") and not parts[5].rstrip().endswith("(deleted)"):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            spans.append((lo, hi, parts[5].rstrip("\n")))
+    spans.sort()
+    starts = [lo for lo, _, _ in spans]
+    nbytes: Dict[str, int] = collections.Counter()
+    for t in tensors:
+        try:
+            ptr = t.data_ptr()
+        except Exception:  # noqa: BLE001 - a tensor without storage (a wrapper subclass)
+            continue
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and ptr < spans[i][1]:
+            nbytes[spans[i][2]] += t.nelement() * t.element_size()
+    return [p for p, _ in sorted(nbytes.items(), key=lambda kv: -kv[1])]
 
 
 def find_file(model: Any, root: torch.nn.Module, kind: str) -> FileFound:
     """The safetensors file holding `root`'s blocks (`model`: the module a loader built, which carries the recorded
     files), recorded at load or matched among recently read files and ComfyUI's model folders; or why none."""
     tensors = _block_tensors(root)
-    recorded = _recorded(model, root)
+    recorded = [p for p in _recorded(model, root) if os.path.isfile(p)]
     if recorded:
-        streamable = [p for p in recorded if p.lower().endswith(SAFETENSORS)]
+        streamable = [p for p in recorded if p.lower().endswith(STREAMABLE)]
         if not streamable:
             return FileFound(None, _not_streamable(recorded[0]))
-        scored = sorted(((_nbytes(_matches(p, tensors)), p) for p in streamable), reverse=True)
+        scored = sorted(((_nbytes(_matches(p, tensors)) if p.lower().endswith(SAFETENSORS) else 1, p)
+                         for p in streamable), reverse=True)  # a GGUF file is taken as recorded (the engine checks)
         best, path = scored[0]
         if best > 0 or not tensors:
             others = [p for p in recorded if p != path]
@@ -353,9 +384,12 @@ def find_file(model: Any, root: torch.nn.Module, kind: str) -> FileFound:
             return FileFound(path, note, "recorded")
         return FileFound(None, "its file {} holds its blocks under other names than the model (ComfyUI converted "
                                "them when it loaded the file), so its blocks stay in RAM".format(path))
+    mapped = [p for p in mapped_files(t for _, t in root.named_parameters()) if p.lower().endswith(STREAMABLE)]
+    if mapped:
+        return FileFound(mapped[0], "", "mapped")
     if any(hasattr(t, "tensor_type") and hasattr(t, "tensor_shape") for t in root.parameters()):
-        return FileFound(None, "GGUF weights (read from a .gguf file): the disk tier streams from .safetensors files "
-                               "(and packed folders), so its blocks stay in RAM and no RAM is given back")
+        return FileFound(None, "GGUF weights no longer mapped from their .gguf file (copied by their loader): the file "
+                               "cannot be told, so its blocks stay in RAM and no RAM is given back")
     if not tensors:
         return FileFound(None, "no block tensor to look for in a file (quantized or empty blocks)")
     folders = FOLDERS.get(kind, FOLDERS_ANY)

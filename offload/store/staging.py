@@ -24,8 +24,9 @@ from ..model.meta_buffers import materialize_non_persistent_buffers, materialize
 from ..model.trainable import trainable_in_blocks
 from .compressed import CompressedSource, bind_master, disk_source, stage_unit_compressed
 from .shared_host import SharedHostCopy, SharedSource, SharedUnit
-from .file_keys import (file_keys, file_keys_holding, in_stored_order, key_namer, meta_file_keys,
-                        non_persistent_buffer, persistent_buffers_from_file, stored_unit_of)
+from .file_keys import (file_keys, in_stored_order, key_namer, meta_file_keys, non_persistent_buffer,
+                        persistent_buffers_from_file, stored_unit_of)
+from .leaf_match import as_leaf, file_index, holding_map, leaf_from_file, unit_candidates
 from .sources import BouncedSource, BounceReader, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
 from .storage import SafetensorsFile
@@ -59,6 +60,7 @@ class StagingBuffer:
     encoded: Any = None  # held compressed (codec.Encoded): `host` is then a map of the spill file (compressed.py)
     spilled: bool = False  # `host` maps the spill file (no RAM of its own until read)
     segment: SharedHostCopy | None = None  # the encoded blob lies in this host copy shared between processes
+    casts: tuple | None = None  # disk tier: per leaf, the file dtype it is cast from on read (None: as stored)
 
     @classmethod
     def compressed(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
@@ -121,25 +123,34 @@ class StagingBuffer:
         return cls(layout, host, False, binding, shared=copy.unit(index, host, layout))
 
     @classmethod
-    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str],
-                apply: bool = True) -> "StagingBuffer":
-        """A disk-tier master: the module views the file's private map between forwards; no RAM copy.
+    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str], casts: tuple | None = None,
+                spill: SpillFile | None = None, apply: bool = True,
+                values: list[torch.Tensor] | None = None) -> "StagingBuffer":
+        """A disk-tier master: the module views the file's private map between forwards; no RAM copy. A leaf read
+        with a cast views its cast bytes written once to the spill file instead (`values`: the leaves' bytes now,
+        by default the modules' tensors), as a compressed unit's do (spill.py).
 
         `apply=False` for a unit resident on the device now: its views are swapped in when it is evicted.
         """
-        views = [leaf.restride(file.view(k)) for k, leaf in zip(keys, layout.leaves)]
+        casts = tuple(casts) if casts is not None else (None,) * len(keys)
+        current = values if values is not None or not any(casts) else list(layout.sources())
+        views = [leaf.restride(_spilled(spill, current[k], leaf) if casts[k] is not None else
+                               as_leaf(file.view(key), leaf)) for k, (key, leaf) in enumerate(zip(keys, layout.leaves))]
+        del current
         if apply:
             layout.rebind_fresh(views)
         binding = layout.bind(views, None, master=True)
         if apply:
             binding.apply()
             layout.adopt_params()
-        return cls(layout, None, False, binding, file, keys)
+        return cls(layout, None, False, binding, file, keys, casts=casts)
 
     def leaf_copy(self, i: int, device: torch.device) -> torch.Tensor:
         """Leaf i as an ordinary, independent tensor (from the file by positioned read for the disk tier)."""
         if self.host is None:
-            return self.layout.leaves[i].restride(self.file.read_tensor(self.keys[i])).to(device)
+            cast = self.casts[i] if self.casts else None
+            leaf = self.layout.leaves[i]
+            return leaf.restride(leaf_from_file(self.file, self.keys[i], leaf, cast)).to(device)
         return self.layout.leaf_views(self.host)[i].to(device=device, copy=True)
 
     def restore_ordinary(self) -> None:
@@ -229,6 +240,9 @@ class ModelLayout:
     keys: dict[int, list[Any]] = field(default_factory=dict)  # file key per leaf: meta units, disk-verified units
     rest_keys: list[Any] | None = None
     disk_ok: list[bool] = field(default_factory=list)  # the unit may stream from the file (before its bytes are checked)
+    refusals: list[str] = field(default_factory=list)  # per unit: why it cannot stream from the file ("" if it can)
+    candidates: dict[int, Any] = field(default_factory=dict)  # per leaf, the file tensors that may hold it (header)
+    casts: dict[int, tuple] = field(default_factory=dict)  # disk-verified units: per leaf the file dtype cast from
 
     @property
     def sizes(self) -> list[int]:
@@ -264,17 +278,28 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     laid = ModelLayout(units, layouts, rest_layout, file, key_of, file_optional)
     if file is not None and any(leaf.meta for layout in layouts + [rest_layout] for leaf in layout.leaves):
         persistent_buffers_from_file(file, layouts + [rest_layout], laid.key_of)
+    index = file_index(file) if file is not None else None
     for i, layout in enumerate(layouts):
-        ok = layout.plain and file is not None
+        why = "" if file is not None else "no model file was given (disk_path)"
         if any(leaf.meta for leaf in layout.leaves):
             if file is None or not _fillable(layout):
                 _refuse_meta(units[i].name, layout, file)
             laid.keys[i] = meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
             # part of the unit is in RAM already (recomputed buffers): no file view; a misaligned tensor neither
-            ok = ok and all(k is not None for k in laid.keys[i]) and all(file.aligned(k) for k in laid.keys[i])
-        elif (file is not None and not file_optional and layout.plain and non_persistent_buffer(layout) is None):
-            file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
-        laid.disk_ok.append(ok)
+            if not layout.plain or not all(k is not None and file.aligned(k) for k in laid.keys[i]):
+                why = "part of it is computed, not read from the file (or a tensor lies misaligned in it)"
+        elif file is not None:
+            found, why = unit_candidates(file, layout, laid.key_of, index)
+            if found is not None:
+                laid.candidates[i] = found
+                if not file_optional and layout.plain and any(all(c is not None for _, c in f) for f in found):
+                    # the model's own file in another dtype: its values must be the cast, checked now
+                    held = holding_map(file, layout, laid.key_of, found, strict=True)
+                    laid.keys[i], laid.casts[i] = held.keys, held.casts
+            elif not file_optional and layout.plain and non_persistent_buffer(layout) is None:
+                file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
+        laid.refusals.append(why)
+        laid.disk_ok.append(not why)
     if any(leaf.meta for leaf in rest_layout.leaves):
         if file is None or not _fillable(rest_layout):
             _refuse_meta("the weights outside the blocks", rest_layout, file)
@@ -284,19 +309,22 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
 
 def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
     """Check that the file holds the very bytes of the units `planned` for the disk tier whose weights are in RAM
-    now (ComfyUI may cast or convert weights when it loads a file); returns the units it does not hold (they stay in
-    RAM: the plan is made again without them on disk). Strict (CorruptFileError) unless the file is optional."""
+    now, leaf by leaf (as stored, or cast as ComfyUI cast them when it loaded the file: `leaf_match.holding_map`);
+    returns the units it does not hold (they stay in RAM: the plan is made again without them on disk). Strict
+    (CorruptFileError) for plain units unless the file is optional."""
     file = laid.file
     refused: list[str] = []  # blocks the file does not hold exactly (disk_optional): one log line for all
     out = []
     for i in planned:
         if i in laid.keys:
             continue  # a meta unit: its keys were matched against the file already
-        keys = file_keys_holding(file, laid.layouts[i], laid.key_of, strict=not laid.file_optional, refused=refused)
-        if keys is None or not all(file.aligned(k) for k in keys):
-            out.append(i)  # a misaligned tensor cannot be viewed in place either
+        found = holding_map(file, laid.layouts[i], laid.key_of, laid.candidates.get(i),
+                            strict=not laid.file_optional, refused=refused)
+        if found is None:
+            laid.refusals[i] = refused[-1] if refused else "the file does not hold its bytes"
+            out.append(i)
             continue
-        laid.keys[i] = keys
+        laid.keys[i], laid.casts[i] = found.keys, found.casts
     if refused:
         log.warning("not streaming %d block(s) from disk: %s%s; each stays in RAM", len(refused), refused[0],
                     f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
@@ -316,13 +344,14 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
     total = len(units) + 1
     notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
     reader = rest = None
-    spill = SpillFile() if spill_rest or any(tiers.get(i) != "disk" for i in compressed) else None
+    casting = {i for i, c in laid.casts.items() if tiers.get(i) == "disk" and any(x is not None for x in c)}
+    spill = SpillFile() if spill_rest or casting or any(tiers.get(i) != "disk" for i in compressed) else None
     copy = (SharedHostCopy.open(file.path, layouts, [u.name for u in units], shared)
             if shared and file is not None else None)
     try:
         for i, layout in enumerate(layouts):
             if tiers.get(i) == "disk":
-                masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
+                masters.append(StagingBuffer.on_disk(layout, file, keys[i], laid.casts.get(i), spill))
             elif i in compressed:
                 pinned = pin and tiers.get(i) != "pageable"
                 masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pinned, spill, file, keys.get(i),
@@ -369,8 +398,9 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             release_free_heap()  # the encoder's transient buffers: freed, handed back to the OS
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
-        source: UnitSource = (disk_source(file, keys[i], master.layout.leaves, master.layout.nbytes, reader, backend)
-                              if master.host is None else make_ram_source(master, backend, reader))
+        source: UnitSource = (disk_source(file, keys[i], master.layout.leaves, master.layout.nbytes, reader, backend,
+                                          master.casts) if master.host is None else
+                              make_ram_source(master, backend, reader))
         staged.append(StagedUnit(i, unit.name, unit.module, master, source))
     if progress:
         progress(total, total)
@@ -390,6 +420,12 @@ def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | 
     if not master.pinned and backend.supports_pinned_host and reader is not None:
         return BouncedSource(master.host, reader)
     return HostSource(master.host, master.pinned, backend)
+
+
+def _spilled(spill: SpillFile, value: torch.Tensor, leaf: Any) -> torch.Tensor:
+    """A leaf's bytes written to the spill file, viewed back as the leaf (a cast leaf's master between passes)."""
+    raw = value.detach().contiguous().reshape(-1).view(torch.uint8)
+    return spill.put(raw).view(leaf.dtype).view(leaf.shape)
 
 
 def _fillable(layout: TensorLayout) -> bool:

@@ -83,7 +83,7 @@ def _close_fds(*fds: int) -> None:
                 pass
 
 
-def _strippable(names: list[str]) -> int:
+def strippable(names: list[str]) -> int:
     """How many leading name parts every name shares, up to the part before its first index (a number: the block's
     container and index stay, `layers.0`) and never its last two parts: the parts `keys_for` may strip."""
     split = [n.split(".") for n in names]
@@ -185,7 +185,7 @@ class SafetensorsFile:
         for cand in self._prefixes(names[0]):
             if all(cand + n in self.tensors for n in names):
                 return [cand + n for n in names]
-        for k in range(1, _strippable(names) + 1):
+        for k in range(1, strippable(names) + 1):
             tails = [n.split(".", k)[k] for n in names]
             found = {cand for cand in self._prefixes(tails[0]) if all(cand + t in self.tensors for t in tails)}
             if len(found) == 1:

@@ -49,7 +49,7 @@ def env(pack, tmp_path_factory):
     mod = lambda name: importlib.import_module(pack.__name__ + "." + name)  # noqa: E731
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    e = {"mm": mm, "nodes": nodes, "M": node_classes(pack), "dir": d, "files": mod("nodes.model_files"),
+    e = {"pack": pack, "mm": mm, "nodes": nodes, "M": node_classes(pack), "dir": d, "files": mod("nodes.model_files"),
          "hm": mod("nodes.host_memory"), "VramBudget": mod("offload").VramBudget, "refs": {}}
     try:
         yield e
@@ -241,13 +241,40 @@ def test_where_no_file_is_found_the_report_says_why(env):
     notices = {n["kind"]: n["message"] for n in managed(off).handle.report().notices}
     assert managed(off).config.disk_path is None
     assert "no file among" in notices.get("disk_file", ""), notices
+    ckpt = os.path.join(env["dir"], "lo42_old.ckpt")  # a pickled checkpoint: not a format the disk tier reads
+    torch.save(tiny_wan.make_wan_state_dict(seed=12, dtype=torch.float32, num_blocks=BLOCKS), ckpt)
     with torch.inference_mode():
-        gguf = comfy.sd.load_diffusion_model_state_dict(tiny_wan.make_wan_state_dict(seed=12, dtype=torch.float32,
-                                                                                      num_blocks=BLOCKS))
-    env["files"].tag(gguf.model, [os.path.join(env["dir"], "model-Q8_0.gguf")])
-    off = env["M"]["OffloadModel"]().apply(gguf, "budget")[0]
+        old = comfy.sd.load_diffusion_model(ckpt)
+    assert old.model.__dict__[env["files"].FILES_ATTR] == (ckpt,)
+    off = env["M"]["OffloadModel"]().apply(old, "budget")[0]
     notices = {n["kind"]: n["message"] for n in managed(off).handle.report().notices}
-    assert "GGUF" in notices.get("disk_file", ""), notices
+    assert managed(off).config.disk_path is None
+    assert ".ckpt file" in notices.get("disk_file", ""), notices
+
+
+@pytest.mark.parametrize("which", ["builtin", "ComfyUI-GGUF"])
+def test_a_gguf_loaders_model_streams_from_its_gguf_file(env, which):
+    """A GGUF loader's model (city96's ComfyUI-GGUF, a fork's built-in comfy.gguf): its weights still view the .gguf
+    file (memory-mapped), which names it; Offload Model streams from it when RAM is asked for, bitwise."""
+    import test_families as families
+    from families.wan import WAN21
+
+    fenv = families.Env(env["pack"], env["dir"])
+    load, _ = families.gguf_loader(fenv, which)
+    name = families._gguf_file(fenv, "Q8_0")
+
+    def fresh():
+        with torch.inference_mode():
+            return load(name)
+
+    want = families.sample(fenv, WAN21, [fresh()])
+    off = env["M"]["OffloadModel"]().apply(fresh(), "budget")[0]
+    st = managed(off)
+    assert st.config.disk_path == os.path.join(env["dir"], name), st.handle.report().notices
+    assert torch.equal(families.sample(fenv, WAN21, [off]), want)
+    env["hm"].release_engine_ram(1 << 40)
+    assert "disk" in tiers(off), st.handle.report().notices
+    assert torch.equal(families.sample(fenv, WAN21, [off]), want)
 
 
 # Offload CLIP after Load CLIP -------------------------------------------------------------------------------------
