@@ -47,7 +47,7 @@ FOLDERS = {"model": ("diffusion_models", "unet", "checkpoints"),
 FOLDERS_ANY = ("diffusion_models", "unet", "checkpoints", "text_encoders", "clip", "tts")
 RECENT = 32  # files load_torch_file read lately, tried first by the matcher
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a tensor freed while the tables are read runs _forget in the same thread
 _tensor_files: Dict[int, Tuple[Any, str]] = {}  # id(tensor) -> (weakref to it, the file it came from)
 _recent: "collections.OrderedDict[str, None]" = collections.OrderedDict()
 Header = Dict[str, Tuple[Tuple[int, ...], str]]  # key -> (shape, dtype name)

@@ -211,6 +211,39 @@ def test_offload_loader_gives_ram_back_the_way_comfyui_asks(env):
     assert torch.equal(sample(env, off), ref(env))
 
 
+def test_offload_model_after_a_checkpoint_loader_streams_from_the_checkpoint(env):
+    import folder_paths
+
+    name = "lo42_ckpt.safetensors"
+    path = os.path.join(env["dir"], name)
+    sd = {"model.diffusion_model." + k: v for k, v in
+          tiny_wan.make_wan_state_dict(seed=0, dtype=torch.float32, num_blocks=BLOCKS).items()}
+    from safetensors.torch import save_file
+
+    save_file(sd, path)
+    folder_paths.add_model_folder_path("checkpoints", env["dir"])
+    with torch.inference_mode():
+        model = env["nodes"].CheckpointLoaderSimple().load_checkpoint(name)[0]
+    off = env["M"]["OffloadModel"]().apply(model, "budget")[0]
+    assert managed(off).config.disk_path == path
+    env["hm"].release_engine_ram(1 << 40)
+    assert "disk" in tiers(off)
+    assert torch.equal(sample(env, off), ref(env))
+
+
+def test_offload_any_finds_the_file_of_a_bare_module(env):
+    """Offload Any on another pack's object holding a bare module: the module carries no record, its file is matched
+    among ComfyUI's model folders."""
+    plain = unet(env)
+    holder = {"net": plain.model.diffusion_model}
+    env["M"]["OffloadAny"]().apply(holder, "budget")
+    st = holder["net"].__dict__["_layer_offload"]
+    assert st.config.disk_path == os.path.join(env["dir"], UNET)
+    env["hm"].release_engine_ram(1 << 40)
+    assert "disk" in [b.tier for b in st.handle.report().blocks]
+    assert torch.equal(sample(env, plain), ref(env))
+
+
 # a model no loader recorded ---------------------------------------------------------------------------------------
 def test_a_model_no_loader_recorded_is_matched_to_its_file(env):
     """A pack that reads the file its own way: the file is found among ComfyUI's model folders by names, shapes and
