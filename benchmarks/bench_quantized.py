@@ -13,7 +13,9 @@ one run on one input:
   float8_e4m3fn at load as ComfyUI's `weight_dtype` does, streamed from the bf16 file with the cast applied by the
   read-ahead thread (it reads twice the fp8 bytes).
 
-Columns: ms per step (the fastest of `--steps` after a warm-up), vs `all blocks in RAM`, disk MB read per step (the
+Columns: simulated ms per step and vs `all blocks in RAM` (the simulated device's own clock, `SimClock`: each Linear
+at `--gflops`, copies at `--gbps`, disk reads at `--disk-gbps`; what the host's load cannot change), wall-clock ms
+per step on this CPU (the fastest of `--steps` after a warm-up: noisy on a shared box), disk MB read per step (the
 read-ahead thread's bytes over the timed steps), the disk-tier blocks' bytes in the file, host RAM held and the
 ceiling, bitwise against the reference. The file is read through the page cache (warm after the first step): the
 rows show bytes and scheduling, not a drive's speed (`bench_disk.py` measures that). No figure is a pass/fail bound.
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload import OffloadConfig, VramBudget, offload_module  # noqa: E402
+from offload.backends.sim_clock import SimClock  # noqa: E402
 
 try:
     from comfy_kitchen.tensor import QuantizedTensor
@@ -133,20 +136,31 @@ def _bytes(model: Model) -> int:
     return total
 
 
-def _time(model: nn.Module, x: torch.Tensor, steps: int, sync) -> tuple[float, torch.Tensor]:
+def _charge(clock: SimClock, model: nn.Module, gflops: float) -> None:
+    """Each matmul (nn.Linear, and QLinear: SimClock.charge_flops knows only torch's layer types) takes its
+    multiply-adds at `gflops` on the simulated device's clock."""
+    def cost(_m: nn.Module, args: tuple, out: torch.Tensor) -> float:
+        return 2.0 * args[0].shape[-1] * out.numel() / (gflops * 1e9) * 1e3
+
+    clock.charge([m for m in model.modules() if isinstance(m, (nn.Linear, QLinear))], cost)
+
+
+def _time(model: nn.Module, x: torch.Tensor, steps: int, sync, clock: SimClock) -> tuple[float, float, torch.Tensor]:
+    """(wall ms, simulated ms, output) of a step: the fastest of `steps` after a warm-up."""
     with torch.no_grad():
         out = model(x)  # warm-up (and the first reads)
         sync()
-        best = float("inf")
+        best, sim = float("inf"), float("inf")
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, s0 = time.perf_counter(), clock.now_ms
             out = model(x)
             sync()
-            best = min(best, time.perf_counter() - t0)
-    return best * 1e3, out
+            best, sim = min(best, time.perf_counter() - t0), min(sim, clock.now_ms - s0)
+    return best * 1e3, sim, out
 
 
-def run(dim: int, depth: int, tokens: int, steps: int, gbps: float, folder: Path) -> list[dict]:
+def run(dim: int, depth: int, tokens: int, steps: int, gbps: float, folder: Path, gflops: float = 50_000.0,
+        disk_gbps: float = 3.0) -> list[dict]:
     x = torch.randn(1, tokens, dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     fp8_file, bf16_file = folder / "model_fp8_scaled.safetensors", folder / "model_bf16.safetensors"
     _save(_build(dim, depth, "fp8_scaled"), fp8_file)
@@ -154,9 +168,11 @@ def run(dim: int, depth: int, tokens: int, steps: int, gbps: float, folder: Path
     rows: list[dict] = []
     ref_model = _build(dim, depth, "fp8_scaled")
     ceiling = _bytes(ref_model) // 2
-    ms, ref = _time(ref_model, x, steps, lambda: None)
-    rows.append({"row": "resident (no engine)", "ms": ms, "bitwise": True})
-    cast_ref = _time(_build(dim, depth, "cast_fp8"), x, 1, lambda: None)[1]
+    clock = SimClock()
+    _charge(clock, ref_model, gflops)
+    ms, sim, ref = _time(ref_model, x, steps, lambda: None, clock)
+    rows.append({"row": "resident (no engine)", "ms": ms, "sim_ms": sim, "bitwise": True})
+    cast_ref = _time(_build(dim, depth, "cast_fp8"), x, 1, lambda: None, SimClock())[2]
     cases = [("all blocks in RAM", "fp8_scaled", {}, ref),
              ("RAM ceiling 1/2, disk tier", "fp8_scaled",
               {"disk_path": str(fp8_file), "ram_budget_bytes": ceiling, "host_compression": "off"}, ref),
@@ -167,25 +183,30 @@ def run(dim: int, depth: int, tokens: int, steps: int, gbps: float, folder: Path
     for label, how, kw, want in cases:
         model = _build(dim, depth, how)
         kw.setdefault("host_compression", "off")
-        cfg = OffloadConfig.from_preset("budget", device="sim", sim_bandwidth_gbps=gbps, **kw)
+        clock = SimClock(disk_gbps=disk_gbps)
+        _charge(clock, model, gflops)
+        cfg = OffloadConfig.from_preset("budget", device="sim", sim_bandwidth_gbps=gbps, sim_clock=clock, **kw)
         h = offload_module(model, cfg, budget=VramBudget(None))
         with torch.no_grad():
             model(x)
         read0 = h.report().disk_bytes_read
-        ms, out = _time(model, x, steps, h.backend.synchronize)
+        ms, sim, out = _time(model, x, steps, h.backend.synchronize, clock)
         rep = h.report()
         staged = h.streamer.staged
         in_file = sum(staged.file.tensors[k].end - staged.file.tensors[k].start
                       for u in staged.units if u.master.host is None for k in u.master.keys) if staged.file else 0
-        rows.append({"row": label, "ms": ms, "disk_mb_per_step": (rep.disk_bytes_read - read0) / (steps + 1) / 1e6,
+        rows.append({"row": label, "ms": ms, "sim_ms": sim,
+                     "disk_mb_per_step": (rep.disk_bytes_read - read0) / (steps + 1) / 1e6,
                      "disk_blocks": sum(b.tier == "disk" for b in rep.blocks), "blocks": len(rep.blocks),
                      "file_mb": in_file / 1e6, "ram_mb": h.host_memory()["ram"] / 1e6,
                      "ceiling_mb": kw["ram_budget_bytes"] / 1e6 if "ram_budget_bytes" in kw else None,
                      "bitwise": torch.equal(out, want)})
         h.detach()
-    base = rows[1]["ms"]
+        clock.remove_charges()
+    base = rows[1]
     for r in rows:
-        r["vs_ram"] = r["ms"] / base
+        r["vs_ram"] = r["ms"] / base["ms"]
+        r["sim_vs_ram"] = r["sim_ms"] / base["sim_ms"] if base["sim_ms"] > 0 else float("nan")
     return rows
 
 
@@ -196,22 +217,25 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--gbps", type=float, default=8.0, help="the simulated copy engine's limit")
+    ap.add_argument("--disk-gbps", type=float, default=3.0, help="the simulated disk's read rate (an NVMe drive)")
+    ap.add_argument("--gflops", type=float, default=50_000.0, help="the simulated device's matmul rate, GFLOP/s")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-quantized-") as d:
-        rows = run(args.dim, args.depth, args.tokens, args.steps, args.gbps, Path(d))
+        rows = run(args.dim, args.depth, args.tokens, args.steps, args.gbps, Path(d), args.gflops, args.disk_gbps)
     where = f"sim ({platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__})"
     print(f"# fp8_scaled under a RAM ceiling of half its bytes on {where}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.depth} blocks of width {args.dim}, "
-          f"{args.tokens} tokens, copy engine at {args.gbps} GB/s")
-    print("| row | ms/step | vs all in RAM | disk MB read/step | disk-tier blocks | their MB in the file | "
-          "host RAM MB | ceiling MB | bitwise |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{args.tokens} tokens, copy engine at {args.gbps} GB/s, disk at {args.disk_gbps} GB/s, "
+          f"{args.gflops:g} GFLOP/s")
+    print("| row | sim ms/step | vs all in RAM | wall ms/step | disk MB read/step | disk-tier blocks | "
+          "their MB in the file | host RAM MB | ceiling MB | bitwise |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         disk = f"{r['disk_mb_per_step']:.1f}" if "disk_mb_per_step" in r else ""
         blocks = f"{r['disk_blocks']} of {r['blocks']}" if "blocks" in r else ""
         ceiling = f"{r['ceiling_mb']:.1f}" if r.get("ceiling_mb") else ""
-        print(f"| {r['row']} | {r['ms']:.1f} | {r['vs_ram']:.2f}x | {disk} | {blocks} | "
+        print(f"| {r['row']} | {r['sim_ms']:.2f} | {r['sim_vs_ram']:.2f}x | {r['ms']:.1f} | {disk} | {blocks} | "
               f"{r.get('file_mb', 0):.1f} | {r.get('ram_mb', 0):.1f} | {ceiling} | {r['bitwise']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "where": where, "args": vars(args)}, indent=1))

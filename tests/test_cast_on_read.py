@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from offload import OffloadConfig
+from offload.backends.sim_clock import SimClock
 from offload.store.sources import CAST_CHUNK
 from tests.host_master_guard import host_master_guard
 from tests.models import LayersModel, aligned_bytes, seeded
@@ -154,3 +155,23 @@ def test_a_handle_read_with_a_cast_packs_the_cast_bytes(tmp_path, offload):
         assert torch.equal(model(x), ref)
     disk = [b for b in h.report().blocks if b.tier == "disk"]
     assert disk and not any("cast" in b.placement for b in disk)
+
+
+def test_the_simulated_disk_charges_a_cast_read_the_files_bytes(tmp_path, offload):
+    """On the simulated device's clock a cast block's read takes the bytes the file holds (bf16 for fp32 weights:
+    half the bytes that arrive; the layout's padding as it lies), not the bytes the bounce buffer receives."""
+    path = _bf16_file(tmp_path)
+    model = seeded(LayersModel, dim=64, depth=DEPTH).to(torch.bfloat16).float()
+    x = torch.randn(2, 5, 64)
+    gbps = 1.0
+    h = offload(model, _cfg(path, _ceiling(model), sim_clock=SimClock(disk_gbps=gbps)))
+    with torch.no_grad():
+        model(x)
+    staged = h.streamer.staged
+    disk = [u for u in staged.units if u.master.host is None]
+    assert disk and all(u.master.casts and all(c is not None for c in u.master.casts) for u in disk)
+    for u in disk:
+        in_file = sum(staged.file.tensors[k].end - staged.file.tensors[k].start for k in u.master.keys)
+        padding = u.source.nbytes - sum(leaf.nbytes for leaf in u.master.layout.leaves)  # read as it lies
+        assert u.source.nbytes - padding > 1.9 * in_file
+        assert u.source.read_ms == pytest.approx(u.source.reads * (in_file + padding) / (gbps * 1e9) * 1e3)

@@ -96,7 +96,7 @@ class _ScaledBlock(nn.Module):
     def __init__(self, dim: int = 64) -> None:
         super().__init__()
         self.lin = nn.Linear(dim, dim)
-        self.register_buffer("scales", _tensor(torch.float8_e8m0fnu, (dim,), 3) if True else None)
+        self.register_buffer("scales", _tensor(torch.float8_e8m0fnu, (dim,), 3))
         self.register_buffer("nibbles", _tensor(torch.float4_e2m1fn_x2, (dim,), 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

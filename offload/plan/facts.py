@@ -41,6 +41,7 @@ class PlanFacts:
     remote_allowances: tuple[tuple[str, int], ...] = ()  # the same on each secondary device, in order
     dtypes: tuple[tuple[str, ...], ...] = ()  # each unit's tensor dtypes (what its bytes are)
     disk_ok: tuple[bool, ...] = ()  # per unit: the model's file can stream it (empty: none can)
+    from_file: tuple[bool, ...] = ()  # per unit: setup reads its bytes from the model's file (built on meta)
     host: HostFacts | None = None  # None: the host side is staged already (its tiers are kept)
     host_tiers: tuple[str, ...] = ()  # the host tiers in place when `host` is None
     costs: UnitCosts | None = None  # measured per-unit compute and copy times (None: nothing measured yet)

@@ -27,6 +27,9 @@ class HostPlan:
     rest_spilled: bool = False  # the weights outside the blocks keep no RAM copy (their master: the spill map)
     shared: frozenset[int] = frozenset()  # units whose RAM master is the host copy shared between processes
     notes: dict[int, str] = field(default_factory=dict)  # per unit: what its reason adds about its host tier
+    # units held compressed that staging may keep raw and have encoded on a thread after setup (RAM holds the raw
+    # plan and no ceiling binds: setup then takes what a raw one does; `stream/background_encode.py`)
+    encode_later: frozenset[int] = frozenset()
 
 
 def shared_units(tiers: dict[int, str], share: bool) -> frozenset[int]:

@@ -30,7 +30,7 @@ from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCei
                         bounce_buffers, host_ram_bytes, in_shared_copy, plan_host, plan_host_capped, shared_units)
 from ..store.codec import CODEC
 from .facts import HostFacts, PlanFacts  # noqa: F401  (the facts a plan is made from: importable from here)
-from .plan_compress import choose_compressed
+from .plan_compress import choose_compressed, encoded_later
 from .ring_sim import UnitCosts, simulate_pass
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,8 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
     plan.compressed = compressed
     plan.rest_spilled = plan.rest_spilled and bool(plan.compressed)
     compressed = plan.compressed
+    if compressed and not h.hard and fits(plan_for(list(facts.sizes))):  # RAM holds them raw meanwhile
+        plan.encode_later = encoded_later(compressed, fixed, facts.from_file, facts.file_forms, facts.sizes)
     messages.extend(said.get(id(plan), []))
     if compressed:
         raw = sum(facts.sizes[i] for i in compressed)

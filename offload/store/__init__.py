@@ -1,4 +1,4 @@
-"""Where a unit's bytes come from: host masters staged one unit at a time (`staging`; which file key holds which
+"""Where a unit's bytes come from: host masters staged one unit at a time (`staging`; the model laid out against its file first: `model_layout`; which file key holds which
 tensor: `file_keys`; which file tensor holds each leaf, as stored or cast, quantized weights' inner tensors
 included: `leaf_match`), the safetensors file read in
 positioned ranges with change detection (`storage`; a GGUF file with the same interface: `gguf_file`), the sources a unit is copied from (`sources`: pinned RAM,
@@ -12,7 +12,8 @@ place, one chunk at a time by `chunk_decode`), `compressed` (a unit held encoded
 checked by one validator first (`header_check`: files are untrusted).
 
 Layer: below plan/, budget/ and stream/; imports only model/, backends/ and the config vocabulary.
-Used from outside: `staging.lay_out_model`, `staging.stage_model`, `staging.StagedModel`, `storage.SafetensorsFile`,
+Used from outside: `model_layout.lay_out_model` / `verify_for_disk` / `ModelLayout` / `shared_tensor_ids`,
+`staging.stage_model`, `staging.StagedModel`, `storage.SafetensorsFile`,
 `storage.CorruptFileError`, `storage.SourceChangedError`, `sources.HostSource` / `BouncedSource` / `DiskSource`,
 `packed.open_weights`, `pack_writer.pack_file`, `pack_writer.pack_handle`, `shared_host.available`,
 `shared_host.SharedUnit` (`written`, `has_private_pages`, `copy.alone` / `give_back`), `shared_host.SharedHostCopy.peek`

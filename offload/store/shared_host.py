@@ -51,7 +51,7 @@ from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, ForeignSegme
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LOSHARE2"  # 2: units in the codec's encoded form too
+MAGIC = b"LOSHARE3"  # 3: encoded units in the codec's chunks of version 3; 2: of version 2
 _HEAD = struct.Struct("<8sQQ")  # magic, ready (0 | 1), length of the JSON that follows
 
 
@@ -274,27 +274,26 @@ class SharedHostCopy:
         raise _Retry()
 
     # staging ------------------------------------------------------------------------------------------------------
-    def place(self, i: int, layout: TensorLayout,
-              read_leaf: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor | None:
+    def place(self, i: int, layout: TensorLayout, fill: Callable[[torch.Tensor], list[int]],
+              write: Callable[[int, int], list[int]] | None = None) -> torch.Tensor | None:
         """Unit i's bytes in the segment, as this process's private mapping of them (None: keep a private copy).
-        The filler copies the unit's tensors in (`read_leaf(k, unit_bytes, leaf_view)` reads leaf k of a meta
-        leaf from the file); a joiner checks that the segment holds the bytes it holds."""
+        The filler puts the unit's tensors in: `write(fd, offset)` writes them through the segment's descriptor
+        (one copy from the model file's pages into the segment's, no page zeroed first; a full /dev/shm is ENOSPC
+        there), else `fill(unit_bytes)` into its reserved pages (meta leaves read from the file straight into the
+        segment, the others copied); both return the leaves read from the file. A joiner checks that the segment
+        holds the bytes it holds. Units may be placed from several threads."""
         off, n = self.offsets[i], self.sizes[i]
         if self.filler:
-            if not self._reserve(off, n):
+            if write is not None:
+                try:
+                    self.file_leaves[i] = write(self.fd, off)
+                except OSError as exc:
+                    self._full(exc)
+                    return None
+            elif not self._reserve(off, n):
                 return None
-            dst = self._frombuffer(self._fill, off, n)
-            from_file = []
-            with torch.no_grad():
-                for k, (view, src) in enumerate(zip(layout.leaf_views(dst), layout.sources())):
-                    if src.is_meta or layout.leaves[k].meta:
-                        del src
-                        read_leaf(k, dst, view)  # straight into the segment where it can
-                        from_file.append(k)
-                    else:
-                        view.copy_(src)
-                        del src
-            self.file_leaves[i] = from_file
+            else:
+                self.file_leaves[i] = fill(self._frombuffer(self._fill, off, n))
         else:
             if i not in self.file_leaves or i in self.encoded:
                 return None  # the filler kept this unit out of RAM (disk tier), or holds it encoded
@@ -320,25 +319,39 @@ class SharedHostCopy:
             os.posix_fallocate(self.fd, off, round_up(n))
             return True
         except OSError as exc:
-            if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
-                SharedHostCopy.said_full = True
-                log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
-                            "RAM (a container's /dev/shm may be small: docker run --shm-size)", segment_dir(), exc)
-            self.refused += 1
+            self._full(exc)
             return False
+
+    def _full(self, exc: OSError) -> None:
+        if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
+            SharedHostCopy.said_full = True
+            log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
+                        "RAM (a container's /dev/shm may be small: docker run --shm-size)", segment_dir(), exc)
+        self.refused += 1
 
     def put_encoded(self, i: int, encoded: codec.Encoded, from_file: list[int]) -> torch.Tensor | None:
         """The filler puts unit i in its encoded form (the blob at the start of its range, the chunk table into the
         header); returns the blob in the read-only shared mapping (what the device copies from), or None (no
         room: the unit keeps a private blob)."""
-        if not self.filler or encoded.size > self.sizes[i] or not self._reserve(self.offsets[i], encoded.size):
+        if not self.filler or encoded.size > self.sizes[i]:
             return None
-        if encoded.size:
-            self._frombuffer(self._fill, self.offsets[i], encoded.size).copy_(encoded.blob)
+        target = self._frombuffer(self._fill, self.offsets[i], encoded.size) if encoded.size else None
+        in_place = target is not None and encoded.blob.data_ptr() == target.data_ptr()  # encoded there (`room`)
+        if not in_place and not self._reserve(self.offsets[i], encoded.size):
+            return None
+        if encoded.size and not in_place:
+            target.copy_(encoded.blob)
         self.file_leaves[i] = list(from_file)
         self.encoded[i] = (encoded.size, tuple(encoded.chunks))
         self.placed.append(i)
         return self._frombuffer(self._shared, self.offsets[i], encoded.size)
+
+    def room(self, i: int, size: int) -> torch.Tensor | None:
+        """The filler's room for unit i's encoded blob of `size` bytes at the start of its range (reserved; the encoder
+        writes it there, then `put_encoded` records it), or None (not the filler, or no room: a private blob)."""
+        if not self.filler or size > self.sizes[i] or not self._reserve(self.offsets[i], size):
+            return None
+        return self._frombuffer(self._fill, self.offsets[i], size)
 
     def encoded_unit(self, i: int) -> codec.Encoded | None:
         """A joiner's view of unit i held encoded in the segment (the blob in the read-only shared mapping), or None

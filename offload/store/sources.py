@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import weakref
 from typing import Any, Callable, Protocol
 
@@ -106,6 +105,7 @@ class BounceReader:
     """Read-ahead thread: fills pinned bounce buffers (from disk or pageable RAM) and queues their copies."""
 
     def __init__(self, backend: Any, bounce_bytes: int, count: int) -> None:
+        self.clock = backend.clock  # what the sources' reads are timed on (backends/clock.py)
         self.bounce_bytes = bounce_bytes
         self.count = max(1, count)
         self.counters = ReadCounters()
@@ -134,6 +134,7 @@ class BounceReader:
         starts = list(range(0, nbytes, step)) or [0]
         for k, start in enumerate(starts):
             self._jobs.put((fill, start, min(nbytes, start + step), dst, after, job, k == len(starts) - 1))
+        self.clock.hand_off(job._done.wait)  # the wall clock lets it run ahead; a simulated one waits for it
         return job
 
     def scratch(self, nbytes: int) -> torch.Tensor:
@@ -229,9 +230,8 @@ class BouncedSource:
         self.read_ms = 0.0  # time the read-ahead thread spent filling bounce buffers with this unit's bytes
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
-        t0 = time.perf_counter()
-        buf[:end - start].copy_(self.host[start:end])
-        self.read_ms += (time.perf_counter() - t0) * 1e3
+        _, ms = self.reader.clock.timed("bounce", end - start, lambda: buf[:end - start].copy_(self.host[start:end]))
+        self.read_ms += ms
         return 0
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
@@ -258,8 +258,7 @@ class DiskSource:
         self.read_ms = 0.0  # time the read-ahead thread spent reading this unit's bytes from the file
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
-        t0 = time.perf_counter()
-        try:
+        def read() -> int:
             if start == 0 and end == self.nbytes:
                 n = self.file.read_into(buf, self.pieces)
             else:
@@ -267,8 +266,20 @@ class DiskSource:
             for key, leaf, cast in self.cast_pieces:
                 n += read_cast(self.file, key, leaf, cast, buf, start, end, self.reader.scratch)
             return n
-        finally:
-            self.read_ms += (time.perf_counter() - t0) * 1e3
+
+        n, ms = self.reader.clock.timed("disk", self._file_bytes(start, end), read)
+        self.read_ms += ms
+        return n
+
+    def _file_bytes(self, start: int, end: int) -> int:
+        """The file bytes a read of the unit's bytes [start, end) takes: a cast leaf's part at its file dtype's
+        size (a bf16 file read for fp8 weights: twice the bytes)."""
+        extra = 0
+        for _, leaf, cast in self.cast_pieces:
+            lo, hi = max(start, leaf.offset), min(end, leaf.offset + leaf.nbytes)
+            if lo < hi:
+                extra += (hi - lo) // leaf.dtype.itemsize * cast.itemsize - (hi - lo)
+        return max(0, end - start + extra)
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
         self.reads += 1

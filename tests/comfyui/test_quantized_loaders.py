@@ -178,8 +178,10 @@ def test_mixed_plans_of_a_quantized_model_with_a_lora(env, preset, ceiling, monk
     ref, ref_lora = sample(env, plain(env, name)), sample(env, with_lora(env, plain(env, name)))
     device_budget = None
     if ceiling:  # a VRAM budget keeping some blocks resident and the rest streamed, half of those from disk
-        staged = handle(offloaded(env, name)).streamer.staged
+        probe = offloaded(env, name)
+        staged = handle(probe).streamer.staged
         device_budget = staged.rest_bytes + 4 * max(u.nbytes for u in staged.units)
+        del staged, probe
     real = env["apply"].make_config
     extra = {"ram_budget_bytes": half_ceiling(env, name)} if ceiling else {}
     if device_budget:
