@@ -285,29 +285,53 @@ def test_where_no_file_is_found_the_report_says_why(env):
     assert ".ckpt file" in notices.get("disk_file", ""), notices
 
 
+def gguf_file(env) -> str:
+    """A Q8_0 GGUF file of the tiny Wan with BLOCKS blocks (enough that the disk tier pays for its bounce buffers)."""
+    from families import gguf_wan
+    from families.common import make_state_dict
+    from families.wan import WAN21, wan_shapes
+
+    name = "lo42_wan{}_q8_0.gguf".format(BLOCKS)
+    path = os.path.join(env["dir"], name)
+    if not os.path.exists(path):
+        gguf_wan.write_gguf(make_state_dict(wan_shapes(num_blocks=BLOCKS), WAN21.seed, WAN21.dtype), path, main="Q8_0")
+    return name
+
+
+@pytest.mark.parametrize("way", ASKS)
 @pytest.mark.parametrize("which", ["builtin", "ComfyUI-GGUF"])
-def test_a_gguf_loaders_model_streams_from_its_gguf_file(env, which):
+def test_a_gguf_loaders_model_streams_from_its_gguf_file(env, which, way):
     """A GGUF loader's model (city96's ComfyUI-GGUF, a fork's built-in comfy.gguf): its weights still view the .gguf
-    file (memory-mapped), which names it; Offload Model streams from it when RAM is asked for, bitwise."""
+    file (memory-mapped), which names it; Offload Model streams from it once ComfyUI asks for RAM (each way this
+    ComfyUI asks), bitwise before and after, with a LoRA after the node too."""
     import test_families as families
     from families.wan import WAN21
 
     fenv = families.Env(env["pack"], env["dir"])
-    load, _ = families.gguf_loader(fenv, which)
-    name = families._gguf_file(fenv, "Q8_0")
+    load, tensor_cls = families.gguf_loader(fenv, which)
+    name = gguf_file(env)
 
     def fresh():
         with torch.inference_mode():
             return load(name)
 
     want = families.sample(fenv, WAN21, [fresh()])
-    off = env["M"]["OffloadModel"]().apply(fresh(), "budget")[0]
+    want_lora = families.sample(fenv, WAN21, families.with_lora(fenv, WAN21, [fresh()]))  # its own model (see
+    env["mm"].unload_all_models()  # test_families: a plain LoRA branch bakes F16 weights while its model is loaded)
+    assert not torch.equal(want_lora, want), "the LoRA must change the result"
+    with torch.inference_mode():  # as ComfyUI runs every node
+        off = env["M"]["OffloadModel"]().apply(fresh(), "budget")[0]
     st = managed(off)
     assert st.config.disk_path == os.path.join(env["dir"], name), st.handle.report().notices
     assert torch.equal(families.sample(fenv, WAN21, [off]), want)
-    env["hm"].release_engine_ram(1 << 40)
+    before = st.handle.host_memory()
+    ask(env, way, off)
+    after = st.handle.host_memory()
+    assert after["disk"] > 0 and after["blocks_raw"] < before["blocks_raw"], (way, before, after)
     assert "disk" in tiers(off), st.handle.report().notices
-    assert torch.equal(families.sample(fenv, WAN21, [off]), want)
+    assert isinstance(off.model.diffusion_model.blocks[-1].self_attn.q.weight, tensor_cls)
+    assert torch.equal(families.sample(fenv, WAN21, [off]), want), "the run after giving RAM back differs"
+    assert torch.equal(families.sample(fenv, WAN21, families.with_lora(fenv, WAN21, [off])), want_lora)
 
 
 # Offload CLIP after Load CLIP -------------------------------------------------------------------------------------
