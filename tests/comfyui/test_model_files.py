@@ -334,6 +334,28 @@ def test_a_gguf_loaders_model_streams_from_its_gguf_file(env, which, way):
     assert torch.equal(families.sample(fenv, WAN21, families.with_lora(fenv, WAN21, [off])), want_lora)
 
 
+def test_the_offload_loader_streams_a_gguf_file_from_it(env):
+    """Where ComfyUI's own loader reads GGUF files (a fork's built-in comfy.gguf), the Offload Loader does too, with
+    the .gguf file as its disk tier: RAM asked for moves blocks to it, bitwise."""
+    import test_families as families
+    from families.wan import WAN21
+
+    fenv = families.Env(env["pack"], env["dir"])
+    load, tensor_cls = families.gguf_loader(fenv, "builtin")
+    name = gguf_file(env)
+    with torch.inference_mode():
+        want = families.sample(fenv, WAN21, [load(name)])
+        off = env["M"]["OffloadDiffusionModelLoader"]().load(name, "default", "budget")[0]
+    st = managed(off)
+    assert st.config.disk_path == os.path.join(env["dir"], name)
+    assert isinstance(off.model.diffusion_model.blocks[-1].self_attn.q.weight, tensor_cls)
+    assert torch.equal(families.sample(fenv, WAN21, [off]), want)
+    way = next(w for w in ASKS if w in asks(env))
+    ask(env, way, off)
+    assert st.handle.host_memory()["disk"] > 0 and "disk" in tiers(off), (way, st.handle.report().notices)
+    assert torch.equal(families.sample(fenv, WAN21, [off]), want)
+
+
 # Offload CLIP after Load CLIP -------------------------------------------------------------------------------------
 def clip_files(env, te_name):
     """The tiny text encoder's files as Load CLIP reads them (one per encoder, HF key layout, its own dtypes)."""
