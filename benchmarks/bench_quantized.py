@@ -210,6 +210,10 @@ def run(dim: int, depth: int, tokens: int, steps: int, gbps: float, folder: Path
     return rows
 
 
+def _mb(row: dict, key: str) -> str:
+    return f"{row[key]:.1f}" if key in row else ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dim", type=int, default=768)
@@ -236,7 +240,7 @@ def main() -> int:
         blocks = f"{r['disk_blocks']} of {r['blocks']}" if "blocks" in r else ""
         ceiling = f"{r['ceiling_mb']:.1f}" if r.get("ceiling_mb") else ""
         print(f"| {r['row']} | {r['sim_ms']:.2f} | {r['sim_vs_ram']:.2f}x | {r['ms']:.1f} | {disk} | {blocks} | "
-              f"{r.get('file_mb', 0):.1f} | {r.get('ram_mb', 0):.1f} | {ceiling} | {r['bitwise']} |")
+              f"{_mb(r, 'file_mb')} | {_mb(r, 'ram_mb')} | {ceiling} | {r['bitwise']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "where": where, "args": vars(args)}, indent=1))
     return 0 if all(r["bitwise"] for r in rows) else 1

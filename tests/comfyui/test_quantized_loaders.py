@@ -169,10 +169,13 @@ def test_every_format_through_the_offload_loader_is_bitwise_under_a_ram_ceiling(
     assert h.host_memory()["ram"] <= ram
 
 
-@pytest.mark.parametrize("preset", ["mid_range", "high_end"])
-@pytest.mark.parametrize("ceiling", [False, True], ids=["ram", "ram-ceiling"])
+@pytest.mark.parametrize("preset,ceiling", [("mid_range", False), ("high_end", False), ("auto", True),
+                                            ("consumer", True)],
+                         ids=["mid_range-ram", "high_end-ram", "auto-ram-ceiling", "consumer-ram-ceiling"])
 def test_mixed_plans_of_a_quantized_model_with_a_lora(env, preset, ceiling, monkeypatch):
-    """Resident, streamed and (under a RAM ceiling) disk-tier blocks of one quantized model, LoRA on and off."""
+    """Resident, streamed and (under a RAM ceiling) disk-tier blocks of one quantized model, LoRA on and off. The
+    RAM ceiling goes with the presets that allow the disk tier (mid_range and high_end refuse a ceiling the blocks
+    break, by design: RamCeilingError names what to change)."""
     variant = "nvfp4" if "nvfp4" in _algos() else pytest.skip("this ComfyUI has no nvfp4")
     name = quantized_file(env, variant)
     ref, ref_lora = sample(env, plain(env, name)), sample(env, with_lora(env, plain(env, name)))
@@ -180,7 +183,8 @@ def test_mixed_plans_of_a_quantized_model_with_a_lora(env, preset, ceiling, monk
     if ceiling:  # a VRAM budget keeping some blocks resident and the rest streamed, half of those from disk
         probe = offloaded(env, name)
         staged = handle(probe).streamer.staged
-        device_budget = staged.rest_bytes + 4 * max(u.nbytes for u in staged.units)
+        # a ring of up to 4 slots (consumer's prefetch 3) and two blocks resident beside it
+        device_budget = staged.rest_bytes + 6 * max(u.nbytes for u in staged.units)
         del staged, probe
     real = env["apply"].make_config
     extra = {"ram_budget_bytes": half_ceiling(env, name)} if ceiling else {}
@@ -211,6 +215,23 @@ def test_weights_comfyui_casts_keep_the_disk_tier(env, dtype, monkeypatch):
         assert all("float8_e4m3fn from bfloat16" in b.placement for b in disk)
     assert h.host_memory()["ram"] <= ram
     assert torch.equal(sample(env, with_lora(env, off)), sample(env, with_lora(env, plain(env, BF16, dtype))))
+
+
+def test_quantized_blocks_held_compressed_through_the_offload_loader(env):
+    """host_compression lossless on an e5m2 fp8_scaled file: the blocks' payloads are held in the codec's form (the
+    codec pays on e5m2's wider exponent) and decoded bitwise, LoRA on and off."""
+    if "float8_e5m2" not in _algos():
+        pytest.skip("this ComfyUI lacks float8_e5m2")
+    name = quantized_file(env, "float8_e5m2")
+    ref, ref_lora = sample(env, plain(env, name)), sample(env, with_lora(env, plain(env, name)))
+    off = offloaded(env, name, compression="lossless")
+    assert handle(off).wait_encoded(60)  # blocks a large file leaves to the background encoder: held compressed now
+    blocks = handle(off).report().blocks
+    assert any(b.compression != "none" and b.host_bytes < b.raw_bytes for b in blocks), \
+        [(b.name, b.compression, b.host_bytes, b.raw_bytes) for b in blocks]
+    assert torch.equal(sample(env, off), ref)
+    assert torch.equal(sample(env, with_lora(env, off)), ref_lora)
+    assert torch.equal(sample(env, off), ref), "after the LoRA"
 
 
 def test_an_mxfp8_file_loads_and_plans(env, capsys):
@@ -245,9 +266,11 @@ def test_a_gguf_model_streams_from_its_gguf_file(env, which, monkeypatch):
             return load(name)
 
     ref = families.sample(fenv, WAN21, [fresh()])
-    probe = env["apply"].offload_patcher(fresh(), "budget", disk_path=path, host_compression="off")
+    with torch.inference_mode():  # as ComfyUI runs every node
+        probe = env["apply"].offload_patcher(fresh(), "budget", disk_path=path, host_compression="off")
     staged = handle(probe).streamer.staged
     ram = staged.rest_bytes + sum(u.nbytes for u in staged.units) // 2 + (256 << 10)
+    del staged, probe
     real = env["apply"].make_config
     monkeypatch.setattr(env["apply"], "make_config", lambda *a, **k: real(*a, ram_budget_bytes=ram, **k))
     with torch.inference_mode():
