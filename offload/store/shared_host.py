@@ -195,8 +195,7 @@ class SharedHostCopy:
               total: int) -> "SharedHostCopy | None":
         fd = shared_local.lock_descriptor(path)  # another model of this process maps it: share its lock
         try:
-            if fd is None:
-                fd = open_own(path, os.O_RDONLY)  # ForeignSegment: not ours, never opened
+            fd = open_own(path, os.O_RDONLY) if fd is None else fd  # ForeignSegment: not ours, never opened
         except FileNotFoundError:
             return None
         try:
@@ -419,10 +418,6 @@ class SharedHostCopy:
     def filler_busy(self) -> bool:
         return self._fill is not None
 
-    def holds(self, i: int) -> bool:
-        """Whether this model holds unit i in the copy (placed, not let go, the copy still mapped)."""
-        return i in self.placed and i not in self.let_go and self._closer.alive
-
     def alone(self) -> bool:
         """Whether no other process maps the copy now (other models of this one share this process's lock)."""
         try:
@@ -434,9 +429,8 @@ class SharedHostCopy:
             fcntl.flock(self.fd, fcntl.LOCK_SH)  # back to shared (a failed conversion gave it up)
 
     def give_back(self, i: int) -> bool:
-        """Free unit i's pages in the segment, when no other process maps it (the unit left this process's RAM for
-        the disk tier under RAM pressure); False where another process still maps the copy, or another model of this
-        one still holds the unit (nothing is freed: the pages go when the last of them lets the unit go)."""
+        """Free unit i's pages in the segment (it left this process's RAM for the disk tier); False where another
+        process maps the copy or another model of this one holds the unit (the last to let it go frees them)."""
         self.let_go.add(i)
         if shared_local.holds_elsewhere(self, i):
             self.drop_private_pages(i)

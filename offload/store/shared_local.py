@@ -50,4 +50,4 @@ def holds_elsewhere(copy: Any, i: int) -> bool:
     """Whether another model of this process still holds unit i of the same segment in RAM."""
     with _lock:
         others = [c for c in _live(str(copy.path)) if c is not copy]
-    return any(c.holds(i) for c in others)
+    return any(i in c.placed and i not in c.let_go for c in others)  # placed, not let go (_live: still mapped)
