@@ -169,6 +169,44 @@ def test_every_format_through_the_offload_loader_is_bitwise_under_a_ram_ceiling(
     assert h.host_memory()["ram"] <= ram
 
 
+def write_legacy_scaled_fp8(path: str) -> None:
+    """tiny_wan (8 blocks) in the older scaled-fp8 layout every tested ComfyUI loads: fp8 matrices with a float32
+    `scale_weight` each and the file's `scaled_fp8` marker (0.3.64 keeps them fp8 weights with scale parameters;
+    0.33 converts them to QuantizedTensor, renaming the scale: convert_old_quants)."""
+    sd = {}
+    for k, v in tiny_wan.make_wan_state_dict(dtype=torch.float32, num_blocks=BLOCKS).items():
+        if k.startswith("blocks.") and k.endswith(".weight") and v.dim() == 2:
+            scale = v.abs().max() / 448.0
+            sd[k] = (v / scale).to(torch.float8_e4m3fn)
+            sd[k[:-len("weight")] + "scale_weight"] = scale.reshape(()).to(torch.float32)
+        else:
+            sd[k] = v.to(torch.bfloat16)
+    sd["scaled_fp8"] = torch.tensor([], dtype=torch.float8_e4m3fn)
+    save_file(sd, path)
+
+
+def test_a_legacy_scaled_fp8_file_is_bitwise_under_a_ram_ceiling(env, monkeypatch):
+    """The scaled-fp8 files every tested ComfyUI loads (however it holds them: fp8 weights with scales, or
+    QuantizedTensor) stream from the file under a RAM ceiling, bitwise the Load Diffusion Model node's, LoRA on and
+    off."""
+    name = "lo_q_legacy_scaled_fp8.safetensors"
+    if name not in env["written"]:
+        write_legacy_scaled_fp8(os.path.join(env["dir"], name))
+        env["written"][name] = 1
+    ref, ref_lora = sample(env, plain(env, name)), sample(env, with_lora(env, plain(env, name)))
+    held = [p for p in plain(env, name).model.diffusion_model.blocks.parameters()
+            if p.dtype == torch.float8_e4m3fn or type(p).__name__ == "QuantizedTensor"]
+    assert held, "ComfyUI must load the scaled-fp8 file as fp8 weights"
+    ram = half_ceiling(env, name)
+    off = offloaded(env, name, ram=ram, monkeypatch=monkeypatch)
+    h = handle(off)
+    assert torch.equal(sample(env, off), ref)
+    assert torch.equal(sample(env, with_lora(env, off)), ref_lora)
+    assert torch.equal(sample(env, off), ref), "after the LoRA"
+    assert "disk" in [b.tier for b in h.report().blocks], [b.placement for b in h.report().blocks]
+    assert h.host_memory()["ram"] <= ram
+
+
 @pytest.mark.parametrize("preset,ceiling", [("mid_range", False), ("high_end", False), ("auto", True),
                                             ("consumer", True)],
                          ids=["mid_range-ram", "high_end-ram", "auto-ram-ceiling", "consumer-ram-ceiling"])
