@@ -2,7 +2,8 @@
 found (nodes/model_files.py) and becomes the disk tier of the quantized blocks.
 
 Checkpoints are written by ComfyUI's own quantizers in every format of the installed ComfyUI (test_quantized_loaders'
-`write_quantized`; a format it lacks is skipped by name). Through Offload Model each is bitwise the plain loader's with
+`write_quantized`; a format it lacks is skipped by name), and in the older scaled-fp8 layout every tested ComfyUI
+loads. Through Offload Model each is bitwise the plain loader's with
 a LoRA before and after the node; after ComfyUI asks for RAM through its own function (free_pins on 0.33, the
 RAM-pressure cache on 0.12, the patcher's partially_unload_ram elsewhere) blocks have moved to the file and the next
 runs are bitwise; under a RAM ceiling the host RAM held stays under it. Skipped without COMFYUI_PATH.
@@ -45,8 +46,15 @@ def env(pack, tmp_path_factory):
             "refs": {}}
 
 
+LEGACY = "legacy_scaled_fp8"  # the older scaled-fp8 layout every tested ComfyUI loads, 0.3.64 included
+VARIANTS = quantized._variants() + [LEGACY]
+
+
 def quantized_file(env, variant: str) -> str:
     name = "lo42q_{}.safetensors".format(variant)
+    if name not in env["written"] and variant == LEGACY:
+        quantized.write_legacy_scaled_fp8(os.path.join(env["dir"], name))
+        env["written"][name] = 1
     if name not in env["written"]:
         env["written"][name] = quantized.write_quantized(os.path.join(env["dir"], name), variant)
     assert env["written"][name] > 0, "ComfyUI's {} quantizer took no layer".format(variant)
@@ -59,6 +67,21 @@ def refs(env, name):
         env["refs"][name] = (quantized.sample(env, plain(env, name)),
                              quantized.sample(env, with_lora(env, plain(env, name))))
     return env["refs"][name]
+
+
+def skip_leaves_the_file_lacks(env, name):
+    """0.3.64 builds a scaled-fp8 layer with a `scale_input` of ones the file lacks (and its bias cast to fp8): the
+    engine keeps such a block in RAM, naming the leaf in the report (the engine's own Offload Loader test of this file,
+    test_quantized_loaders' legacy case, fails there the same way)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(env["dir"], name), framework="pt") as f:
+        keys = set(f.keys())
+    lacks = [k for k, _ in plain(env, name).model.diffusion_model.blocks.named_parameters()
+             if k.endswith("scale_input") and "blocks." + k not in keys]
+    if lacks:
+        pytest.skip("this ComfyUI gives the scaled-fp8 layers parameters the file lacks ({}, ...): their blocks stay "
+                    "in RAM (an engine gap: leaves the file lacks)".format(lacks[0]))
 
 
 def plain(env, name):
@@ -95,16 +118,19 @@ def comfyui_way(env) -> str:
     return next((w for w in files.ASKS if w in ways and w != "partially_unload_ram"), "partially_unload_ram")
 
 
-@pytest.mark.parametrize("variant", quantized._variants())
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_every_format_through_offload_model_gives_ram_back_bitwise(env, variant):
     name = quantized_file(env, variant)
     path = os.path.join(env["dir"], name)
+    if variant == LEGACY:
+        skip_leaves_the_file_lacks(env, name)
     ref, ref_lora = refs(env, name)
     assert not torch.equal(ref, ref_lora), "the LoRA must change the output"
     lora_first = offload_model(env, with_lora(env, plain(env, name)))
     off = offload_model(env, plain(env, name))
     lora_after = with_lora(env, off)
-    assert any(type(p).__name__ == "QuantizedTensor" for p in off.model.diffusion_model.blocks.parameters())
+    assert any(type(p).__name__ == "QuantizedTensor" or p.dtype == torch.float8_e4m3fn
+               for p in off.model.diffusion_model.blocks.parameters()), "ComfyUI must load quantized weights"
     for m in (off, lora_first):
         assert m.model.diffusion_model.__dict__["_layer_offload"].config.disk_path == path, \
             handle(m).report().notices
@@ -123,9 +149,11 @@ def test_every_format_through_offload_model_gives_ram_back_bitwise(env, variant)
         assert torch.equal(quantized.sample(env, model), want), "the run after giving RAM back differs ({})".format(way)
 
 
-@pytest.mark.parametrize("variant", quantized._variants())
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_every_format_through_offload_model_under_a_ram_ceiling(env, variant, monkeypatch):
     name = quantized_file(env, variant)
+    if variant == LEGACY:
+        skip_leaves_the_file_lacks(env, name)
     ref, ref_lora = refs(env, name)
     probe = offload_model(env, plain(env, name))
     staged = handle(probe).streamer.staged
