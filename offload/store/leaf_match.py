@@ -3,7 +3,8 @@
 A unit streams from the disk tier leaf by leaf, so every leaf needs a file tensor holding its bytes:
 
 - a plain tensor, under its own state-dict name (a common key prefix detected, a tied tensor under the name the
-  file keeps);
+  file keeps; leading parts of the unit's names the file lacks left out: a text encoder's `t5xxl.transformer.`
+  over a file of the encoder alone, where exactly one prefix of the file then holds the unit);
 - an inner tensor of a tensor subclass that flattens (`__tensor_flatten__`: comfy_kitchen's `QuantizedTensor`,
   whose payload ComfyUI stores as `<layer>.weight` and whose scales as `<layer>.weight_scale`, `weight_scale_2`,
   `weight_s_rel`, ... or the older `scale_weight`): one of the tensors stored beside the weight's own name, found by
@@ -29,7 +30,7 @@ import torch.nn as nn
 
 from ..model.layout import Leaf, TensorLayout
 from .file_keys import entry_name, non_persistent_buffer
-from .storage import CorruptFileError
+from .storage import CorruptFileError, strippable
 
 log = logging.getLogger("offload.store.staging")  # the messages keep the logger they always had
 
@@ -186,13 +187,14 @@ def _siblings(index: FileIndex, prefix: str, name: str) -> list[str]:
     return index.children.get(prefix + module_path if module_path else prefix.rstrip("."), [])
 
 
-def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]]) -> str | None:
+def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]], unique: bool = False) -> str | None:
     """The key prefix under which the file stores the unit: some tensor of the unit under its own name there, and
     every tensor under its name or among the tensors stored beside it (a quantized weight's scales, a tensor the
-    loader renamed: ComfyUI's `scale_input` is its `input_scale`)."""
+    loader renamed: ComfyUI's `scale_input` is its `input_scale`). `unique`: None where two prefixes would do."""
     if not names:
         return ""
     tried: list[str] = []
+    found: str | None = None
     for probe, _ in names:
         for prefix in index.prefixes(probe):
             if prefix in tried:
@@ -200,8 +202,26 @@ def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]]) -> str | None:
             tried.append(prefix)
             held = [prefix + n in index.file.tensors for n, _ in names]
             if any(held) and all(h or _siblings(index, prefix, n) for h, (n, _) in zip(held, names)):
-                return prefix
-    return None
+                if not unique:
+                    return prefix
+                if found is not None:
+                    return None  # held under several prefixes: which one is the model's cannot be told by name
+                found = prefix
+    return found
+
+
+def _unit_names(index: FileIndex, names: list[tuple[str, bool]]) -> tuple[str | None, list[tuple[str, bool]]]:
+    """(the prefix under which the file stores the unit, the unit's names there): the model's names, or without the
+    leading parts they all share that the file lacks (`storage.strippable`), where exactly one prefix holds them."""
+    prefix = _unit_prefix(index, names)
+    if prefix is not None:
+        return prefix, names
+    for k in range(1, strippable([n for n, _ in names]) + 1):
+        tails = [(n.split(".", k)[k], plain) for n, plain in names]
+        prefix = _unit_prefix(index, tails, unique=True)
+        if prefix is not None:
+            return prefix, tails
+    return None, names
 
 
 def unit_candidates(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
@@ -212,7 +232,7 @@ def unit_candidates(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module
     if non_persistent_buffer(layout) is not None:
         return None, f"holds the non-persistent buffer {non_persistent_buffer(layout)!r} (no checkpoint holds one)"
     names = [(entry_name(file, e, key_of), isinstance(e.recipe, int)) for e in layout.entries]
-    prefix = _unit_prefix(index, names)
+    prefix, names = _unit_names(index, names)
     if prefix is None:
         missing = next(n for n, plain in names if plain and not any(p + n in file.tensors for p in index.prefixes(n))) \
             if any(plain for _, plain in names) else names[0][0]

@@ -83,6 +83,7 @@ class PackedWeights:
     """A packed folder, read with the interface the engine uses on a SafetensorsFile."""
 
     match = SafetensorsFile.match
+    keys_for = SafetensorsFile.keys_for
     _prefixes = SafetensorsFile._prefixes
     aligned = SafetensorsFile.aligned
 

@@ -93,6 +93,7 @@ class HostTiers:
         u.mark = layout.version()
         quiesce(self.staged, self.backend)  # no read or copy may still use the pages about to be given back
         old.shared.drop_private_pages()
+        old.shared.copy.let_go.add(old.shared.index)  # this model no longer holds the unit in the shared copy
         log.info("%s was written in this process: it keeps a private copy; the other processes sharing its host copy "
                  "keep the original bytes", u.staged.name)
 
@@ -143,7 +144,9 @@ class HostTiers:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
         model's file holds their exact bytes (checked; a block of the host copy shared between processes only while
         no other process maps the copy: otherwise letting go of it frees nothing); returns the bytes freed, net of
-        any bounce buffers the disk tier needed (0 without a file). The caller holds the pass lock."""
+        any bounce buffers the disk tier needed (0 without a file). A block another model of this process still holds
+        in the shared copy is freed when that one lets it go too: it counts towards `nbytes` here but not in the bytes
+        returned (asked the same, that model frees it). The caller holds the pass lock."""
         staged = self.staged
         file = staged.file
         if file is None or nbytes <= 0:
@@ -156,10 +159,10 @@ class HostTiers:
                                                                reader.bounce_bytes * reader.count)
             if sum(u.nbytes for u in candidates) <= extra:
                 return 0  # moving every block could not even pay for the bounce buffers
-        freed = cost = 0
+        freed = cost = pending = 0
         refused: list[str] = []
         for u in candidates:
-            if freed - cost >= nbytes:
+            if freed + pending - cost >= nbytes:
                 break
             shared = unit_segment(u.staged)  # (copy, index): raw or encoded in the copy shared between processes
             if shared is not None and not shared[0].alone():
@@ -181,12 +184,16 @@ class HostTiers:
             u.mark = u.staged.layout.version()
             if shared is None or shared[0].give_back(shared[1]):
                 freed += held
+            else:
+                pending += held  # another model of this process still holds it: freed when that one lets it go
         if refused:
             log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
                         f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
-        if freed:
+        if freed or pending:
             self.worker.restart()  # copies queued from the old masters are replaced by reads of the file
-            log.info("moved %.1f MB of blocks to the disk tier (%s) to give RAM back", freed / 2 ** 20, file.path)
+            log.info("moved %.1f MB of blocks to the disk tier (%s) to give RAM back%s", (freed + pending) / 2 ** 20,
+                     file.path, f" ({pending / 2 ** 20:.1f} MB of them once the other models of this process holding "
+                                f"them in the shared copy let them go)" if pending else "")
         return max(0, freed - cost)
 
     @staticmethod
