@@ -147,6 +147,26 @@ def _graph_of(body: Dict[str, Any]) -> Dict[str, Any]:
     return graph
 
 
+def node_defs() -> Any:
+    """This ComfyUI's node definitions (NODE_CLASS_MAPPINGS, every pack loaded), asked per node type as a workflow
+    needs them, for reading the graph as this server will run it; None when the engine cannot take them."""
+    import sys
+
+    try:
+        from ..offload.predict import NodeDefs
+    except ImportError:
+        return None
+    comfy_nodes = sys.modules.get("nodes")  # ComfyUI's nodes.py, imported before any pack
+    classes = getattr(comfy_nodes, "NODE_CLASS_MAPPINGS", None)
+    if not isinstance(classes, dict):
+        from .common import log_once
+
+        log_once("workflow-plan:node-defs", "Layer Offload: ComfyUI's NODE_CLASS_MAPPINGS not found: workflows are "
+                 "read with the node definitions shipped with the pack")
+        return None
+    return NodeDefs.from_input_types(classes)
+
+
 def _planner() -> Callable[..., Any]:
     try:
         from ..offload.predict import plan_workflow
@@ -176,7 +196,7 @@ def plan_graph(body: Any) -> Dict[str, Any]:
         card, note = this_card()
     ram = free_ram_bytes()
     try:
-        plan = plan_workflow(graph, find_file, card=card, ram_bytes=ram)
+        plan = plan_workflow(graph, find_file, card=card, ram_bytes=ram, defs=node_defs())
     except (ValueError, KeyError, TypeError) as e:  # a graph the planner cannot read: its message, one line
         raise PlanRequestError(_one_line(e)) from None
     return {"plan": plan.to_dict(), "card": card.name, "card_note": note, "ram_bytes": ram, "cards": card_names()}

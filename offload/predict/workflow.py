@@ -35,6 +35,7 @@ from .header_costs import Tokens, diffusion_analysis, encoder_analysis, vae_deco
 from .model_files import ModelFileError, TensorInfo, read_tensor_infos
 from .model_kinds import FAMILIES, ModelDesc, describe, split_checkpoint
 from .prediction import CONTEXT_BYTES, Prediction, _profile_on_card, predict_profile
+from .comfy_nodes import MODEL_ROLES, NodeDefs
 from .workflow_graph import GraphFacts, LoaderRef, read_graph
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ class ModelPlan:
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     without_offloading: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    loader: str = ""  # the GraphFacts.loaders key it comes from (a checkpoint's parts share their loader's)
+    runs: bool = True  # False: the workflow names it but does not load it (muted, bypassed, an unused branch)
+    url: str | None = None  # where the workflow says to download it (properties.models)
+    directory: str | None = None
+    subgraph: str = ""
 
     @property
     def chosen(self) -> dict[str, Any]:
@@ -71,7 +77,8 @@ class ModelPlan:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("key", "role", "name", "path", "found", "family", "label", "dtype",
-                                           "file_bytes", "preset", "calls", "presets", "without_offloading", "notes")}
+                                           "file_bytes", "preset", "calls", "presets", "without_offloading", "notes",
+                                           "runs", "url", "directory", "subgraph")}
         d.update({k: self.chosen.get(k) for k in ("fits", "vram_bytes", "activation_bytes", "host_bytes",
                                                  "disk_bytes", "ms_per_call", "resident_ms_per_call")})
         return d
@@ -86,10 +93,11 @@ class WorkflowPlan:
     run: dict[str, Any]
     ram: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    graph: dict[str, Any] = field(default_factory=dict)  # how the workflow was read: {"read_whole", "unread", ...}
 
     def to_dict(self) -> dict[str, Any]:
         return _finite({"card": self.card, "models": [m.to_dict() for m in self.models], "run": self.run,
-                        "ram": self.ram, "notes": self.notes})
+                        "ram": self.ram, "notes": self.notes, "graph": self.graph})
 
 
 def _finite(value: Any) -> Any:
@@ -148,8 +156,10 @@ def _text_tokens(ref: LoaderRef, desc: ModelDesc) -> int:
 
 
 def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card: "Card | str | None" = None,
-                  ram_bytes: int | None = None, presets: Sequence[str] | None = None) -> WorkflowPlan:
-    """The workflow `graph` planned on `card` (see the module doc): headers read, nothing loaded."""
+                  ram_bytes: int | None = None, presets: Sequence[str] | None = None,
+                  defs: NodeDefs | None = None) -> WorkflowPlan:
+    """The workflow `graph` planned on `card` (see the module doc): headers read, nothing loaded. `defs`: the node
+    definitions to read it with (a running ComfyUI's; default the table shipped from ComfyUI's)."""
     notes: list[str] = []
     if card is None:
         notes.append(f"no card given: planned for {DEFAULT_CARD}")
@@ -160,18 +170,27 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
 
         ram_bytes = int(psutil.virtual_memory().available)
     names = list(presets) if presets else list(PRESETS)
-    facts = read_graph(graph)
+    facts = read_graph(graph, defs)
     notes.extend(facts.notes)
     models: dict[str, ModelPlan] = {}
     descs: dict[str, ModelDesc] = {}
     for key, ref in facts.loaders.items():
+        plan = ModelPlan(key, ref.role, ref.name, None, False, preset=_preset_of(ref, facts), loader=key,
+                         runs=ref.runs, url=ref.url, directory=ref.directory, subgraph=ref.subgraph)
+        models[key] = plan
+        if not ref.runs:
+            plan.notes.append(f"not loaded: {ref.why}")
+            continue
         path = find_file(ref.folder, ref.name)
         if path is None and ref.folder == "text_encoders":
             path = find_file("clip", ref.name)
-        plan = ModelPlan(key, ref.role, ref.name, path, path is not None, preset=_preset_of(ref, facts))
-        models[key] = plan
+        plan.path, plan.found = path, path is not None
         if path is None:
-            plan.notes.append(f"{ref.name} not found in {ref.folder}: not planned")
+            plan.notes.append(f"{ref.name} not found in {ref.folder}" +
+                              (f" (the workflow's download link: {ref.url})" if ref.url else "") + ": not planned")
+            continue
+        if ref.role not in MODEL_ROLES:
+            _whole_file(plan, path, card_obj)
             continue
         try:
             infos = _read(path, ref.role)
@@ -183,7 +202,8 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
         if ref.role == "checkpoint":
             parts = split_checkpoint(infos)
             for part, part_infos in parts.items():
-                sub = ModelPlan(f"{key}:{part}", part, ref.name, path, True, preset=plan.preset)
+                sub = ModelPlan(f"{key}:{part}", part, ref.name, path, True, preset=plan.preset, loader=key,
+                                url=ref.url, directory=ref.directory, subgraph=ref.subgraph)
                 models[sub.key] = sub
                 descs[sub.key] = _describe(sub, part_infos, ref.folder)
             del models[key]
@@ -197,7 +217,27 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
         notes.append(f"everything loaded at once needs {ram['needed_bytes'] / GIB:.1f} GiB of host RAM, "
                      f"{ram['free_bytes'] / GIB:.1f} GiB is free: {ram['disk_bytes'] / GIB:.1f} GiB would stream from "
                      f"the model files (the disk tier; presets that allow it)")
-    return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes)
+    graph_read = {"read_whole": facts.complete, "unread": facts.unread, "form": facts.form,
+                  "files": len(models), "files_loaded": sum(m.runs for m in models.values()),
+                  "samplers": len(facts.samplers), "samplers_not_run": facts.idle_samplers}
+    return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes, graph_read)
+
+
+def _whole_file(plan: ModelPlan, path: str, card: Card) -> None:
+    """A model ComfyUI loads whole and the plan does not stream (CLIP vision, ControlNet, upscaler, model patch,
+    audio VAE ...): its file's bytes in host RAM and on the card while it runs."""
+    try:
+        size = os.stat(path).st_size
+    except OSError as exc:
+        plan.found = False
+        plan.notes.append(f"{path}: {exc.strerror or exc}")
+        return
+    plan.file_bytes, plan.preset, plan.calls = size, "comfyui", 1
+    room = card.vram_bytes - CONTEXT_BYTES
+    plan.presets = {"comfyui": {"fits": size <= room, "vram_bytes": size, "activation_bytes": 0, "host_bytes": size,
+                                "disk_bytes": 0, "ms_per_call": None, "resident_ms_per_call": None}}
+    plan.notes.append(f"loaded whole by ComfyUI ({plan.role.replace('_', ' ')}): its file's bytes, not costed per "
+                      f"call")
 
 
 def _read(path: str, role: str) -> dict[str, TensorInfo]:
@@ -247,9 +287,8 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
         desc = descs.get(key)
         if desc is None or plan.role != "text_encoder":
             continue
-        loader = key.split(":")[0]
-        prompts = facts.text_encodes.get(loader, 0)
-        ref = facts.loaders.get(key) or facts.loaders.get(loader)
+        ref = facts.loaders.get(plan.loader)
+        prompts = facts.text_encodes.get(ref.node, 0) if ref is not None else 0
         tokens = _text_tokens(ref, desc) if ref is not None else desc.text_tokens
         _plan_model(plan, desc, encoder_analysis(desc, tokens), card, names, ram_bytes, plan.path is not None)
         plan.calls = prompts
@@ -259,10 +298,12 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
     # samplers: each on the diffusion model its model input comes from
     samplers_out = []
     for s in facts.samplers:
-        key = s.model_loader if s.model_loader in descs else f"{s.model_loader}:diffusion"
+        key = s.model_loader if s.model_loader in models else f"{s.model_loader}:diffusion"
         desc, plan = descs.get(key), models.get(key)
-        entry: dict[str, Any] = {"sampler": s.node, "model": key, "steps": s.steps, "cfg": s.cfg,
-                                 "width": s.width, "height": s.height, "frames": s.frames, "batch": s.batch}
+        entry: dict[str, Any] = {"sampler": s.node, "class_type": s.class_type, "model": key,
+                                 "model_file": plan.name if plan is not None else None, "steps": s.steps,
+                                 "total_steps": s.total_steps, "cfg": s.cfg, "width": s.width, "height": s.height,
+                                 "frames": s.frames, "batch": s.batch, "subgraph": s.subgraph}
         samplers_out.append(entry)
         if desc is None or plan is None or desc.role not in ("diffusion", "unknown"):
             entry["note"] = "its diffusion model was not found or not read: not costed"
@@ -352,7 +393,7 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
                                         "host_bytes": plan.file_bytes, "disk_bytes": 0, "ms_per_call": None,
                                         "resident_ms_per_call": None}}
     for key, plan in models.items():
-        ref = facts.loaders.get(key) or facts.loaders.get(key.split(":")[0])
+        ref = facts.loaders.get(plan.loader)
         if ref is not None and plan.role in ("diffusion", "text_encoder") and plan.found \
                 and ref.inputs.get("offloaded_by_pack") is False:
             plan.notes.append(f"loaded by ComfyUI's {ref.class_type} with no Offload Model / Offload CLIP after it: "
@@ -364,7 +405,7 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
             "peak_vram_bytes": max(peaks) if peaks else 0, "fits": fits,
             "complete": all(p.get("ms") is not None for p in phases) and all("note" not in x or "assumed" in x["note"]
                                                                               for x in samplers_out)
-            and all(m.found for m in models.values())}
+            and all(m.found for m in models.values() if m.runs)}
 
 
 def _ram(models: dict[str, ModelPlan], descs: dict[str, ModelDesc], ram_bytes: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ..store.header_check import read_json_file
+from ..store.header_check import open_regular, read_at, read_json_file
 from .workflow import WorkflowPlan, plan_workflow
 
 GIB = 1 << 30
@@ -22,7 +22,9 @@ GIB = 1 << 30
 # "unet_gguf" lists .gguf files in the same folders)
 FOLDERS = {"diffusion_models": ("diffusion_models", "unet"), "unet_gguf": ("diffusion_models", "unet"),
            "checkpoints": ("checkpoints",), "text_encoders": ("text_encoders", "clip"),
-           "clip": ("clip", "text_encoders"), "vae": ("vae",), "loras": ("loras",), "tts": ("tts",)}
+           "clip": ("clip", "text_encoders"), "clip_gguf": ("clip", "text_encoders"), "vae": ("vae", "vae_approx"),
+           "loras": ("loras",), "tts": ("tts",), "controlnet": ("controlnet", "t2i_adapter"),
+           "upscale_models": ("upscale_models",)}  # other kinds: the folder of the same name
 
 
 MAX_WORKFLOW_BYTES = 64 << 20  # a workflow's JSON (graphs with thousands of nodes are a few MB)
@@ -35,19 +37,23 @@ def read_workflow(path: str | os.PathLike) -> Any:
 
 
 def is_workflow(path: str | os.PathLike) -> bool:
-    """Whether `path` is a ComfyUI workflow (UI JSON with a nodes list, or API JSON of class_type nodes)."""
+    """Whether `path` is meant as a ComfyUI workflow: a .json file (not a model's config.json) whose first megabyte
+    names "nodes" (UI JSON), "class_type" (API JSON) or "prompt". Only that much is read here: a workflow too large
+    or too deep is then refused by `read_workflow` as a workflow, not taken for a model config."""
     p = Path(path)
     if p.suffix.lower() != ".json" or not p.is_file() or p.name == "config.json":
         return False
     try:
-        data = read_workflow(p)
+        fd = open_regular(p, "workflow")
     except ValueError:
         return False
-    if not isinstance(data, dict):
+    try:
+        head = read_at(fd, 0, min(os.fstat(fd).st_size, 1 << 20), p, "workflow")
+    except ValueError:
         return False
-    data = data.get("prompt", data) if isinstance(data.get("prompt"), dict) else data
-    return isinstance(data.get("nodes"), list) or any(isinstance(v, dict) and "class_type" in v
-                                                      for v in data.values())
+    finally:
+        os.close(fd)
+    return any(key in head for key in (b'"nodes"', b'"class_type"', b'"prompt"'))
 
 
 def models_dir_finder(roots: list[Path]) -> Callable[[str, str], str | None]:
@@ -111,7 +117,11 @@ def format_plan(plan: WorkflowPlan) -> str:
     lines.append("run:")
     for s in run["samplers"]:
         if "ms" not in s:
-            lines.append(f"  sampler {s['sampler']}: {s.get('note', '')}")
+            split = f" of {s['total_steps']}" if s.get("total_steps", s["steps"]) != s["steps"] else ""
+            size = f" at {s['width']}x{s['height']}" if s["width"] else ""
+            frames = f", {s['frames']} frames" if s["frames"] else ""
+            lines.append(f"  sampler {s['sampler']} ({s.get('class_type')}, {s.get('model_file') or 'no model'}): "
+                         f"{s['steps']}{split} steps, CFG {s['cfg']:g}{size}{frames}: {s.get('note', '')}")
             continue
         frames = f", {s['frames']} frames" if s["frames"] else ""
         batched = (", cond+uncond batched" if s["cond_uncond_batched"] else
@@ -128,13 +138,20 @@ def format_plan(plan: WorkflowPlan) -> str:
         lines.append(f"  total {_secs(run['total_ms'])}; peak VRAM {_gib(run['peak_vram_bytes'])} GiB (with the CUDA "
                      f"context); {'fits' if run['fits'] else 'does NOT fit with the presets chosen'}")
     else:
-        lines.append(f"  INCOMPLETE: {sum(not m['found'] for m in d['models'])} model file(s) not found or not read; "
+        lines.append(f"  INCOMPLETE: {sum(m['runs'] and not m['found'] for m in d['models'])} model file(s) not found "
+                     f"or not read; "
                      f"what was costed takes {_secs(run['total_ms'])}, peak VRAM {_gib(run['peak_vram_bytes'])} GiB")
     ram = d["ram"]
     lines.append(f"host RAM: {_gib(ram['needed_bytes'])} GiB for everything loaded at once, {_gib(ram['free_bytes'])} "
                  f"GiB free" + (f"; {_gib(ram['disk_bytes'])} GiB to the disk tier" if ram["disk_bytes"] else "")
                  + (f"; {_gib(ram['short_bytes'])} GiB short" if ram["short_bytes"] else ""))
     lines += [f"note: {n}" for n in d["notes"]]
+    g = d.get("graph") or {}
+    if g.get("read_whole"):
+        lines.append(f"workflow read whole ({g['form']} JSON): {g['files']} model file(s) named, {g['files_loaded']} "
+                     f"loaded by this run, {g['samplers']} sampler(s)")
+    elif g:
+        lines += [f"workflow NOT read whole: {u}" for u in g.get("unread") or []]
     return "\n".join(lines)
 
 
@@ -145,7 +162,7 @@ def run(args: argparse.Namespace, card: Any, ram: int | None, out: Callable[[str
     roots = [Path(d).expanduser() for d in (args.models_dir or [])] or [path.parent / "models", Path("models")]
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
     plan = plan_workflow(graph, models_dir_finder(roots), card, ram, presets=presets)
-    if any(not m.found for m in plan.models):
+    if any(m.runs and not m.found for m in plan.models):
         plan.notes.append(f"model files were looked for under {', '.join(str(r) for r in roots)} (ComfyUI's layout); "
                           f"pass --models-dir with your ComfyUI models folder")
     if args.json:

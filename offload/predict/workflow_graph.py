@@ -1,114 +1,54 @@
-"""A ComfyUI workflow read for planning: API JSON as is, UI JSON converted to API form (links followed, widget values
-named by each node type's widget order), then what the plan needs found in it: the loaders and their files, each
-sampler's steps / CFG / the model and LoRAs it runs / its latent's size and frames, the text encodes per text
-encoder, the VAE decodes (tiled or not) and the TTS generations.
+"""What a ComfyUI workflow runs, as the plan needs it: every model file it loads (and those it names but does not
+run: a muted or bypassed loader, a LoRA behind a switch that is off), each sampler's steps / CFG / the model and
+LoRAs it runs / its latent's size and frames, the text encodes per text encoder, the VAE decodes and the TTS runs.
 
-Only node types whose inputs are known here are read (ComfyUI's core loaders, samplers and empty latents, the pack's
-loaders, ComfyUI-GGUF's loaders); any other node is passed through when tracing a model, clip, vae or latent input.
+The graph is read as ComfyUI runs it (`workflow_read.flatten`: subgraphs, reroutes, primitives, muted and bypassed
+nodes) and its value nodes evaluated (`workflow_values.Values`: primitives, switches, math); `GraphFacts.unread`
+says what could not be read whole (a loader whose file name is computed at run time, a sampler whose model could
+not be traced).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-# node type -> its widget names in the order UI JSON stores `widgets_values` ("control_after_generate" is the UI-only
-# value after a seed). From ComfyUI's nodes.py / comfy_extras (INPUT_TYPES order), ComfyUI-GGUF's nodes.py and
-# this pack's nodes/.
-WIDGETS: dict[str, tuple[str, ...]] = {
-    "KSampler": ("seed", "control_after_generate", "steps", "cfg", "sampler_name", "scheduler", "denoise"),
-    "KSamplerAdvanced": ("add_noise", "noise_seed", "control_after_generate", "steps", "cfg", "sampler_name",
-                         "scheduler", "start_at_step", "end_at_step", "return_with_leftover_noise"),
-    "SamplerCustom": ("add_noise", "noise_seed", "control_after_generate", "cfg"),
-    "BasicScheduler": ("scheduler", "steps", "denoise"),
-    "CFGGuider": ("cfg",),
-    "UNETLoader": ("unet_name", "weight_dtype"),
-    "UnetLoaderGGUF": ("unet_name",),
-    "UnetLoaderGGUFAdvanced": ("unet_name", "dequant_dtype", "patch_dtype", "patch_on_device"),
-    "CheckpointLoaderSimple": ("ckpt_name",),
-    "CLIPLoader": ("clip_name", "type", "device"),
-    "DualCLIPLoader": ("clip_name1", "clip_name2", "type", "device"),
-    "TripleCLIPLoader": ("clip_name1", "clip_name2", "clip_name3"),
-    "QuadrupleCLIPLoader": ("clip_name1", "clip_name2", "clip_name3", "clip_name4"),
-    "CLIPLoaderGGUF": ("clip_name", "type"),
-    "DualCLIPLoaderGGUF": ("clip_name1", "clip_name2", "type"),
-    "TripleCLIPLoaderGGUF": ("clip_name1", "clip_name2", "clip_name3"),
-    "QuadrupleCLIPLoaderGGUF": ("clip_name1", "clip_name2", "clip_name3", "clip_name4"),
-    "VAELoader": ("vae_name",),
-    "LoraLoader": ("lora_name", "strength_model", "strength_clip"),
-    "LoraLoaderModelOnly": ("lora_name", "strength_model"),
-    "OffloadDiffusionModelLoader": ("unet_name", "weight_dtype", "preset", "priority", "devices"),
-    "OffloadCheckpointLoader": ("ckpt_name", "preset", "priority", "devices"),
-    "OffloadModel": ("preset", "priority", "devices"),
-    "OffloadCLIP": ("preset", "priority", "devices"),
-    "OffloadTTSLoader": ("model_name", "preset", "priority", "dtype", "kv_offload"),
-    "OffloadTTSGenerate": ("text", "seed", "control_after_generate", "cfg_scale", "diffusion_steps",
-                           "max_new_tokens", "voice_text", "temperature", "top_k", "top_p"),
-    "OffloadVramBudget": ("budget_gb", "mode", "per_device"),
-    "EmptyLatentImage": ("width", "height", "batch_size"),
-    "EmptySD3LatentImage": ("width", "height", "batch_size"),
-    "EmptyFlux2LatentImage": ("width", "height", "batch_size"),
-    "EmptyHunyuanImageLatent": ("width", "height", "batch_size"),
-    "EmptyHunyuanLatentVideo": ("width", "height", "length", "batch_size"),
-    "EmptyHunyuanVideo15Latent": ("width", "height", "length", "batch_size"),
-    "EmptyLTXVLatentVideo": ("width", "height", "length", "batch_size"),
-    "EmptyMochiLatentVideo": ("width", "height", "length", "batch_size"),
-    "EmptyCosmosLatentVideo": ("width", "height", "length", "batch_size"),
-    "Wan22ImageToVideoLatent": ("width", "height", "length", "batch_size"),
-    "WanImageToVideo": ("width", "height", "length", "batch_size"),
-    "WanFirstLastFrameToVideo": ("width", "height", "length", "batch_size"),
-    "HunyuanImageToVideo": ("width", "height", "length", "batch_size"),
-    "LTXVImgToVideo": ("width", "height", "length", "batch_size", "strength"),
-    "VAEDecodeTiled": ("tile_size", "overlap", "temporal_size", "temporal_overlap"),
-    "ModelSamplingSD3": ("shift",),
-    "CLIPTextEncode": ("text",),
-}
+from .comfy_nodes import DIRECTORY_KINDS, LOADERS, NodeDefs
+from .workflow_flat import FlatGraph, FlatNode, WorkflowError, is_link
+from .workflow_read import flatten
+from .workflow_values import UNKNOWN, Values
 
-# loader type -> (the widget holding its file, the folder kind `find_file` is asked, what it loads)
-LOADERS: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "UNETLoader": (("unet_name", "diffusion_models", "diffusion"),),
-    "OffloadDiffusionModelLoader": (("unet_name", "diffusion_models", "diffusion"),),
-    "UnetLoaderGGUF": (("unet_name", "unet_gguf", "diffusion"),),
-    "UnetLoaderGGUFAdvanced": (("unet_name", "unet_gguf", "diffusion"),),
-    "CheckpointLoaderSimple": (("ckpt_name", "checkpoints", "checkpoint"),),
-    "OffloadCheckpointLoader": (("ckpt_name", "checkpoints", "checkpoint"),),
-    "VAELoader": (("vae_name", "vae", "vae"),),
-    "LoraLoader": (("lora_name", "loras", "lora"),),
-    "LoraLoaderModelOnly": (("lora_name", "loras", "lora"),),
-    "OffloadTTSLoader": (("model_name", "tts", "tts"),),
-}
-for _t in ("CLIPLoader", "CLIPLoaderGGUF"):
-    LOADERS[_t] = (("clip_name", "text_encoders", "text_encoder"),)
-for _t, _n in (("DualCLIPLoader", 2), ("TripleCLIPLoader", 3), ("QuadrupleCLIPLoader", 4), ("DualCLIPLoaderGGUF", 2),
-               ("TripleCLIPLoaderGGUF", 3), ("QuadrupleCLIPLoaderGGUF", 4)):
-    LOADERS[_t] = tuple((f"clip_name{i}", "text_encoders", "text_encoder") for i in range(1, _n + 1))
+__all__ = ["WorkflowError", "LoaderRef", "SamplerRef", "GraphFacts", "read_graph", "to_api", "LOADERS"]
 
 SAMPLERS = ("KSampler", "KSamplerAdvanced", "SamplerCustom", "SamplerCustomAdvanced")
 TEXT_ENCODES = ("CLIPTextEncode", "CLIPTextEncodeFlux", "CLIPTextEncodeSD3", "CLIPTextEncodeSDXL",
                 "TextEncodeQwenImageEdit", "TextEncodeQwenImageEditPlus", "CLIPTextEncodeHunyuanDiT",
                 "TextEncodeHunyuanVideo_ImageToVideo", "CLIPTextEncodeLumina2")
 VAE_DECODES = ("VAEDecode", "VAEDecodeTiled", "VAEDecodeHunyuan3D")
-_MUTED = (2, 4)  # UI node modes: never, bypass
-
-
-class WorkflowError(ValueError):
-    """A graph the plan cannot read: says what is wrong with it."""
+DIRECTORY_ROLES = {"diffusion_models": "diffusion", "unet": "diffusion", "text_encoders": "text_encoder",
+                   "clip": "text_encoder", "vae": "vae", "loras": "lora", "checkpoints": "checkpoint"}
+LATENT_INPUTS = ("latent_image", "samples", "latent", "video_latent")
 
 
 @dataclass
 class LoaderRef:
     node: str
     class_type: str
-    role: str  # diffusion | checkpoint | text_encoder | vae | lora | tts
+    role: str  # diffusion | checkpoint | text_encoder | vae | audio_vae | lora | tts | clip_vision | controlnet ...
     folder: str  # the folder kind `find_file` is asked
     name: str
     inputs: dict[str, Any] = field(default_factory=dict)
+    runs: bool = True  # False: muted, bypassed, or not needed by any output (why says which)
+    why: str = ""
+    url: str | None = None  # the template's download link (properties.models), where it gives one
+    directory: str | None = None
+    subgraph: str = ""  # the subgraphs it is inside ("Text to Video(Wan2.2)"), "" at the top level
 
 
 @dataclass
 class SamplerRef:
     node: str
     class_type: str
-    steps: int  # steps this sampler runs (end - start for KSamplerAdvanced)
+    steps: int  # steps this sampler runs (end - start for KSamplerAdvanced, a split of the sigmas)
     total_steps: int
     cfg: float
     model_loader: str | None  # node id of the diffusion / checkpoint loader its model comes from
@@ -119,6 +59,7 @@ class SamplerRef:
     frames: int | None = None
     batch: int = 1
     denoise: float = 1.0
+    subgraph: str = ""
 
 
 @dataclass
@@ -131,194 +72,271 @@ class GraphFacts:
     decodes: list[dict[str, Any]]  # {"vae": loader node, "tiled": bool, "tile": px, "temporal": frames}
     tts: list[dict[str, Any]]  # {"loader": node, "max_new_tokens": n, "diffusion_steps": n, "cfg": x}
     notes: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)  # what keeps the graph from being read whole
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> the template's {url, directory}
+    form: str = "api"
+    idle_samplers: list[dict[str, Any]] = field(default_factory=list)  # {"node", "class_type", "why"}: never run
+
+    @property
+    def complete(self) -> bool:
+        return not self.unread
 
 
-def to_api(graph: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """API form {id: {"class_type", "inputs"}} of an API or UI (`nodes` + `links`) workflow, or {"prompt": api}."""
-    if not isinstance(graph, dict):
-        raise WorkflowError(f"a workflow is a JSON object, got {type(graph).__name__}")
-    if isinstance(graph.get("prompt"), dict):
-        graph = graph["prompt"]
-    if isinstance(graph.get("nodes"), list):
-        return _ui_to_api(graph)
-    api = {str(k): v for k, v in graph.items() if isinstance(v, dict) and "class_type" in v}
-    if not api:
-        raise WorkflowError("neither ComfyUI API JSON (nodes with class_type) nor UI JSON (a nodes list)")
-    return api
+def to_api(graph: dict[str, Any], defs: NodeDefs | None = None) -> dict[str, dict[str, Any]]:
+    """API form {id: {"class_type", "inputs"}} of an API or UI workflow, as ComfyUI's frontend would queue it."""
+    return flatten(graph, defs).api()
 
 
-def _ui_to_api(graph: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    links: dict[Any, tuple[str, int]] = {}
-    for link in graph.get("links") or []:
-        if isinstance(link, list) and len(link) >= 5:
-            links[link[0]] = (str(link[1]), int(link[2]))
-        elif isinstance(link, dict) and "id" in link:
-            links[link["id"]] = (str(link.get("origin_id")), int(link.get("origin_slot", 0)))
-    api: dict[str, dict[str, Any]] = {}
-    for node in graph["nodes"]:
-        if not isinstance(node, dict) or "type" not in node:
-            continue
-        ctype = str(node["type"])
-        inputs: dict[str, Any] = {}
-        values = node.get("widgets_values")
-        if isinstance(values, dict):
-            inputs.update(values)
-        elif isinstance(values, list):
-            names = WIDGETS.get(ctype)
-            if names is None:  # widgets named by the node's own inputs list, where the UI records them
-                names = tuple(i["widget"]["name"] for i in node.get("inputs") or []
-                              if isinstance(i, dict) and isinstance(i.get("widget"), dict))
-            inputs.update({n: v for n, v in zip(names, values) if n != "control_after_generate"})
-        for inp in node.get("inputs") or []:
-            if isinstance(inp, dict) and inp.get("link") is not None and inp.get("link") in links:
-                inputs[str(inp.get("name"))] = list(links[inp["link"]])
-        api[str(node.get("id"))] = {"class_type": ctype, "inputs": inputs, "mode": node.get("mode", 0)}
-    return api
+class _Reader:
+    def __init__(self, flat: FlatGraph, defs: NodeDefs) -> None:
+        self.flat, self.defs = flat, defs
+        self.values = Values(flat, defs)
+        self.runs = self.values.reached()
+        self.unread: list[str] = list(dict.fromkeys(flat.broken))
+        self._branches: set[str] | None = None
 
+    def node(self, link: Any) -> FlatNode | None:
+        return self.flat.nodes.get(link[0]) if is_link(link) else None
 
-def _link(value: Any) -> str | None:
-    return str(value[0]) if isinstance(value, list) and len(value) == 2 and isinstance(value[1], int) else None
-
-
-class _Graph:
-    def __init__(self, api: dict[str, dict[str, Any]]) -> None:
-        self.api = api
-
-    def node(self, nid: str | None) -> dict[str, Any] | None:
-        return self.api.get(nid) if nid is not None else None
-
-    def trace(self, nid: str, names: tuple[str, ...], stop: Any, seen: set[str] | None = None) -> list[str]:
-        """Node ids upstream of `nid` through inputs named `names` until `stop(node)`; the path, `stop`'s last."""
-        seen = seen if seen is not None else set()
+    def upstream(self, link: Any, kind: str, stop: Callable[[FlatNode], bool]) -> list[str]:
+        """Node ids from `link` upstream along inputs of type `kind` (switches taken as they go) until `stop`."""
         path: list[str] = []
-        current: str | None = nid
-        while current is not None and current not in seen:
-            seen.add(current)
-            node = self.api.get(current)
-            if node is None:
+        seen: set[str] = set()
+        names = {"MODEL": ("model",), "CLIP": ("clip",), "VAE": ("vae",), "LATENT": LATENT_INPUTS,
+                 "SIGMAS": ("sigmas",), "GUIDER": ("guider",)}.get(kind, (kind.lower(),))
+        while is_link(link):
+            link = self.values.route(link)
+            node = self.node(link)
+            if node is None or node.id in seen:
                 break
-            path.append(current)
-            if current != nid and stop(node):
-                return path
-            ins = node.get("inputs", {})
-            current = next((_link(ins[n]) for n in names if _link(ins.get(n))), None)
+            seen.add(node.id)
+            path.append(node.id)
+            if stop(node):
+                break
+            ins = node.inputs
+            nxt = next((ins[n] for n in names if is_link(ins.get(n))), None)
+            if nxt is None:
+                nxt = next((v for n, v in ins.items() if is_link(v) and self.defs.input_type(node.class_type, n)
+                            == kind), None)
+            link = nxt
         return path
 
+    def loaders(self) -> dict[str, LoaderRef]:
+        found: dict[str, LoaderRef] = {}
+        for nid, node in list(self.flat.nodes.items()) + list(self.flat.skipped.items()):
+            declared = {m.get("name"): m for m in node.properties.get("models") or [] if isinstance(m, dict)}
+            table = LOADERS.get(node.class_type)
+            if table is None:  # a loader this reader does not know: the template names its file and folder
+                table = tuple((w, DIRECTORY_KINDS.get(str(m.get("directory")), str(m.get("directory"))),
+                               DIRECTORY_ROLES.get(str(m.get("directory")), str(m.get("directory"))))
+                              for w, v in node.inputs.items() if isinstance(v, str) and (m := declared.get(v)))
+            for widget, folder, role in table:
+                raw = node.inputs.get(widget)
+                name = self.values.value(raw)
+                if not isinstance(name, str) or not name:
+                    if node.id in self.runs:
+                        self.unread.append(f"{node.class_type} {self.flat.where(nid)}: its {widget} is "
+                                           f"{'set when it runs' if name is UNKNOWN else 'empty'}")
+                    continue
+                key = nid if len(table) == 1 else f"{nid}:{widget}"
+                ref = LoaderRef(nid, node.class_type, role, folder, name,
+                                {k: self.values.value(v) for k, v in node.inputs.items() if not is_link(v)})
+                ref.runs, ref.why = self._runs(node)
+                entry = declared.get(name)
+                if entry is not None:
+                    ref.url = entry.get("url") if isinstance(entry.get("url"), str) else None
+                    ref.directory = entry.get("directory") if isinstance(entry.get("directory"), str) else None
+                ref.subgraph = self._subgraph(node)
+                found[key] = ref
+        return found
 
-def _preset_from_path(api: dict[str, dict[str, Any]], path: list[str], loaders: dict[str, LoaderRef],
-                      offload_type: str) -> None:
+    def _runs(self, node: FlatNode) -> tuple[bool, str]:
+        if node.mode == 2:
+            return False, "muted"
+        if node.mode == 4:
+            return False, "bypassed"
+        if node.id not in self.runs:
+            if self._branches is None:
+                self._branches = self.values.reached(every_branch=True)
+            if node.id in self._branches:
+                return False, "a switch takes the other branch"
+            return False, "no output node needs it (not connected to one)"
+        return True, ""
+
+    def _subgraph(self, node: FlatNode) -> str:
+        return " > ".join(self.flat.subgraphs.get(":".join(node.path[:i + 1]), "?") for i in range(len(node.path)))
+
+    def num(self, v: Any, default: float) -> float:
+        x = self.values.number(v)
+        return default if x is None else x
+
+
+def _role(node: FlatNode | None, loaders: dict[str, LoaderRef]) -> str | None:
+    if node is None:
+        return None
+    ref = loaders.get(node.id) or next((r for k, r in loaders.items() if r.node == node.id), None)
+    return ref.role if ref is not None else None
+
+
+def read_graph(graph: dict[str, Any], defs: NodeDefs | None = None) -> GraphFacts:
+    """The loaders, samplers, text encodes, decodes and TTS runs of a workflow (API or UI JSON)."""
+    defs = defs or NodeDefs()
+    flat = flatten(graph, defs)
+    r = _Reader(flat, defs)
+    loaders = r.loaders()
+    run = [n for nid, n in flat.nodes.items() if nid in r.runs]
+    is_model = lambda n: _role(n, loaders) in ("diffusion", "checkpoint")  # noqa: E731
+    samplers = [_sampler(r, node, loaders, is_model) for node in run if node.class_type in SAMPLERS]
+    for s in samplers:
+        if s.model_loader is not None:
+            _preset_from_path(flat, s.path, loaders, "OffloadModel")
+        else:
+            r.unread.append(f"{s.class_type} {flat.where(s.node)}: its model could not be traced to a loader")
+    text_encodes: dict[str, int] = {}
+    for node in run:
+        if node.class_type in TEXT_ENCODES or ("clip" in node.inputs and "text" in node.inputs):
+            path = r.upstream(node.inputs.get("clip"), "CLIP",
+                              lambda n: _role(n, loaders) in ("text_encoder", "checkpoint"))
+            if path and _role(flat.nodes[path[-1]], loaders) in ("text_encoder", "checkpoint"):
+                text_encodes[path[-1]] = text_encodes.get(path[-1], 0) + 1
+                _preset_from_path(flat, [node.id] + path, loaders, "OffloadCLIP")
+    decodes = []
+    for node in run:
+        if node.class_type in VAE_DECODES:
+            path = r.upstream(node.inputs.get("vae"), "VAE", lambda n: _role(n, loaders) in ("vae", "checkpoint"))
+            ins = node.inputs
+            found = bool(path) and _role(flat.nodes[path[-1]], loaders) in ("vae", "checkpoint")
+            up = r.upstream(ins.get("samples"), "LATENT", lambda n: n.class_type in SAMPLERS)
+            decodes.append({"node": node.id, "vae": path[-1] if found else None,
+                            "sampler": up[-1] if up and flat.nodes[up[-1]].class_type in SAMPLERS else None,
+                            "tiled": node.class_type == "VAEDecodeTiled", "tile": int(r.num(ins.get("tile_size"), 512)),
+                            "temporal": int(r.num(ins.get("temporal_size"), 64))})
+    tts = [{"node": n.id, "loader": n.inputs["tts_model"][0] if is_link(n.inputs.get("tts_model")) else None,
+            "max_new_tokens": int(r.num(n.inputs.get("max_new_tokens"), 1024)),
+            "diffusion_steps": int(r.num(n.inputs.get("diffusion_steps"), 10)),
+            "cfg": r.num(n.inputs.get("cfg_scale"), 1.0)} for n in run if n.class_type == "OffloadTTSGenerate"]
+    notes = list(flat.notes) + r.values.notes
+    if not samplers and not tts:
+        notes.append("no sampler (KSampler, KSamplerAdvanced, SamplerCustom[Advanced]) or TTS generate node runs: "
+                     "the models are planned, the run is not")
+    declared: dict[str, dict[str, Any]] = {}
+    for node in list(flat.nodes.values()) + list(flat.skipped.values()):
+        for m in node.properties.get("models") or []:
+            if isinstance(m, dict) and isinstance(m.get("name"), str):
+                declared.setdefault(m["name"], {"url": m.get("url"), "directory": m.get("directory")})
+    idle = [{"node": n.id, "class_type": n.class_type, "why": r._runs(n)[1]}
+            for n in list(flat.nodes.values()) + list(flat.skipped.values())
+            if n.class_type in SAMPLERS and not r._runs(n)[0]]
+    return GraphFacts(loaders, samplers, text_encodes, decodes, tts, notes, r.unread, declared, flat.form, idle)
+
+
+def _preset_from_path(flat: FlatGraph, path: list[str], loaders: dict[str, LoaderRef], offload_type: str) -> None:
     """An Offload Model / Offload CLIP node between a loader and its user sets the loader's preset; a core loader
     with none is marked as loaded by ComfyUI itself (`offloaded_by_pack` False)."""
-    offload = next((nid for nid in path if api[nid]["class_type"] == offload_type
-                    and isinstance(api[nid]["inputs"].get("preset"), str)), None)
+    offload = next((flat.nodes[nid] for nid in path if flat.nodes[nid].class_type == offload_type
+                    and isinstance(flat.nodes[nid].inputs.get("preset"), str)), None)
     for ref in loaders.values():
         if ref.node != path[-1]:
             continue
         if offload is not None and "preset" not in ref.inputs:
-            ref.inputs["preset"] = api[offload]["inputs"]["preset"]
+            ref.inputs["preset"] = offload.inputs["preset"]
         ref.inputs.setdefault("offloaded_by_pack", offload is not None or ref.class_type.startswith("Offload"))
 
 
-def _role(node: dict[str, Any]) -> str | None:
-    found = LOADERS.get(node["class_type"])
-    return found[0][2] if found else None
-
-
-def _num(value: Any, default: float) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def read_graph(graph: dict[str, Any]) -> GraphFacts:
-    """The loaders, samplers, text encodes, decodes and TTS runs of a workflow (API or UI JSON)."""
-    # a muted node (mode 2) is gone; a bypassed one (mode 4) passes its inputs through: kept for tracing, never run
-    api = {k: v for k, v in to_api(graph).items() if v.get("mode", 0) != 2}
-    g = _Graph(api)
-    loaders: dict[str, LoaderRef] = {}
-    notes: list[str] = []
-    definitions = graph.get("definitions") if isinstance(graph, dict) else None
-    if isinstance(definitions, dict) and definitions.get("subgraphs"):
-        notes.append("the workflow has subgraphs: nodes inside them are not planned (convert them to nodes first)")
-    for nid, node in api.items():
-        ctype = node["class_type"]
-        if node.get("mode", 0) in _MUTED:
+def _sigmas_steps(r: _Reader, link: Any) -> tuple[int | None, int | None, float]:
+    """(steps the sigmas run, the schedule's total steps, denoise) of a SIGMAS input: a scheduler's steps, a manual
+    list's length, or one part of SplitSigmas / SplitSigmasDenoise (two experts on one schedule)."""
+    parts: list[tuple[str, int, float]] = []  # (split kind, output slot, its value), outermost last
+    seen: set[str] = set()
+    while is_link(link):
+        link = r.values.route(link)
+        node = r.node(link)
+        if node is None or node.id in seen:
+            return None, None, 1.0
+        seen.add(node.id)
+        ins = node.inputs
+        if node.class_type in ("SplitSigmas", "SplitSigmasDenoise"):
+            key = "step" if node.class_type == "SplitSigmas" else "denoise"
+            parts.append((node.class_type, link[1], r.num(ins.get(key), 0 if key == "step" else 1.0)))
+            link = ins.get("sigmas")
             continue
-        for widget, folder, role in LOADERS.get(ctype, ()):
-            name = node["inputs"].get(widget)
-            if isinstance(name, str) and name:
-                key = nid if len(LOADERS[ctype]) == 1 else f"{nid}:{widget}"
-                loaders[key] = LoaderRef(nid, ctype, role, folder, name, dict(node["inputs"]))
-    is_model_loader = lambda n: _role(n) in ("diffusion", "checkpoint")  # noqa: E731
-    samplers = [_sampler(g, nid, node, is_model_loader) for nid, node in api.items()
-                if node["class_type"] in SAMPLERS and node.get("mode", 0) not in _MUTED]
-    for s in samplers:
-        if s.model_loader is not None:
-            _preset_from_path(api, s.path, loaders, "OffloadModel")
-    text_encodes: dict[str, int] = {}
-    for nid, node in api.items():
-        if node["class_type"] in TEXT_ENCODES or ("clip" in node.get("inputs", {}) and "text" in node["inputs"]):
-            path = g.trace(nid, ("clip",), lambda n: _role(n) in ("text_encoder", "checkpoint"))
-            if len(path) > 1 and _role(api[path[-1]]) in ("text_encoder", "checkpoint"):
-                text_encodes[path[-1]] = text_encodes.get(path[-1], 0) + 1
-                _preset_from_path(api, path, loaders, "OffloadCLIP")
-    decodes = []
-    for nid, node in api.items():
-        if node["class_type"] in VAE_DECODES:
-            path = g.trace(nid, ("vae",), lambda n: _role(n) in ("vae", "checkpoint"))
-            ins = node["inputs"]
-            found = len(path) > 1 and _role(api[path[-1]]) in ("vae", "checkpoint")
-            up = g.trace(nid, ("samples", "latent", "latent_image"), lambda n: n["class_type"] in SAMPLERS)
-            decodes.append({"node": nid, "vae": path[-1] if found else None,
-                            "sampler": up[-1] if len(up) > 1 and api[up[-1]]["class_type"] in SAMPLERS else None,
-                             "tiled": node["class_type"] == "VAEDecodeTiled",
-                             "tile": int(_num(ins.get("tile_size"), 512)),
-                             "temporal": int(_num(ins.get("temporal_size"), 64))})
-    tts = [{"node": nid, "loader": _link(node["inputs"].get("tts_model")),
-            "max_new_tokens": int(_num(node["inputs"].get("max_new_tokens"), 1024)),
-            "diffusion_steps": int(_num(node["inputs"].get("diffusion_steps"), 10)),
-            "cfg": _num(node["inputs"].get("cfg_scale"), 1.0)}
-           for nid, node in api.items() if node["class_type"] == "OffloadTTSGenerate"]
-    if not samplers and not tts:
-        notes.append("no sampler (KSampler, KSamplerAdvanced, SamplerCustom[Advanced]) or TTS generate node found: "
-                     "the models are planned, the run is not")
-    return GraphFacts(loaders, samplers, text_encodes, decodes, tts, notes)
+        if node.class_type == "ManualSigmas":
+            text = r.values.value(ins.get("sigmas"))
+            total = len([x for x in str(text).replace(",", " ").split() if x.strip()]) - 1 \
+                if isinstance(text, str) else None
+            denoise = 1.0
+        elif "steps" in ins:
+            x = r.values.number(ins.get("steps"))
+            total = int(x) if x is not None else None
+            denoise = r.num(ins.get("denoise"), 1.0)
+        else:
+            link = ins.get("sigmas")  # a node that reshapes the schedule (flip, shift, first sigma)
+            continue
+        if total is None:
+            return None, None, denoise
+        steps = total
+        for kind, slot, value in reversed(parts):  # innermost split first
+            if kind == "SplitSigmas":
+                cut = max(0, min(int(value), steps))
+                steps = cut if slot == 0 else steps - cut
+            else:
+                low = round(steps * value)
+                steps = steps - low if slot == 0 else low
+        return max(steps, 0), total, denoise
+    return None, None, 1.0
 
 
-def _sampler(g: _Graph, nid: str, node: dict[str, Any], is_model_loader: Any) -> SamplerRef:
-    ins = dict(node["inputs"])
-    model_from = nid
-    if node["class_type"] == "SamplerCustomAdvanced":  # steps in the scheduler (sigmas), CFG in the guider
-        guider = g.node(_link(ins.get("guider")))
-        sched = g.node(_link(ins.get("sigmas")))
+def _sampler(r: _Reader, node: FlatNode, loaders: dict[str, LoaderRef], is_model: Any) -> SamplerRef:
+    ins = dict(node.inputs)
+    model_link = ins.get("model")
+    cfg: Any = ins.get("cfg", 1.0)
+    steps_total: tuple[int | None, int | None, float] | None = None
+    if node.class_type == "SamplerCustomAdvanced":  # steps in the sigmas, CFG and the model in the guider
+        guider = r.node(r.values.route(ins.get("guider")))
         if guider is not None:
-            ins["cfg"] = guider["inputs"].get("cfg", 1.0)
-            model_from = _link(ins.get("guider")) or nid
-        if sched is not None:
-            ins["steps"] = sched["inputs"].get("steps", 20)
-            ins["denoise"] = sched["inputs"].get("denoise", 1.0)
-    elif node["class_type"] == "SamplerCustom":
-        sched = g.node(_link(ins.get("sigmas")))
-        ins["steps"] = sched["inputs"].get("steps", 20) if sched is not None else 20
-    total = int(_num(ins.get("steps"), 20))
-    steps = total
-    if node["class_type"] == "KSamplerAdvanced":
-        start = int(_num(ins.get("start_at_step"), 0))
-        end = min(int(_num(ins.get("end_at_step"), total)), total)
-        steps = max(0, end - start)
-    path = g.trace(model_from, ("model",), is_model_loader)
-    loader = path[-1] if len(path) > 1 and is_model_loader(g.api[path[-1]]) else None
-    loras = [p for p in reversed(path) if _role(g.api[p]) == "lora"  # in the order they apply; bypassed ones not
-             and g.api[p].get("mode", 0) not in _MUTED]
-    ref = SamplerRef(nid, node["class_type"], steps, total, _num(ins.get("cfg"), 1.0), loader, loras, path,
-                     denoise=_num(ins.get("denoise"), 1.0))
-    lat = g.trace(nid, ("latent_image", "samples", "latent", "latent_image"),
-                  lambda n: "width" in n.get("inputs", {}) and "height" in n["inputs"])
-    src = g.node(lat[-1]) if len(lat) > 1 else None
-    if src is not None and "width" in src["inputs"]:
-        si = src["inputs"]
-        ref.width, ref.height = int(_num(si.get("width"), 0)) or None, int(_num(si.get("height"), 0)) or None
-        ref.frames = int(_num(si["length"], 1)) if "length" in si else None
-        ref.batch = max(1, int(_num(si.get("batch_size"), 1)))
+            g = guider.inputs
+            cfg = g.get("cfg", g.get("cfg_conds", g.get("video_cfg", 1.0)))
+            model_link = g.get("model")
+        steps_total = _sigmas_steps(r, ins.get("sigmas"))
+    elif node.class_type == "SamplerCustom":
+        steps_total = _sigmas_steps(r, ins.get("sigmas"))
+    if steps_total is not None:
+        steps, total, denoise = steps_total
+        if steps is None:
+            r.unread.append(f"{node.class_type} {r.flat.where(node.id)}: its steps are set when it runs")
+            steps = total = 20
+    else:
+        total = int(r.num(ins.get("steps"), 20))
+        steps, denoise = total, r.num(ins.get("denoise"), 1.0)
+        if node.class_type == "KSamplerAdvanced":
+            start = int(r.num(ins.get("start_at_step"), 0))
+            end = min(int(r.num(ins.get("end_at_step"), total)), total)
+            steps = max(0, end - start)
+    path = r.upstream(model_link, "MODEL", is_model)
+    loader = path[-1] if path and is_model(r.flat.nodes[path[-1]]) else None
+    if loader is not None:  # a multi-file loader's key is "<node>:<widget>"; a model loader has one file
+        loader = next((k for k, ref in loaders.items() if ref.node == loader), loader)
+    loras = [k for p in reversed(path) for k, ref in loaders.items() if ref.node == p and ref.role == "lora"]
+    ref = SamplerRef(node.id, node.class_type, int(steps), int(total or steps), r.num(cfg, 1.0), loader, loras,
+                     [node.id] + path, denoise=denoise, subgraph=r._subgraph(node))
+    lat = r.upstream(ins.get("latent_image"), "LATENT", lambda n: "width" in n.inputs and "height" in n.inputs)
+    src = r.flat.nodes.get(lat[-1]) if lat else None
+    if src is not None and "width" in src.inputs:
+        si = src.inputs
+        scale = 1.0  # latent upscales between the size's source and the sampler (a second, sharper stage)
+        for nid in lat[:-1]:
+            up = r.flat.nodes[nid]
+            if up.class_type == "LatentUpscaleBy":
+                scale *= r.num(up.inputs.get("scale_by"), 1.0)
+            elif up.class_type == "LTXVLatentUpsampler":  # LTX's spatial upscaler models are x2 (x1.5 says so)
+                model = r.upstream(up.inputs.get("upscale_model"), "LATENT_UPSCALE_MODEL", lambda n: True)
+                name = str(r.flat.nodes[model[-1]].inputs.get("model_name", "")) if model else ""
+                scale *= 1.5 if "x1.5" in name else 2.0
+        w, h = r.values.number(si.get("width")), r.values.number(si.get("height"))
+        ref.width = int(w * scale) or None if w else None
+        ref.height = int(h * scale) or None if h else None
+        with_length = next((r.flat.nodes[n] for n in [*lat[:-1], lat[-1]] if "length" in r.flat.nodes[n].inputs), None)
+        length = r.values.number(with_length.inputs.get("length")) if with_length is not None else None
+        ref.frames = int(length) if length else None
+        ref.batch = max(1, int(r.num(si.get("batch_size"), 1)))
     return ref
