@@ -212,3 +212,43 @@ def check_budget_wiring(wf: Dict[str, Any]) -> None:
             if n["type"] in BUDGET_USERS:
                 link = next((i.get("link") for i in n.get("inputs") or [] if i["name"] == "budget"), None)
                 assert budget_source(gid, g, link, ()), (gid, n["id"], n["type"], "budget not linked to a VRAM Budget")
+
+
+UNDO_LOADERS = {"OffloadDiffusionModelLoader": ("UNETLoader", ("unet_name", "weight_dtype")),
+                "OffloadCheckpointLoader": ("CheckpointLoaderSimple", ("ckpt_name",))}
+
+
+def without_offload(api: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """An API prompt with the pack's nodes taken out again: Offload Model / CLIP bridged (their consumers read what
+    they read), the Offload Loaders back to ComfyUI's loaders with the loaders' own inputs, budget links and the VRAM
+    Budget node gone."""
+    bridge = {nid: n["inputs"].get("model", n["inputs"].get("clip")) for nid, n in api.items()
+              if n["class_type"] in ("OffloadModel", "OffloadCLIP")}
+    budgets = {nid for nid, n in api.items() if n["class_type"] == "OffloadVramBudget"}
+    out = {}
+    for nid, node in api.items():
+        if nid in bridge or node["class_type"] == "OffloadVramBudget":
+            continue
+        kind, inputs = node["class_type"], dict(node["inputs"])
+        if kind in UNDO_LOADERS:
+            kind, keep = UNDO_LOADERS[kind]
+            inputs = {k: v for k, v in inputs.items() if k in keep}
+        if isinstance(inputs.get("budget"), list) and inputs["budget"][0] in budgets:
+            del inputs["budget"]
+        for key, value in list(inputs.items()):
+            while isinstance(value, list) and len(value) == 2 and value[0] in bridge:
+                value = bridge[value[0]]
+            inputs[key] = value
+        out[nid] = {"class_type": kind, "inputs": inputs}
+    return out
+
+
+def check_same_run(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """What the server would run (the workflow reader's flattening, offload.predict.workflow_read) is the same before
+    and after, once the pack's nodes are taken out again; the converted API prompt is returned."""
+    from offload.predict.workflow_read import flatten
+
+    api_before = flatten(before).api()
+    api_after = flatten(after).api()
+    assert without_offload(api_after) == api_before
+    return api_after

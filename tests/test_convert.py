@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from convert_checks import check_budget_wiring, check_conversion, check_well_formed, graphs, links_of, nodes_of
+from convert_checks import (check_budget_wiring, check_conversion, check_same_run, check_well_formed, graphs, links_of,
+                            nodes_of)
 from offload.convert import ConvertError, convert_workflow
 from offload.convert import pack_nodes
 from offload.convert.presets import choose_preset
@@ -85,6 +86,9 @@ def test_template_converts_and_converts_once(path):
     done = check_conversion(before, result.workflow)
     assert bool(done) == result.changed == any(c.type != "OffloadVramBudget" for c in result.changes)
     assert len(done) == sum(1 for c in result.changes if c.type != "OffloadVramBudget")
+    api = check_same_run(before, result.workflow)  # the server runs the same graph, the pack's nodes put in
+    assert any(n["class_type"] in ("OffloadModel", "OffloadCLIP", "OffloadDiffusionModelLoader",
+                                   "OffloadCheckpointLoader") for n in api.values()) == bool(done)
     if not done:  # only loaders of other model types (upscalers, frame interpolation): nothing the pack streams
         assert not any(str(o.get("type")) in ("MODEL", "CLIP") for _, g in graphs(before) for n in g["nodes"]
                        if "Loader" in n["type"] for o in n.get("outputs") or [])

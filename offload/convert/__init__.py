@@ -80,7 +80,8 @@ def _plan(workflow: Any, find_file: Callable[[str, str], str | None] | None, car
         notes.append(f"the workflow could not be planned ({str(exc).splitlines()[0][:200] if str(exc) else exc!r}): "
                      f"every preset is auto")
         return None, None
-    missing = sorted({m["name"] for m in plan.get("models", []) if not m.get("found") and m.get("name")})
+    missing = sorted({m["name"] for m in plan.get("models", []) if not m.get("found") and m.get("name")
+                      and m.get("role") in ("diffusion", "checkpoint", "text_encoder")})
     if missing:
         notes.append(f"{len(missing)} model file(s) not found ({', '.join(missing[:4])}"
                      f"{', ...' if len(missing) > 4 else ''}): their loaders get preset auto")
