@@ -105,40 +105,50 @@ def _is_loader(node: Dict[str, Any]) -> bool:
             not any(str(i.get("type")) in ("MODEL", "CLIP", "*") for i in node.get("inputs") or []))
 
 
-def _strip(node: Dict[str, Any]) -> Dict[str, Any]:
-    return {k: v for k, v in node.items() if k not in ("inputs", "order")}
+def _plain(node: Dict[str, Any]) -> Dict[str, Any]:
+    """A node without what a conversion may renumber: its input and output slots as (name, type), no link ids."""
+    out = {k: v for k, v in node.items() if k not in ("inputs", "outputs", "order")}
+    out["outputs"] = [(o.get("name"), o.get("type")) for o in node.get("outputs") or []]
+    return out
 
 
-def _check_inputs_kept(gid: str, old: Dict[str, Any], new: Dict[str, Any], slots: Tuple[str, ...] = ()) -> None:
-    """A node left alone keeps every input and its link by name; what it gains is an OFFLOAD_BUDGET input (the
-    budget link, or a subgraph instance's new budget input), and a budget input may gain its link. A subgraph
-    instance may list unlinked inputs it left out before, one per subgraph input (`slots`)."""
-    before = {i["name"]: i.get("link") for i in old.get("inputs") or []}
-    after = {i["name"]: (i.get("link"), str(i.get("type"))) for i in new.get("inputs") or []}
-    for name, link in before.items():
-        assert name in after, (gid, old["id"], name, "input lost")
-        if link is not None or after[name][1] != "OFFLOAD_BUDGET":
-            assert after[name][0] == link, (gid, old["id"], name, "link changed")
-    for name, (link, kind) in after.items():
-        assert name in before or kind == "OFFLOAD_BUDGET" or (name in slots and link is None), \
-            (gid, old["id"], name, "input added")
+Wires = Dict[Tuple[Any, Any], Tuple[Any, Any]]
+
+
+def wires(g: Dict[str, Any]) -> Wires:
+    """(target node, input name) -> (origin node, output slot) of every link of a graph, link ids left out; a subgraph's
+    input and output slots by name ("in", name) / ("out", name)."""
+    nodes, out = nodes_of(g), {}
+    ins, outs = g.get("inputs") or [], g.get("outputs") or []
+    for lk in links_of(g).values():
+        o, t = lk["origin_id"], lk["target_id"]
+        try:
+            origin = ("in", ins[lk["origin_slot"]]["name"]) if o == SUB_IN else (o, lk["origin_slot"])
+            target = ("out", outs[lk["target_slot"]]["name"]) if t == SUB_OUT else \
+                (t, nodes[t]["inputs"][lk["target_slot"]]["name"])
+        except (KeyError, IndexError, TypeError):
+            continue  # a broken link of the original (problems() lists them)
+        if t == SUB_OUT or nodes[t]["inputs"][lk["target_slot"]].get("link") == lk["id"]:
+            out[target] = origin
+    return out
 
 
 def check_conversion(before: Dict[str, Any], after: Dict[str, Any]) -> List[str]:
-    """`after` is `before` converted (see the module doc); the loaders converted, as "<graph>:<node> <type>"."""
+    """`after` is `before` converted (see the module doc), whoever numbered the new links (the command line keeps the
+    ids of the links it moves, the frontend's connect makes new ones); the loaders converted, as "<graph>:<node>
+    <type>"."""
     check_well_formed(after, problems(before))
     old_nodes = {nid for _, g in graphs(before) for nid in nodes_of(g)}
-    old_links = {lid for _, g in graphs(before) for lid in links_of(g)}
     new_nodes = [nid for _, g in graphs(after) for nid in nodes_of(g) if nid not in old_nodes]
-    new_links = [lid for _, g in graphs(after) for lid in links_of(g) if lid not in old_links]
-    assert len(set(new_nodes)) == len(new_nodes) and len(set(new_links)) == len(new_links), "a new id used twice"
-    assert all(n > max(old_nodes, default=0) for n in new_nodes) and all(lk > max(old_links, default=0)
-                                                                        for lk in new_links), "new ids not fresh"
+    assert len(set(new_nodes)) == len(new_nodes), "a new node id used twice"
+    assert all(n > max(old_nodes, default=0) for n in new_nodes), "new node ids not fresh"
     done: List[str] = []
     defs = {gid: g for gid, g in graphs(after) if gid != "root"}
     for (gid, g0), (_, g1) in zip(graphs(before), graphs(after)):
-        n0, n1, l0, l1 = nodes_of(g0), nodes_of(g1), links_of(g0), links_of(g1)
+        n0, n1 = nodes_of(g0), nodes_of(g1)
+        w0, w1 = wires(g0), wires(g1)
         assert set(n0) <= set(n1), (gid, "a node was removed")
+        moved: Dict[Tuple[Any, Any], Tuple[Any, Any]] = {}  # a loader's output -> the Offload node's output now
         for nid, old in n0.items():
             new = n1[nid]
             active = old.get("mode", 0) not in (2, 4)
@@ -147,44 +157,57 @@ def check_conversion(before: Dict[str, Any], after: Dict[str, Any]) -> List[str]
                 assert new["pos"] == old["pos"] and new.get("mode", 0) == old.get("mode", 0)
                 files = old["widgets_values"][:2 if old["type"] == "UNETLoader" else 1]
                 assert new["widgets_values"][:len(files)] == files, (gid, nid)
-                assert [o.get("links") for o in new["outputs"]] == [o.get("links") for o in old["outputs"]]
+                assert [(o["name"], o["type"]) for o in new["outputs"]] == [(o["name"], o["type"]) for o in old["outputs"]]
                 done.append(f"{gid}:{nid} {old['type']}")
                 continue
             if not (active and _is_loader(old)):
-                if old["type"] == "OffloadVramBudget":  # the budget node a conversion reuses gains links
-                    assert set(old["outputs"][0].get("links") or []) <= set(new["outputs"][0].get("links") or [])
-                    old, new = ({k: v for k, v in n.items() if k != "outputs"} for n in (old, new))
-                assert _strip(old) == _strip(new), (gid, nid, old["type"])
+                a, b = _plain(old), _plain(new)
+                if old["type"] in defs:  # an instance: the frontend may resize it for its new input
+                    a.pop("size", None), b.pop("size", None)
+                assert a == b, (gid, nid, old["type"])
                 slots = tuple(s["name"] for s in defs[old["type"]].get("inputs") or []) if old["type"] in defs else ()
-                _check_inputs_kept(gid, old, new, slots)
+                _check_inputs(gid, old, new, slots)
                 continue
             for slot, out in enumerate(old.get("outputs") or []):
                 kind = str(out.get("type"))
-                consumers = out.get("links") or []
-                if kind not in OFFLOAD_AFTER or not consumers:
-                    assert new["outputs"][slot].get("links") == out.get("links"), (gid, nid, slot)
+                used = {t for t, o in w0.items() if o == (nid, slot)}
+                if kind not in OFFLOAD_AFTER or not used:
                     continue
-                targets = [n1[l1[lid]["target_id"]]["type"] if l1[lid]["target_id"] != SUB_OUT else "out"
-                           for lid in consumers]
-                if any(t in (OFFLOAD_AFTER[kind], "OffloadAny") for t in targets):  # offloaded already: as it was
-                    assert new["outputs"][slot].get("links") == consumers
+                targets = {n1[t[0]]["type"] if t[0] != "out" else "out" for t in used}
+                if targets & {OFFLOAD_AFTER[kind], "OffloadAny"}:  # offloaded already: left as it was
                     continue
-                (via,) = new["outputs"][slot]["links"]
-                off = n1[l1[via]["target_id"]]
+                (via,) = [t for t, o in w1.items() if o == (nid, slot)]
+                off = n1[via[0]]
                 assert off["type"] == OFFLOAD_AFTER[kind] and off["id"] not in n0, (gid, nid)
-                assert sorted(off["outputs"][0]["links"]) == sorted(consumers), (gid, nid)
-                for lid in consumers:  # each consumer keeps its link id, target and slot; only the origin moved
-                    assert {k: l1[lid][k] for k in ("target_id", "target_slot", "type")} == \
-                        {k: l0[lid][k] for k in ("target_id", "target_slot", "type")}
-                    assert l1[lid]["origin_id"] == off["id"] and l1[lid]["origin_slot"] == 0
+                assert {t for t, o in w1.items() if o == (off["id"], 0)} == used, (gid, nid)
+                moved[(nid, slot)] = (off["id"], 0)
                 done.append(f"{gid}:{nid} {old['type']}")
-        for lid, lk in l0.items():  # every link still there with its target (origins move only to offload nodes)
-            assert lid in l1, (gid, lid)
-            if l1[lid]["origin_id"] != lk["origin_id"]:
-                assert n1[l1[lid]["origin_id"]]["type"] in OFFLOAD_AFTER.values(), (gid, lid)
+        for target, origin in w0.items():  # every wire still there, from the Offload node where one was put in
+            assert w1.get(target) == moved.get(origin, origin), (gid, target, origin, w1.get(target))
+        for target, origin in w1.items():  # and what is new: the Offload nodes' inputs, the budget links
+            if target in w0 or target[0] == "out":
+                continue
+            kind = n1[target[0]]["inputs"][[i["name"] for i in n1[target[0]]["inputs"]].index(target[1])]["type"]
+            assert target[0] not in n0 or kind == "OFFLOAD_BUDGET" or origin == ("in", target[1]) and \
+                n1[target[0]]["type"] in REPLACED.values(), (gid, target, origin)
         assert g0.get("groups") == g1.get("groups"), (gid, "groups changed")
     check_budget_wiring(after)
     return done
+
+
+def _check_inputs(gid: str, old: Dict[str, Any], new: Dict[str, Any], slots: Tuple[str, ...] = ()) -> None:
+    """A node left alone keeps every input by name; what it gains is an OFFLOAD_BUDGET input (the budget link, or a
+    subgraph instance's new budget input); a subgraph instance may list unlinked inputs it left out before, one per
+    subgraph input (`slots`)."""
+    before = {i["name"]: i.get("link") for i in old.get("inputs") or []}
+    after = {i["name"]: (i.get("link"), str(i.get("type"))) for i in new.get("inputs") or []}
+    for name, link in before.items():
+        assert name in after, (gid, old["id"], name, "input lost")
+        assert (link is None) == (after[name][0] is None) or after[name][1] == "OFFLOAD_BUDGET", \
+            (gid, old["id"], name, "link lost or added")
+    for name, (link, kind) in after.items():
+        assert name in before or kind == "OFFLOAD_BUDGET" or (name in slots and link is None), \
+            (gid, old["id"], name, "input added")
 
 
 def check_budget_wiring(wf: Dict[str, Any]) -> None:

@@ -193,6 +193,9 @@ def test_gguf_loaders_get_offload_nodes_after_them(link_objects):
     assert {type(e) for e in after["links"]} == {dict if link_objects else list}
     if link_objects:
         assert after["state"]["lastNodeId"] == 11 and "last_node_id" in after
+    # the links an Offload node takes over keep their ids (a reroute on the way still names them)
+    moved = {lk["id"] if isinstance(lk, dict) else lk[0]: lk for lk in after["links"]}
+    assert {1, 2, 3} <= set(moved) and nodes_of(after)[3]["inputs"][0]["link"] == 2
     assert not convert(after).changed
 
 

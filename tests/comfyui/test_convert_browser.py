@@ -1,0 +1,187 @@
+""""Offload this workflow" in a real ComfyUI frontend (headless Chromium, selenium): ComfyUI's own Wan templates
+(the second built from a subgraph holding both experts and the text encoder) are loaded onto the canvas, the Layer
+Offload panel's button converts them with the frontend's graph API, and
+- the pack's nodes are in the graph, inside the subgraph too (the canvas opened into it shows them), and the graph
+  the frontend serializes passes the same checks as the command line's output (tests/convert_checks.py);
+- the prompt the frontend makes of it equals the prompt of the command line's conversion loaded onto the canvas;
+- Ctrl+Z (ComfyUI's undo) gives back the original graph, prompt for prompt;
+- run on the server with tiny models under the templates' file names, the original, the panel's conversion and the
+  command line's give the same latent bit for bit, the models offloaded;
+- no console error from the extension.
+Screenshots go to pytest's tmp dir (LO_CONVERT_PNG=path writes a copy of the subgraph's).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import pytest
+
+from conftest import comfy_available, load_tests_module, skip_reason
+
+if not comfy_available():
+    pytest.skip(skip_reason(), allow_module_level=True)
+
+import browser  # noqa: E402
+import comfy_server as cs  # noqa: E402
+import convert_runs as cr  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER, MISSING = browser.find_chromium()
+if MISSING:
+    pytest.skip(MISSING, allow_module_level=True)
+
+checks = load_tests_module("convert_checks.py")
+TAB = "layer-offload"
+OURS = (cs.PACK_FOLDER, "layer_offload", "Layer Offload", "LayerOffload", "offload_convert")
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("comfy_convert_browser"))
+    paths = cs.prepare_base_dir(base)
+    cr.write_models(paths)
+    server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
+    server.seed_settings()
+    server.start()
+    driver = None
+    try:
+        server.info = server.get_json("/object_info")
+        driver = browser.make_driver(CHROMIUM, CHROMEDRIVER)
+        driver.get(server.url)
+        browser.wait_for_app(driver)
+        yield server, driver
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.stop()
+
+
+def load(driver, wf) -> None:
+    driver.execute_script("return Promise.resolve(window.app.loadGraphData(arguments[0])).then(() => true);", wf)
+
+
+def serialized(driver) -> dict:
+    return driver.execute_script("const a = window.app; return (a.rootGraph || a.graph).serialize();")
+
+
+def prompt_of(driver) -> dict:
+    """The API prompt the frontend makes of the canvas (its `_meta` titles left out: they are for people)."""
+    out = driver.execute_script("return window.app.graphToPrompt().then((p) => p.output);")
+    return {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in out.items()}
+
+
+def convert_state(driver) -> str:
+    return driver.execute_script("const e = document.querySelector('[data-lo-convert]');"
+                                 "return e ? e.getAttribute('data-lo-convert-state') : null;")
+
+
+def undo(driver) -> None:
+    """Ctrl+Z as a user presses it, with nothing focused (ComfyUI ignores it in text fields)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    driver.execute_script("document.activeElement && document.activeElement.blur && document.activeElement.blur();")
+    ActionChains(driver).key_down(Keys.CONTROL).send_keys("z").key_up(Keys.CONTROL).perform()
+
+
+def subgraph_nodes(wf: dict) -> dict:
+    return {s["id"]: sorted(n["type"] for n in s["nodes"]) for s in (wf.get("definitions") or {}).get("subgraphs", [])}
+
+
+@pytest.mark.parametrize("name", cr.TEMPLATES)
+def test_offload_this_workflow(page, name, tmp_path):
+    server, driver = page
+    wf = cr.template(name)
+    if wf is None:
+        pytest.skip("ComfyUI's templates are not installed ({}: `make env` installs them into .venv)".format(cr.PINNED))
+    from offload.predict.workflow_read import flatten
+
+    missing = sorted({n["class_type"] for n in cr.runnable(flatten(wf).api()).values()} - set(server.info))
+    if missing:  # nodes only the parts the run leaves out use (a frame count's math) may be missing
+        pytest.skip("this ComfyUI lacks the template's nodes {}".format(missing))
+    console = browser.console_entries(driver)
+    load(driver, copy.deepcopy(wf))
+    original = serialized(driver)
+    api_original = prompt_of(driver)
+    assert not any(str(n["class_type"]).startswith("Offload") for n in api_original.values())
+
+    # the panel's button
+    browser.open_sidebar_tab(driver, TAB)
+    button = browser.wait_for(lambda: driver.find_elements("css selector", 'button[data-lo-control="convert"]'), 30,
+                              "the Offload this workflow button")[0]
+    button.click()
+    browser.wait_for(lambda: convert_state(driver) in ("done", "error"), 60, "the conversion")
+    error = driver.execute_script("return document.querySelector('[data-lo-convert-error]').textContent;")
+    assert convert_state(driver) == "done", error
+    edits = int(driver.execute_script("return document.querySelector('[data-lo-convert-result]')"
+                                      ".getAttribute('data-lo-edits');"))
+    assert edits > 0
+    converted = serialized(driver)
+    api_panel = prompt_of(driver)
+    done = checks.check_conversion(original, converted)
+    assert done and any(n["class_type"] == "OffloadDiffusionModelLoader" for n in api_panel.values())
+    assert any(n["class_type"] == "OffloadVramBudget" for n in api_panel.values())
+    assert checks.without_offload(api_panel) == api_original
+    for sid, kinds in subgraph_nodes(converted).items():  # the pack's nodes inside the subgraphs
+        before = subgraph_nodes(original)[sid]
+        if "UNETLoader" in before:
+            assert "OffloadDiffusionModelLoader" in kinds and "UNETLoader" not in kinds, kinds
+        if "CLIPLoader" in before:
+            assert "OffloadCLIP" in kinds, kinds
+    if subgraph_nodes(converted):  # and the canvas opened into the subgraph shows them
+        shown = driver.execute_script(
+            "const a = window.app, root = a.rootGraph || a.graph;"
+            "const inst = root.nodes.find((n) => n.isSubgraphNode && n.isSubgraphNode());"
+            "a.canvas.openSubgraph(inst.subgraph); a.canvas.setDirty(true, true);"
+            "return a.canvas.graph.nodes.map((n) => n.type);")
+        assert "OffloadDiffusionModelLoader" in shown and "OffloadCLIP" in shown, shown
+        shot = str(tmp_path / "convert_subgraph.png")
+        driver.execute_script("const a = window.app; a.canvas.ds.scale = 0.45; a.canvas.ds.offset = [900, 500];"
+                              "a.canvas.setDirty(true, true);")
+        assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
+        if os.environ.get("LO_CONVERT_PNG"):
+            shutil.copyfile(shot, os.environ["LO_CONVERT_PNG"])
+        driver.execute_script("const a = window.app; a.canvas.setGraph(a.rootGraph || a.graph);")
+
+    # ComfyUI's undo takes the whole conversion back in one step
+    undo(driver)
+    browser.wait_for(lambda: prompt_of(driver) == api_original, 30, "Ctrl+Z to restore the original graph")
+    restored = serialized(driver)
+    assert sorted(n["type"] for n in restored["nodes"]) == sorted(n["type"] for n in original["nodes"])
+    assert subgraph_nodes(restored) == subgraph_nodes(original)
+
+    # the command line's conversion (the same edits, applied to the JSON), loaded onto the canvas: the same prompt
+    answer = server.post_json("/layer_offload/convert", {"workflow": original}, timeout=60)
+    load(driver, answer["workflow"])
+    api_cli = prompt_of(driver)
+    assert api_cli == api_panel
+
+    # run: the original, the panel's and the command line's conversions give the same latent
+    plain = cr.run_hash(server, cr.runnable(api_original))
+    assert cr.run_hash(server, cr.runnable(api_panel)) == plain
+    names = {m["name"] for m in server.get_json("/layer_offload/report")["models"]}
+    unets = {n["inputs"]["unet_name"] for n in api_panel.values() if n["class_type"] == "OffloadDiffusionModelLoader"}
+    assert unets <= names, names
+
+    console += browser.console_entries(driver)
+    ours = browser.errors_from(console, OURS)
+    assert not ours, "\n".join(ours)
+
+
+def test_an_offloaded_workflow_has_nothing_to_change(page):
+    """The pack's own example workflow: the button says so, and changes nothing (no undo step either)."""
+    import json
+
+    server, driver = page
+    with open(os.path.join(cs.REPO_ROOT, "example_workflows", "wan2.1_t2v_layer_offload.json")) as f:
+        wf = json.load(f)
+    load(driver, wf)
+    before = prompt_of(driver)
+    browser.open_sidebar_tab(driver, TAB)
+    driver.execute_script("document.querySelector('button[data-lo-control=\"convert\"]').click();")
+    browser.wait_for(lambda: driver.execute_script(
+        "const e = document.querySelector('[data-lo-convert-result]');"
+        "return e && e.getAttribute('data-lo-edits') === '0' && e.textContent;"), 60, "the 'nothing to change' line")
+    assert "Nothing to change" in driver.find_element("css selector", "[data-lo-convert-result]").text
+    assert prompt_of(driver) == before
