@@ -89,10 +89,25 @@ def subgraph_nodes(wf: dict) -> dict:
     return {s["id"]: sorted(n["type"] for n in s["nodes"]) for s in (wf.get("definitions") or {}).get("subgraphs", [])}
 
 
-@pytest.mark.parametrize("name", cr.TEMPLATES)
+# text_to_video_wan made into nested subgraphs by the frontend itself (Convert to Subgraph, twice): the diffusion
+# model, its ModelSamplingSD3 and the text encoder inside "inner", inner and both text encodes inside "outer"; the
+# text encoder's CLIP leaves inner through its output, the MODEL both subgraphs' outputs
+NESTED = "text_to_video_wan+nested"
+MAKE_NESTED = """
+const a = window.app, root = a.rootGraph || a.graph;
+const pick = (...ids) => new Set(ids.map((id) => root.getNodeById(id)));
+const inner = root.convertToSubgraph(pick(37, 48, 38));
+root.convertToSubgraph(new Set([inner.node, root.getNodeById(6), root.getNodeById(7)]));
+a.canvas.setDirty(true, true);
+return root.subgraphs.size;
+"""
+
+
+@pytest.mark.parametrize("name", [*cr.TEMPLATES, NESTED])
 def test_offload_this_workflow(page, name, tmp_path):
     server, driver = page
-    wf = cr.template(name)
+    wf = cr.template(name.split("+")[0])
+    screenshot = "convert_{}.png".format(name.replace("+", "_"))
     if wf is None:
         pytest.skip("ComfyUI's templates are not installed ({}: `make env` installs them into .venv)".format(cr.PINNED))
     from offload.predict.workflow_read import flatten
@@ -102,6 +117,9 @@ def test_offload_this_workflow(page, name, tmp_path):
         pytest.skip("this ComfyUI lacks the template's nodes {}".format(missing))
     console = browser.console_entries(driver)
     load(driver, copy.deepcopy(wf))
+    if name == NESTED:
+        assert driver.execute_script(MAKE_NESTED) == 2
+        load(driver, serialized(driver))  # a fresh start from the saved form (no undo step before the conversion)
     original = serialized(driver)
     api_original = prompt_of(driver)
     assert not any(str(n["class_type"]).startswith("Offload") for n in api_original.values())
@@ -129,18 +147,23 @@ def test_offload_this_workflow(page, name, tmp_path):
             assert "OffloadDiffusionModelLoader" in kinds and "UNETLoader" not in kinds, kinds
         if "CLIPLoader" in before:
             assert "OffloadCLIP" in kinds, kinds
-    if subgraph_nodes(converted):  # and the canvas opened into the subgraph shows them
+    if name == NESTED:  # the budget reaches the inner subgraph through both subgraphs' new inputs
+        assert [[i["type"] for i in s["inputs"]][-1:] for s in converted["definitions"]["subgraphs"]] == \
+            [["OFFLOAD_BUDGET"], ["OFFLOAD_BUDGET"]]
+    if subgraph_nodes(converted):  # and the canvas opened into the subgraph (the innermost) shows them
         shown = driver.execute_script(
             "const a = window.app, root = a.rootGraph || a.graph;"
-            "const inst = root.nodes.find((n) => n.isSubgraphNode && n.isSubgraphNode());"
-            "a.canvas.openSubgraph(inst.subgraph); a.canvas.setDirty(true, true);"
+            "let g = root, inst;"
+            "while ((inst = g.nodes.find((n) => n.isSubgraphNode && n.isSubgraphNode()))) {"
+            "  a.canvas.openSubgraph(inst.subgraph); g = inst.subgraph; }"
+            "a.canvas.setDirty(true, true);"
             "return a.canvas.graph.nodes.map((n) => n.type);")
         assert "OffloadDiffusionModelLoader" in shown and "OffloadCLIP" in shown, shown
-        shot = str(tmp_path / "convert_subgraph.png")
+        shot = str(tmp_path / screenshot)
         driver.execute_script("const a = window.app; a.canvas.ds.scale = 0.45; a.canvas.ds.offset = [900, 500];"
                               "a.canvas.setDirty(true, true);")
         assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
-        if os.environ.get("LO_CONVERT_PNG"):
+        if os.environ.get("LO_CONVERT_PNG") and name == cr.TEMPLATES[-1]:
             shutil.copyfile(shot, os.environ["LO_CONVERT_PNG"])
         driver.execute_script("const a = window.app; a.canvas.setGraph(a.rootGraph || a.graph);")
 
