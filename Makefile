@@ -3,6 +3,8 @@
 #   make demo     python -m offload demo   (CUDA when present, the simulated device otherwise)
 #   make test     python -m pytest -q      (tests/)
 #   make test-comfy  the ComfyUI tests against COMFYUI_PATH (skipped by make test without it)
+#   make test-stress the timing-adjacent test files 20 times in a row with a core kept busy (not in CI; README,
+#                 "Tests that cannot flake"; STRESS_RUNS, STRESS_BUSY, STRESS_FILES= for the whole suite)
 #   make bench    benchmarks/bench_offload.py on the scaled-down shapes (BENCH_ARGS="..." to change)
 #   make bench-hooks  benchmarks/bench_hooks.py: hook CPU cost per unit vs accelerate/diffusers (BENCH_HOOKS_ARGS)
 #   make bench-gpu    benchmarks/bench_gpu.py: every offloader against resident on one CUDA GPU in under 8 minutes
@@ -76,6 +78,25 @@ test: env
 	@set +e; $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "[make] ERROR: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
+
+# Tests that cannot flake: the files whose verdicts sit next to timing (placement and re-planning from measured costs,
+# stalls and overlap, the read-ahead thread, budgets changed under load, pass locks and thread hand-offs, the measuring
+# on the simulated device), STRESS_RUNS times in a row while STRESS_BUSY busy-loop processes (started and stopped by
+# tests/stress.py) keep cores busy. Every run must pass. STRESS_FILES= (empty) runs the whole suite that way;
+# STRESS_ARGS="--jitter-ms 1" also makes the engine's wall clock jump at random (tests/wall_clock_jitter.py), which finds
+# a verdict resting on a measured time in a few runs where load alone may take hundreds.
+STRESS_RUNS ?= 20
+STRESS_BUSY ?= 1
+STRESS_ARGS ?=
+STRESS_FILES ?= tests/test_cost_placement.py tests/test_plan_believes_measurements.py tests/test_engine_report.py \
+	tests/test_sim_clock.py tests/test_sim_backend.py tests/test_predict.py tests/test_plan.py \
+	tests/test_budget_under_load.py tests/test_budget.py tests/test_budget_recency.py tests/test_disk_tier.py \
+	tests/test_bounce_path.py tests/test_prefetch_pipeline.py tests/test_demand_loads.py tests/test_multi_device.py \
+	tests/test_engine_memory.py tests/test_pass_lock.py tests/test_faults.py tests/test_workflow_plan.py \
+	tests/test_demo_cli.py tests/test_benchmark_script.py
+.PHONY: test-stress
+test-stress: env
+	$(PY) tests/stress.py --runs $(STRESS_RUNS) --busy $(STRESS_BUSY) $(STRESS_ARGS) $(STRESS_FILES)
 
 # The ComfyUI tests need a ComfyUI checkout and a Python that can run it (see README, "Running the ComfyUI
 # tests"): COMFYUI_PATH=/path/to/ComfyUI PY=/path/to/comfy/venv/bin/python make test-comfy

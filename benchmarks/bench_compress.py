@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,15 +46,38 @@ def _timed(backend, fn) -> float:
     return time.perf_counter() - t0
 
 
-def unit_rates(device: str, sizes_mb: list[int], repeat: int) -> list[dict]:
+class _OpCount(TorchDispatchMode):
+    """Aten ops dispatched (views excluded): each is a kernel launch on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not getattr(func, "is_view", False):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _leaves(n: int, tensors: int) -> list[Leaf]:
+    """A unit of `n` bytes of bf16 as `tensors` tensors, laid out as the engine lays a unit out (512-byte aligned)."""
+    per = n // tensors // 512 * 512
+    return [Leaf(i * per, per, torch.bfloat16, (per // 2,), None) for i in range(tensors)]
+
+
+def unit_rates(device: str, sizes_mb: list[float], repeat: int, tensors: int = 1) -> list[dict]:
+    """Per unit size: encode rate (CPU), raw copy, encoded copy and decode alone (with the device's reused decode
+    scratch, as the engine decodes), the decode's ops; a unit of `tensors` bf16 tensors."""
+    from offload.store.compressed import decode_scratch
     backend = get_backend(OffloadConfig(device=device))
+    scratch = decode_scratch(backend)
     rows = []
     for mb in sizes_mb:
-        n = mb << 20
+        n = int(mb * (1 << 20)) // (512 * tensors) * 512 * tensors
         g = torch.Generator().manual_seed(0)
         raw = (torch.randn(n // 2, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)
         t0 = time.perf_counter()
-        enc = codec.encode(raw, [Leaf(0, n, torch.bfloat16, (n // 2,), None)])
+        enc = codec.encode(raw, _leaves(n, tensors))
         encode_s = time.perf_counter() - t0
         host_raw, _ = backend.alloc_host(n, True)
         host_raw.copy_(raw)
@@ -61,7 +85,14 @@ def unit_rates(device: str, sizes_mb: list[int], repeat: int) -> list[dict]:
         host_enc.copy_(enc.blob)
         slot = backend.alloc(n)
         tail = slot[n - enc.size:]
-        decode = lambda: codec.decode_into(slot, enc.chunks, n, enc.size)  # noqa: E731
+        decode = lambda: codec.decode_into(slot, enc.chunks, n, enc.size, scratch)  # noqa: E731
+        backend.copy_h2d(tail, host_enc)
+        backend.synchronize()
+        decode()  # the tables and the scratch, once
+        backend.synchronize()
+        with _OpCount() as ops:
+            decode()
+        backend.synchronize()
         copies, enc_copies, decodes = [], [], []
         for _ in range(repeat):
             copies.append(_timed(backend, lambda: backend.copy_h2d(slot, host_raw)))
@@ -73,7 +104,8 @@ def unit_rates(device: str, sizes_mb: list[int], repeat: int) -> list[dict]:
         ok = torch.equal(slot.cpu(), raw)
         backend.release(slot)
         med = {k: statistics.median(v) for k, v in (("copy", copies), ("enc_copy", enc_copies), ("decode", decodes))}
-        rows.append({"unit_mb": mb, "ratio": round(enc.ratio, 4), "encode_gbps": n / encode_s / 1e9,
+        rows.append({"unit_mb": mb, "tensors": tensors, "decode_ops": ops.n, "ratio": round(enc.ratio, 4),
+                     "encode_gbps": n / encode_s / 1e9,
                      "raw_copy_gbps": n / med["copy"] / 1e9, "encoded_copy_gbps": n / med["enc_copy"] / 1e9,
                      "decode_gbps": n / med["decode"] / 1e9, "decode_vs_raw_copy": med["copy"] / med["decode"],
                      "bitwise": ok})

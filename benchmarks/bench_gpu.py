@@ -410,17 +410,19 @@ class Bench:
         spec = importlib.util.spec_from_file_location("bench_compress", ROOT / "benchmarks" / "bench_compress.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        sizes = [16, 64, 256] if self.cuda else [4]
+        sizes = [1, 16, 64, 256] if self.cuda else [4]
         try:
             rows = mod.unit_rates(self.device, sizes, 5 if self.cuda else 2)
+            # a block of many small tensors (norms, biases, modulation vectors): one stream, a constant op count
+            rows += mod.unit_rates(self.device, [1, 16] if self.cuda else [1], 5 if self.cuda else 2, tensors=128)
         except Exception as exc:  # noqa: BLE001 - a row that says why, not a lost run
             return self.skip("compression", "decode vs copy", f"{type(exc).__name__}: {exc}"[:300])
         for r in rows:
-            self.add(Row("compression", f"decode {r['unit_mb']} MiB unit", ms=None, gbps=r["decode_gbps"],
-                         equal=r["bitwise"],
+            self.add(Row("compression", f"decode {r['unit_mb']} MiB unit of {r['tensors']} tensor(s)", ms=None,
+                         gbps=r["decode_gbps"], equal=r["bitwise"],
                          note=(f"encoded {r['ratio']:.3f} of raw; raw copy {r['raw_copy_gbps']:.1f} GB/s, encoded "
                                f"copy {r['encoded_copy_gbps']:.1f} GB/s (raw bytes), decode "
-                               f"{r['decode_vs_raw_copy']:.2f}x the raw copy's speed")))
+                               f"{r['decode_vs_raw_copy']:.2f}x the raw copy's speed in {r['decode_ops']} ops")))
 
     # 2. the CUDA tests ------------------------------------------------------------------------
     def cuda_tests(self) -> None:

@@ -104,6 +104,9 @@ class OffloadConfig:
     sim_capacity_bytes: int | None = None
     sim_bandwidth_gbps: float | None = None
     sim_latency_us: float = 0.0
+    # the simulated device's own time (offload.backends.sim_clock.SimClock): durations given, none measured, so
+    # placement, stalls and reports do not depend on the host's load (tests); None: the host's wall clock
+    sim_clock: Any = None
     # several devices: the compute device first, then devices whose memory holds resident blocks (None: one device)
     devices: tuple[str, ...] | None = None
     # blocks held losslessly compressed in host RAM, decoded on the device: "auto" (none while the blocks fit; all
@@ -133,6 +136,13 @@ class OffloadConfig:
             if self.sim_bandwidth_gbps == 0:
                 raise ValueError("sim_bandwidth_gbps must be > 0 (or None for no limit)")
         check_bytes("sim_latency_us", self.sim_latency_us, allow_none=False)
+        if self.sim_clock is not None:
+            if getattr(self.sim_clock, "virtual", None) is not True:
+                raise ValueError(f"sim_clock must be an offload.backends.sim_clock.SimClock (or None: the host's "
+                                 f"clock), got {self.sim_clock!r}")
+            if not self.device.startswith("sim"):
+                raise ValueError(f"sim_clock is the simulated device's time: it needs device='sim' (or 'sim:N'), "
+                                 f"got device={self.device!r}")
         if not 0.0 <= float(self.vram_fraction) <= 1.0:
             raise ValueError(f"vram_fraction must be within 0..1, got {self.vram_fraction!r}")
         if self.preset is not None and self.preset not in PRESETS:

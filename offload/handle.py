@@ -51,6 +51,7 @@ class OffloadHandle(BudgetMembership):
         self.backend, self.device_name, self.budget, self.secondaries = s.backend, s.device_name, s.budget, \
             s.secondaries
         self.streamer, self._reserve, self._file_path, self._notices = s.streamer, s.reserve, s.file_path, s.notices
+        self.setup_times = s.times  # where offload_module's time went (the report's `setup`)
         self.keeper = PlanKeeper(s.facts, s.streamer, s.backend, self)  # keeps the plan current from here on
         self._final_report: OffloadReport | None = None
         self._report_base = ReportBase()
@@ -129,8 +130,11 @@ class OffloadHandle(BudgetMembership):
         self._reserve.after_forward(self.backend, self.budget, self.device_total())
 
     def after_backward(self) -> None:
-        """After the first backward through streamed blocks (training): the reserve grows to a step's peak."""
+        """After a backward through streamed blocks (training): the reserve grows to a step's peak (the first one),
+        and a plan the measurements asked for during the step is placed."""
         self._reserve.after_backward(self.backend, self.budget, self.device_total())
+        if self.keeper.after_backward():
+            self.budget.notify_room()  # a smaller plan may have given bytes back
 
     def _warn_grad(self) -> None:
         if self._grad_said or not torch.is_grad_enabled():
@@ -238,7 +242,23 @@ class OffloadHandle(BudgetMembership):
                             name=self.name, device=self.backend.describe(), preset=self.config.preset,
                             priority=self.priority, notices=[{"kind": k, "message": m} for k, m in self._notices.items()],
                             kv=self._kv.report() if self._kv is not None else None,
-                            budget_reason=self.budget.explain_share(self))
+                            budget_reason=self.budget.explain_share(self),
+                            setup=self._setup_report())
+
+    def _setup_report(self) -> dict:
+        """Where setup's time went, and the blocks encoded after it (held raw until each is done)."""
+        out = self.setup_times.to_dict() if self.setup_times is not None else {}
+        background = self.streamer.background
+        if background is not None:
+            out.update(background.status())
+        return out
+
+    def wait_encoded(self, timeout: float | None = None) -> bool:
+        """Wait until the blocks encoded after setup (`report().setup["background_units"]`: the plan holds them
+        compressed, staging kept them raw so the load takes what a raw one does) are held compressed; False on
+        timeout. Nothing to wait for: True."""
+        background = self.streamer.background
+        return True if background is None else background.wait(timeout)
 
     def detach(self) -> None:
         """Remove every hook; every weight becomes an ordinary tensor with its original values.

@@ -19,6 +19,7 @@ setup plan's device side (which assumes the whole budget) before the first forwa
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -40,7 +41,9 @@ from .store.compressed import estimate_layout_size, unit_compression, unit_host_
 from .store import shared_host
 from .store.packed import open_weights
 from .store.file_keys import stored_units
+from .store.stage_reads import SetupTimes
 from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
+from .stream.background_encode import BackgroundEncoder
 from .stream.devices import SecondaryDevices
 from .stream.streamer import ModelStreamer, PassListener
 
@@ -61,6 +64,7 @@ class SetUp:
     streamer: ModelStreamer
     file_path: str | None
     notices: dict[str, str]
+    times: SetupTimes | None = None  # where the setup's time went (OffloadReport.setup)
 
 
 class EncodedLarger(Exception):
@@ -78,9 +82,12 @@ def set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudge
     """Set `model` up for streaming (see the module docstring); `owner` is the handle the secondary devices'
     budget shares answer to, `listener` the streamer's pass listener."""
     encoded: dict[int, int] = {}
+    t0 = time.perf_counter()
     for _ in range(3):  # planned again with the encoded sizes of the blocks that broke a RAM ceiling
         try:
-            return _set_up(model, config, name, budget, units, progress, listener, owner, encoded)
+            done = _set_up(model, config, name, budget, units, progress, listener, owner, encoded)
+            done.times.total_ms = (time.perf_counter() - t0) * 1e3
+            return done
         except EncodedLarger as exc:
             encoded.update(exc.sizes)
             ram = exc.ram
@@ -95,6 +102,8 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
             owner: Any, encoded: dict[int, int]) -> SetUp:
     """One try of `set_up`, with the encoded sizes known from an earlier try (`encoded`)."""
     # 1. config
+    times = SetupTimes()
+    t0 = time.perf_counter()
     backend = get_backend(config)
     free, total = backend.mem_get_info()
     if config.vram_budget_bytes is not None and config.vram_budget_bytes > total:
@@ -116,6 +125,8 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
     file_path = str(file.path) if file is not None else None
     try:
         laid = lay_out_model(model, found, file, config.disk_optional)
+        t1 = time.perf_counter()
+        times.layout_ms = (t1 - t0) * 1e3
         facts = _facts(config, name, backend, device_name, vbudget, laid, in_ram, file_path, encoded)
         # 3. plan
         plan = _make_plan(facts, laid)
@@ -125,10 +136,14 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
             plan = planner.make_plan(facts)
         for level, message in plan.messages:
             log.log(level, "%s", message)
+        t2 = time.perf_counter()
+        times.plan_ms = (t2 - t1) * 1e3
         # 4. stage
+        later = plan.host_plan.encode_later
         staged = stage_model(laid, plan.host_tiers, backend, config.pin_memory, plan.bounce_count,
                              plan.bounce_bytes, progress, plan.shared_units, plan.host_plan.compressed,
-                             plan.host_plan.rest_spilled)
+                             plan.host_plan.rest_spilled, times, later)
+        times.stage_ms = (time.perf_counter() - t2) * 1e3
     except BaseException:
         if file is not None:
             file.close()
@@ -139,7 +154,10 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
         keep_ram_ceiling(streamer, plan, int(config.ram_budget_bytes))
     secondaries.attach(streamer.placement, backend, [u.staged.module for u in streamer.units])
     tiers = tuple(u.tier for u in streamer.units)
-    forms = tuple(unit_compression(u.staged) for u in streamer.units)
+    # a unit encoded after setup is planned in the form it will have (the decode's scratch is kept for it)
+    forms = tuple(CODEC if u.index in later else unit_compression(u.staged) for u in streamer.units)
+    if later:
+        streamer.background = BackgroundEncoder(streamer, sorted(later))
     notices = {}
     if config.pin_memory and backend.supports_pinned_host and any(
             u.master.host is not None and not u.master.pinned for u in staged.units):
@@ -148,7 +166,8 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
     if "disk" in tiers:
         notices["disk_tier"] = f"{tiers.count('disk')} block(s) stream from {file_path}: host RAM is short"
     return SetUp(backend, device_name, vbudget, secondaries, ReserveMeter(reserve, config.reserve_bytes is not None),
-                 replace(facts, host=None, host_tiers=tiers, host_forms=forms), plan, streamer, file_path, notices)
+                 replace(facts, host=None, host_tiers=tiers, host_forms=forms), plan, streamer, file_path, notices,
+                 times)
 
 
 def keep_ram_ceiling(streamer: ModelStreamer, plan: Plan, ceiling: int) -> None:
@@ -211,9 +230,10 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
     scratch = packed or CODEC in forms
     return PlanFacts(
         host_compression=config.host_compression, packed_sizes=packed, file_forms=forms,
-        decode_scratch=scratch_estimate(leaf for layout in laid.layouts for leaf in layout.leaves) if scratch else 0,
+        decode_scratch=max(scratch_estimate(layout.leaves) for layout in laid.layouts) if scratch else 0,
         name=name, sizes=sizes, names=tuple(u.name for u in laid.units), rest_bytes=laid.rest_bytes,
         prefetch=config.prefetch, stream_all=config.vram_fraction <= 0, device=device_name,
         allowance=max(laid.rest_bytes + max(sizes), budget.total_bytes or 0),
         dtypes=tuple(tuple(sorted({str(leaf.dtype) for leaf in layout.leaves})) for layout in laid.layouts),
-        disk_ok=tuple(laid.disk_ok), host=host)
+        disk_ok=tuple(laid.disk_ok), host=host,
+        from_file=tuple(any(leaf.meta for leaf in layout.leaves) for layout in laid.layouts))

@@ -296,9 +296,15 @@ def _coded_chunk(index: dict) -> list:
 # a packed folder written with compress=True, its index edited: the chunks must decode inside the unit
 COMPRESSED_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "stored-chunk-gap": (_edit(lambda ix: ix["units"][0]["chunks"][-1].__setitem__(0, 1)), "does not follow"),
-    "stored-chunk-code-width": (_edit(lambda ix: _coded_chunk(ix).__setitem__(7, 12)), "not a chunk the codec"),
+    # version 3 chunks: [dst, nbytes, src, size, elem, sbits, rbits, n_codes, base, m, bits, n_esc]
+    "stored-chunk-code-width": (_edit(lambda ix: _coded_chunk(ix).__setitem__(7, 200)), "not a chunk the codec"),
+    "stored-chunk-index-width": (_edit(lambda ix: _coded_chunk(ix).__setitem__(10, 9)), "not a chunk the codec"),
+    "stored-chunk-elements-per-index": (_edit(lambda ix: _coded_chunk(ix).__setitem__(9, 3)),
+                                        "not a chunk the codec"),
     "stored-chunk-larger-encoded": (_edit(lambda ix: _coded_chunk(ix).__setitem__(3, 10 ** 9)), "does not follow"),
-    "stored-escapes-past-chunk": (_edit(lambda ix: _coded_chunk(ix).__setitem__(9, 10 ** 6)), "not a chunk the codec"),
+    "stored-escapes-past-chunk": (_edit(lambda ix: _coded_chunk(ix).__setitem__(11, 10 ** 9)),
+                                  "not a chunk the codec"),
+    "stored-chunk-of-neither-version": (_edit(lambda ix: _coded_chunk(ix).append(0)), "whole numbers"),
     "stored-past-the-shard": (_edit(_set("units.0.stored", 1 << 40)), "past its shard"),
     "stored-unknown-codec": (_edit(_set("units.0.compression", "zstd")), "stored as"),
     "stored-in-a-version-1-index": (_edit(_set("version", 1)), "version 1"),

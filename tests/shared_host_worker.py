@@ -9,19 +9,26 @@ answers one command per line on stdin:
 - `forward`: one forward; prints `out <sha256 of the output's bytes>`
 - `write UNIT`: multiplies the first weight of block UNIT by 2 in place (what a merged patch does)
 - `report`: prints `report <json>` with the per-block `shared` flags and forms, the host bytes and the segment's path
+- `squat UID MODE`: (another user's process) writes a copy of its own segment, every block's first bytes changed,
+  under the name user UID's processes look for, with permission bits MODE (octal); prints `squatted <path>`
 - `detach`, `quit`
 The parent reads each process's proportional set size from outside (psutil), between commands.
+
+Environment: `LO_TEST_AS_UID=UID` makes the process another user: it imports and warms up as it was started (root:
+the interpreter may sit in a folder only root can enter), then drops to UID (its group too) before `ready`.
+`LO_TEST_WIDTH` changes WIDTH (a smaller model for tests that run many processes).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import torch
 import torch.nn as nn
 
-WIDTH = 1024
+WIDTH = int(os.environ.get("LO_TEST_WIDTH", "1024"))
 BLOCKS = 16  # 16 x 4 MiB of fp32 weights: 64 MiB, well above the noise of a process's runtime
 
 
@@ -47,8 +54,53 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def _become(uid: int) -> None:
+    """Import everything the commands may need and run an offload once, as the process was started, then drop to
+    `uid` for good (real, effective and saved ids, its group the same number, no supplementary groups)."""
+    import importlib
+    import pkgutil
+
+    import offload
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    for info in pkgutil.walk_packages(offload.__path__, "offload."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # noqa: BLE001 - optional parts (a family's package) may be missing
+            pass
+    tiny = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    h = offload_module(tiny, OffloadConfig(device="sim", share_host="off", vram_fraction=0.0), budget=VramBudget(None))
+    with torch.no_grad():
+        tiny(torch.ones(1, 8))
+    h.detach()
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def _squat(handle, uid: int, mode: int) -> str:
+    """A copy of this process's segment, each unit's first 256 bytes changed, under user `uid`'s name for it."""
+    from offload.store.shm_segment import PREFIX
+
+    shared = handle.streamer.staged.shared
+    data = bytearray(shared.path.read_bytes())
+    for i, off in shared.offsets.items():
+        data[off:off + min(256, shared.sizes[i])] = b"\x40" * min(256, shared.sizes[i])
+    target = shared.path.with_name(shared.path.name.replace(f"{PREFIX}{os.geteuid()}-", f"{PREFIX}{uid}-", 1))
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, bytes(data))
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return str(target)
+
+
 def main(path: str, share: str, load: str, compress: str = "-", ceiling: str = "0") -> None:
     from offload import OffloadConfig, VramBudget, offload_module
+
+    if os.environ.get("LO_TEST_AS_UID"):
+        _become(int(os.environ["LO_TEST_AS_UID"]))
 
     compressed = compress != "-"
     if load == "meta":
@@ -84,6 +136,8 @@ def main(path: str, share: str, load: str, compress: str = "-", ceiling: str = "
                 "compression": [b.compression for b in rep.blocks], "host_bytes": rep.host_bytes,
                 "host_private_bytes": rep.host_private_bytes,
                 "segment": str(staged.shared.path) if staged.shared is not None else None}), flush=True)
+        elif cmd == "squat":
+            print("squatted", _squat(handle, int(args[0]), int(args[1], 8)), flush=True)
         elif cmd == "detach":
             handle.detach()
             print("detached", flush=True)

@@ -15,7 +15,7 @@ def test_bench_training_rows_and_equality(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_training.py"), "--device", "sim", "--dim", "64",
            "--depth", "4", "--heads", "4", "--tokens", "8", "--rank", "4", "--steps", "2", "--rounds", "2",
            "--json", str(out), "--record-to", str(record)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     names = list(rows)

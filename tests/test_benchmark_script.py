@@ -30,7 +30,7 @@ def _bench(tmp_path: Path, model: str, *extra: str) -> tuple[subprocess.Complete
     out = tmp_path / f"{model}.json"
     cmd = [sys.executable, str(SCRIPT), "--model", model, "--device", "sim", *TINY[model],
            "--iters", "1", "--warmup", "1", "--json", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "copy failed" not in proc.stderr, proc.stderr  # a swallowed copy error would make equality luck
     return proc, json.loads(out.read_text())

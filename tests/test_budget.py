@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from offload import DeviceMemoryError, OffloadConfig, VramBudget, default_budget, offload_module
+from offload.backends.sim_clock import SimClock
 from tests.models import LayersModel, aligned_bytes, resident_modules, run, seeded, streamed_modules
 
 DEPTH = 6
@@ -51,12 +52,15 @@ FLOOR = REST + BLK  # non-block weights plus a one-slot ring
 
 
 class Fleet:
-    """Models on one budget with their reference outputs; detaches everything at the end."""
+    """Models on one budget with their reference outputs; detaches everything at the end. They share a simulated
+    device on a clock of its own where nothing takes time: how many blocks a share holds is the budget's doing, never
+    a plan made from CPU timings (which the host's load changes)."""
 
     def __init__(self, budget, capacity=None, prefetch=1, **cfg):
         self.budget = budget
         self.capacity = capacity
         self.prefetch = prefetch
+        cfg.setdefault("sim_clock", SimClock())
         self.cfg = cfg
         self.models, self.refs, self.handles = {}, {}, {}
         self.violations = []

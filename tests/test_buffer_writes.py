@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from offload import OffloadConfig, VramBudget, offload_module
+from offload.backends.sim_clock import SimClock
 from offload.stream.buffer_writes import BufferShapeError
 from offload.model.layout import plan_layout, unit_tensors
 from tests.host_master_guard import host_master_guard
@@ -220,6 +221,37 @@ def test_buffers_written_again_when_checkpointing_recomputes(plan, tmp_path):
     _same_buffers(model, plain, f"{plan}, after unload()")
     handle.detach()
     _same_buffers(model, plain, f"{plan}, after detach()")
+
+
+def test_a_plan_the_measurements_ask_for_waits_for_the_backward_of_the_step(tmp_path):
+    """Placement from measured costs plans again at the end of a forward. When that forward left a graph whose
+    backward re-runs checkpointed blocks, each block must be where the forward had it (torch.utils.checkpoint compares
+    what the forward and its re-run save, and a streamed block saves its weights as slot views): the new plan is
+    placed once the backward ends. On the simulated device's own clock the costs ask for another plan after a step's
+    forward (light blocks streamed, copies of 8 ms); every step matches the plain model's."""
+    torch.manual_seed(0)
+    plain = CheckpointedNet(n=5).train()
+    plain.requires_grad_(False)
+    model = copy.deepcopy(plain)
+    clock = SimClock()
+    for block, ms in zip(model.blocks, (0.01, 5.0, 0.01, 5.0, 5.0)):
+        clock.charge(block, ms)
+    cfg = _cfg("mixed", model, tmp_path).replace(sim_clock=clock, sim_bandwidth_gbps=_unit_bytes(model) / 8e-3 / 1e9)
+    handle = offload_module(model, cfg, budget=VramBudget(None))
+    moved = []
+    for step, x in enumerate(_inputs(6)):
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ref = plain(xa)
+        ref.square().sum().backward()
+        out = model(xb)
+        during = set(handle.plan.resident)
+        out.square().sum().backward()
+        if set(handle.plan.resident) != during:
+            moved.append(step)
+        assert torch.equal(out, ref) and torch.equal(xb.grad, xa.grad), f"step {step}"
+        _same_buffers(model, plain, f"after backward {step}")
+    assert moved, "the measurements never asked for another plan after a forward: nothing was tested"
+    handle.detach()
 
 
 @pytest.mark.parametrize("plan", ["streamed", "mixed", "resident"])

@@ -17,7 +17,7 @@ SMALL = ["--device", "sim", "--dim", "64", "--depth", "4", "--tokens", "16", "--
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "offload", "demo", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
 
 
 def test_demo_subprocess_json_rows_and_bitwise_equality():

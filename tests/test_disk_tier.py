@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from offload import OffloadConfig, VramBudget, offload_module
+from offload.backends.sim_clock import SimClock
 from tests.models import LayersModel, aligned_bytes, raw_bytes, resident_modules, run, seeded
 
 DEPTH = 6
@@ -374,10 +375,10 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, offload, monkey
 
     A pre-hook PREPENDED to each unit runs before the engine's own pre-hook, i.e. before the engine could
     read or wait for anything for that unit. At that moment the read-ahead thread must already have finished
-    reading that unit's bytes (and every use before it). Each unit's forward is made slow (a sleep in a
-    post-hook, standing in for compute) on a latency-limited simulated device so there is time to read ahead;
-    an engine that reads a unit only when the unit is reached fails, whatever the timing. File reads are also
-    recorded by thread: none may happen on the thread running the forward.
+    reading that unit's bytes (and every use before it). Each unit's compute (a post-hook) waits until the
+    read-ahead thread has done every read handed to it so far, standing in for compute long enough to read
+    ahead whatever the host's load: an engine that reads a unit only when the unit is reached fails. File reads
+    are also recorded by thread: none may happen on the thread running the forward.
     """
     model = _model()
     x = _x()
@@ -442,8 +443,10 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, offload, monkey
                 late.append(f"unit {i} use {entered[i]}: its own read had not finished")
         return hook
 
+    reader = h.streamer.staged.reader
+
     def compute(mod, args, out):
-        threading.Event().wait(0.05)
+        reader.drain()  # the reads queued so far are done: compute as long as the reads it hides
 
     hooks = [model.layers[i].register_forward_pre_hook(before(i), prepend=True) for i in range(DEPTH)]
     hooks += [model.layers[i].register_forward_hook(compute) for i in range(DEPTH)]
@@ -466,13 +469,15 @@ def test_read_ahead_completes_before_the_unit_needs_it(tmp_path, offload, monkey
 
 
 def test_disk_units_partly_resident(tmp_path, offload):
-    """A VRAM budget that holds some blocks: resident disk units are read once, streamed ones once a forward."""
+    """A VRAM budget that holds some blocks: resident disk units are read once, streamed ones once a forward (on a
+    clock of the simulated device's own where nothing takes time, so no measured cost moves a block)."""
     model = _model()
     x = _x()
     ref = run(model, (x,))
     rest = aligned_bytes(model) - DEPTH * BLK
     path = _save(model, tmp_path / "m.safetensors")
-    h = offload(model, _cfg(path, ram_units=0, preset="auto", prefetch=1, vram_budget_bytes=rest + 5 * BLK))
+    h = offload(model, _cfg(path, ram_units=0, preset="auto", prefetch=1, vram_budget_bytes=rest + 5 * BLK,
+                            sim_clock=SimClock()))
     assert torch.equal(run(model, (x,)), ref)
     resident = {i for i in range(DEPTH) if any(model.layers[i] is m for m in resident_modules(h))}
     streamed = set(range(DEPTH)) - resident
@@ -544,7 +549,7 @@ def test_detach_with_reads_in_flight(tmp_path):
             assert not _param_storage_is_file(p, path), n
         assert torch.equal(run(model, (x,)), ref)
     for t in readers():
-        t.join(timeout=2.0)
+        t.join(timeout=120)  # a guard against a hang only
     assert len(readers()) <= before, f"read-ahead threads left running after detach: {readers()}"
 
 

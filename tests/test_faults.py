@@ -122,7 +122,7 @@ CHILD = textwrap.dedent("""
 
 def _child(tmp_path, scenario: str, when: str) -> tuple[list[str], str]:
     script = CHILD.format(root=ROOT, path=str(tmp_path / "m.safetensors"), scenario=scenario, when=when)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900, cwd=ROOT)
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, f"the process died (return code {proc.returncode}; -7 is SIGBUS):\n{tail}"
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
@@ -260,7 +260,7 @@ def test_a_transfer_that_fails_mid_pass(monkeypatch):
     h = offload_module(model, OffloadConfig.from_preset("budget", device="sim", **_private()), budget=VramBudget(None))
     assert torch.equal(run(model, (x,)), ref)
     for k in range(2 * DEPTH):
-        real = sim._copy_bytes
+        real = sim.copy_bytes
         calls = itertools.count()
 
         def flaky(dst, src, k=k):
@@ -268,20 +268,20 @@ def test_a_transfer_that_fails_mid_pass(monkeypatch):
                 raise OSError("injected: PCIe error")
             real(dst, src)
 
-        monkeypatch.setattr(sim, "_copy_bytes", flaky)
+        monkeypatch.setattr(sim, "copy_bytes", flaky)
         try:
             out = run(model, (x,))
             assert torch.equal(out, ref), f"copy {k} failed: wrong output"  # the failed copy was never used
         except RuntimeError as err:
             assert "injected" in str(err), err
-        monkeypatch.setattr(sim, "_copy_bytes", real)
+        monkeypatch.setattr(sim, "copy_bytes", real)
         for _ in range(2):
             assert torch.equal(run(model, (x,)), ref), f"after failed copy {k}"
 
     def broken(dst, src):
         raise OSError("injected: the link is down")
 
-    monkeypatch.setattr(sim, "_copy_bytes", broken)  # a persistent failure is not retried forever: it raises
+    monkeypatch.setattr(sim, "copy_bytes", broken)  # a persistent failure is not retried forever: it raises
     with pytest.raises(RuntimeError, match="link is down"):
         run(model, (x,))
     monkeypatch.undo()
@@ -440,7 +440,7 @@ def test_one_model_called_from_several_threads(preset):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=900)
     assert not errors, errors
     assert len(results) == 24 and all(results.values()), results
     h.detach()
@@ -467,7 +467,7 @@ def _interrupt(call: Callable[[], object], module: torch.nn.Module) -> None:
         hook.remove()
 
 
-def _run_in_thread(model, x, timeout: float = 30.0):
+def _run_in_thread(model, x, timeout: float = 300.0):  # a guard against a hang, not a speed bound
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("out", run(model, (x,))), daemon=True)
     t.start()
@@ -526,7 +526,7 @@ def test_interrupted_thread_that_ended_does_not_block_the_next():
 
     t = threading.Thread(target=cancelled)
     t.start()
-    t.join(30)
+    t.join(300)
     assert not errors, errors
     assert torch.equal(_run_in_thread(model, x), ref)
     assert torch.equal(run(model, (x,)), ref)

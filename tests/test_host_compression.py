@@ -19,7 +19,7 @@ from offload import OffloadConfig, VramBudget, offload_module
 from offload.model.layout import Leaf
 from offload.plan.plan_compress import choose_compressed
 from offload.plan.plan_host import HostPlan, RamCeilingError
-from offload.store import chunk_decode, codec
+from offload.store import chunk_decode, codec, codec_v2, unit_code
 from tests.host_master_guard import host_master_guard
 from tests.models import Fp8Stack, QuantStack, seeded
 
@@ -99,7 +99,7 @@ def test_codec_round_trips_every_byte(dtype):
 
 
 def _window(hist, ebits, n, fixed_bits, k):
-    """`codec._best_window` held to one code width k (what the encoder would pick for other weights)."""
+    """`codec_v2._best_window` held to one code width k (what the encoder would pick for other weights)."""
     span, width = 1 << ebits, (1 << k) - 1
     doubled = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cat([hist, hist]).cumsum(0)])
     covered = doubled[width:width + span] - doubled[:span]
@@ -108,25 +108,29 @@ def _window(hist, ebits, n, fixed_bits, k):
     return k, base, esc, (n + 7) // 8 * (fixed_bits + k) + esc * codec.ESCAPE_BYTES
 
 
+def _body(dtype, count, g):
+    if dtype == torch.uint8:
+        return (torch.randn(count, generator=g) * 3).round().clamp(-128, 127).to(torch.int8).view(dtype)
+    return (torch.randn(count, generator=g) * 0.02).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8] + FP8)
-def test_every_field_width_decodes_every_byte(dtype, monkeypatch):
-    """Every code width k the encoder may choose, so every field width (sign + low bits + k: whole fields per byte,
-    or fields straddling bytes), in a chunk of whole groups of eight at an aligned offset (the table gather), one
-    that ends mid-group and one at an odd offset (field by field): the decode gives every byte back."""
+def test_every_field_width_decodes_every_byte_v2(dtype, monkeypatch):
+    """Version 2 chunks (what packed folders of index version 2 hold; still decoded): every code width k the old
+    encoder chose, so every field width (sign + low bits + k: whole fields per byte, or fields straddling bytes), in a
+    chunk of whole groups of eight at an aligned offset (the table gather), one that ends mid-group and one at an odd
+    offset (field by field): the decode gives every byte back."""
     elem, sbits, rbits = codec._FORMS[dtype]
     ebits = 8 - sbits - rbits
-    monkeypatch.setattr(codec, "PAYS", 10.0)  # coded even where a code would not pay
+    monkeypatch.setattr(codec_v2, "PAYS", 10.0)  # coded even where a code would not pay
     g = torch.Generator().manual_seed(5)
     for k in range(1, ebits + 1):
-        monkeypatch.setattr(codec, "_best_window", lambda h, e, n, fixed, k=k: _window(h, e, n, fixed, k))
+        monkeypatch.setattr(codec_v2, "_best_window", lambda h, e, n, fixed, k=k: _window(h, e, n, fixed, k))
         for count, pad in ((4096, 0), (4099, 0), (4096, 3)):
-            if dtype == torch.uint8:
-                body = (torch.randn(count, generator=g) * 3).round().clamp(-128, 127).to(torch.int8).view(dtype)
-            else:
-                body = (torch.randn(count, generator=g) * 0.02).to(dtype)
+            body = _body(dtype, count, g)
             raw = torch.cat([torch.full((pad,), 5, dtype=torch.uint8), body.view(torch.uint8)])
-            enc = codec.encode(raw, [Leaf(pad, count * elem, dtype, (count,), None)])
-            assert [c.k for c in enc.chunks if c.coded] == [k]
+            enc = codec_v2.encode_v2(raw, [Leaf(pad, count * elem, dtype, (count,), None)])
+            assert [c.k for c in enc.chunks if c.coded] == [k] and all(c.version == 2 for c in enc.chunks if c.coded)
             out = torch.zeros_like(raw)  # chunks decoded apart: a wide code may be larger than raw here
             for c in enc.chunks:
                 part = enc.blob[c.src:c.src + c.size]
@@ -137,6 +141,46 @@ def test_every_field_width_decodes_every_byte(dtype, monkeypatch):
             assert torch.equal(out, raw), (k, count, pad)
             if enc.size <= raw.numel():
                 assert torch.equal(codec.decode(enc), raw), (k, count, pad)  # in place
+                listed = codec.chunks_from_list(codec.chunks_to_list(enc.chunks), raw.numel(), enc.size)
+                assert listed == enc.chunks  # a version 2 list reads back as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8] + FP8)
+def test_every_code_decodes_every_byte(dtype, monkeypatch):
+    """Every code the unit-wide encoder may choose for a dtype (elements per index m, index width bits, codes): whole
+    words at an aligned offset, a run that ends mid-word (its last elements raw) and one at an odd offset (only
+    codes whose words it can view): the decode gives every byte back, in place, and the chunk list reads back."""
+    elem, sbits, rbits = codec._FORMS[dtype]
+    monkeypatch.setattr(codec, "PAYS", 10.0)  # coded even where a code would not pay
+    real_choose = unit_code.choose
+    g = torch.Generator().manual_seed(5)
+    for m, bits, n_codes in unit_code.options(elem, sbits, rbits):
+        def forced(hist, n, elem_, sb, rb, m_ok=None, m=m, bits=bits, n_codes=n_codes):
+            if m_ok is not None and not m_ok(m):
+                return real_choose(hist, n, elem_, sb, rb, m_ok)
+            base = int(torch.argmax(unit_code.window_cover(hist, n_codes)))
+            return m, bits, n_codes, base, 0
+        monkeypatch.setattr(unit_code, "choose", forced)
+        for count, pad in ((4096, 0), (4099, 0), (4096, elem)):
+            body = _body(dtype, count, g)
+            raw = torch.cat([torch.full((pad,), 5, dtype=torch.uint8), body.view(torch.uint8)])
+            enc = codec.encode(raw, [Leaf(pad, count * elem, dtype, (count,), None)])
+            coded = [c for c in enc.chunks if c.coded]
+            assert coded and all(c.version == 3 for c in coded)
+            if pad % (m * elem) == 0:
+                assert [(c.m, c.bits, c.n_codes) for c in coded] == [(m, bits, n_codes)], (m, bits, n_codes, pad)
+            out = torch.zeros_like(raw)
+            for c in enc.chunks:  # pieces decoded apart: a wide code may be larger than raw here
+                part = enc.blob[c.src:c.src + c.size]
+                if c.coded:
+                    scratch = torch.empty(unit_code.scratch_need(c), dtype=torch.uint8)
+                    unit_code.decode_piece(c, part, out[c.dst:c.dst + c.nbytes], scratch)
+                else:
+                    out[c.dst:c.dst + c.nbytes] = part
+            assert torch.equal(out, raw), (m, bits, n_codes, count, pad)
+            if all(c.size <= c.nbytes for c in enc.chunks):  # what a stored unit holds (a wide code may not pay)
+                assert torch.equal(codec.decode(enc), raw), (m, bits, n_codes, count, pad)  # in place
+                assert codec.chunks_from_list(codec.chunks_to_list(enc.chunks), raw.numel(), enc.size) == enc.chunks
 
 
 def test_codec_keeps_incompressible_bytes_raw():
@@ -230,7 +274,7 @@ def test_lossless_llama_is_bitwise(dtype, placement):
         kw = dict(preset="budget", vram_fraction=0.0)
     else:  # half the blocks resident, the rest through the ring
         # the weights outside the blocks and the decode's scratch, a ring of 2 slots and one block resident
-        scratch = codec.scratch_estimate(leaf for layer in model.model.layers for leaf in _leaves(layer))
+        scratch = max(codec.scratch_estimate(_leaves(layer)) for layer in model.model.layers)  # one unit's pieces
         kw = dict(vram_budget_bytes=rest + scratch + 7 * (blocks // 8) + (16 << 10), reserve_bytes=0, prefetch=1)
     handle = _offload(model, host_compression="lossless", **kw)
     with host_master_guard(handle):
@@ -310,6 +354,8 @@ def test_lora_training_is_bitwise_with_compressed_blocks(offload):
     from tests.test_training_inside import run
 
     def cfg(**kw):
+        if "vram_budget_bytes" in kw:  # a budget for streaming raw blocks, plus the decode's scratch on the device
+            kw["vram_budget_bytes"] += 1 << 20
         return OffloadConfig.from_preset("budget", device="sim", prefetch=1, host_compression="lossless", **kw)
 
     _, _, ref_params, _, ref_losses = run("peft_lora", "none")

@@ -2,8 +2,8 @@
 `pack_file(..., compress=True)`, `OffloadHandle.pack(..., compress=True)`): fewer bytes on disk and read per streamed
 use, decoded on the device as a unit held compressed in RAM is.
 
-Checked: the index (version 2, encoded sizes, chunks; a plain pack stays version 1), every tensor read back bit for
-bit; models loaded on the meta device from the folder give the outputs of the plain model bit for bit (bf16, fp16,
+Checked: the index (version 3, encoded sizes, chunks; a plain pack stays version 1), every tensor read back bit for
+bit; a folder written in version 2 (by earlier engines) still reads and streams, bitwise; models loaded on the meta device from the folder give the outputs of the plain model bit for bit (bf16, fp16,
 float8 with scales), streamed from disk with the device decoding the stored bytes (the bytes read per use are the
 encoded ones), mixed with units in RAM (raw, or compressed reusing the stored encoding), with peft's LoRA, in
 training (backward), packed from a handle; a folder laid out unlike the model falls back to decoding on the CPU (said
@@ -94,7 +94,7 @@ def test_compressed_pack_index_and_bytes_read_back(tmp_path):
     pack_file(src, packed, compress=True)
     assert _index(plain)["version"] == 1 and not any("compression" in u for u in _index(plain)["units"])
     index = _index(packed)
-    assert index["version"] == 2
+    assert index["version"] == 3
     units = index["units"]
     assert len(units) == 4 and all(u["compression"] == codec.CODEC for u in units)
     assert all(u["stored"] < 0.8 * u["nbytes"] for u in units), [(u["stored"], u["nbytes"]) for u in units]
@@ -294,14 +294,24 @@ def _edit_index(out, fn):
     (out / "index.json").write_text(json.dumps(index))
 
 
+def _coded(ix):
+    return next(c for c in ix["units"][0]["chunks"] if c[4])
+
+
 @pytest.mark.parametrize("edit,words", [
-    (lambda ix: ix["units"][0]["chunks"][1].__setitem__(0, 7), "does not follow"),
-    (lambda ix: next(c for c in ix["units"][0]["chunks"] if c[4]).__setitem__(7, 9), "not a chunk the codec writes"),
-    (lambda ix: ix["units"][0]["chunks"][0].__setitem__(7, 3), "raw chunk with coding parameters"),
+    (lambda ix: _coded(ix).__setitem__(0, 7), "does not follow"),
+    (lambda ix: _coded(ix).__setitem__(7, 200), "not a chunk the codec writes"),  # more codes than the index holds
+    (lambda ix: _coded(ix).__setitem__(10, 9), "not a chunk the codec writes"),  # an index width it never writes
+    (lambda ix: _coded(ix).__setitem__(9, 3), "not a chunk the codec writes"),  # elements per index
+    (lambda ix: _coded(ix).__setitem__(11, 1 << 40), "not a chunk the codec writes"),  # escapes past the chunk
+    (lambda ix: ix["units"][0]["chunks"].append([ix["units"][0]["nbytes"], 512, ix["units"][0]["stored"], 512,
+                                                 0, 0, 0, 3, 0, 0, 0, 0]), "raw chunk with coding parameters"),
+    (lambda ix: ix["units"][0]["chunks"][0].append(0), "whole numbers"),  # neither version's length
     (lambda ix: ix["units"][0].__setitem__("stored", ix["units"][0]["stored"] - 1), "cover"),
     (lambda ix: ix["units"][0].__setitem__("stored", 1 << 40), "past its shard"),
     (lambda ix: ix["units"][0].__setitem__("compression", "zstd"), "stored as"),
     (lambda ix: ix.__setitem__("version", 1), "version 1"),
+    (lambda ix: ix.__setitem__("version", 4), "version <= 3"),
     (lambda ix: ix["units"][0].__setitem__("chunks", "all"), "not a list of chunks"),
     (lambda ix: ix["units"][0]["tensors"][0].__setitem__("offset", ix["units"][0]["nbytes"]), "past the end"),
 ])
@@ -322,7 +332,7 @@ def test_an_escape_pointing_past_its_chunk_is_refused_before_streaming(tmp_path,
     out = _packed(tmp_path, model)
     unit = _index(out)["units"][0]
     chunk = next(c for c in codec.chunks_from_list(unit["chunks"], unit["nbytes"], unit["stored"]) if c.n_esc)
-    where = unit["offset"] + chunk.src + chunk.size - codec.ESCAPE_BYTES * chunk.n_esc
+    where = unit["offset"] + codec.escape_span(chunk)[0]
     shard = out / unit["path"]
     data = bytearray(shard.read_bytes())
     data[where:where + 4] = (0xFFFFFFF0).to_bytes(4, "little")
@@ -337,7 +347,71 @@ def test_command_line_pack_compress(tmp_path):
     src = _save(_llama(layers=2), tmp_path / "m.safetensors")
     out = tmp_path / "cli.packed"
     proc = subprocess.run([sys.executable, "-m", "offload", "pack", str(src), str(out), "--compress"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "2 unit(s) compressed" in proc.stdout
-    assert _index(out)["version"] == 2
+    assert _index(out)["version"] == 3
+
+
+# folders of index version 2 (earlier engines) --------------------------------------------------------------------
+
+
+def _as_version_2(out):
+    """Rewrite a packed folder as an earlier engine wrote it: every compressed unit re-encoded in version 2's chunks
+    (a k-bit window per tensor chunk, `codec_v2`), index version 2, shards and hashes rewritten."""
+    import hashlib
+
+    from offload.model.layout import Leaf
+    from offload.store import codec_v2
+    from offload.store.header_check import check_dtype
+
+    index = _index(out)
+    folder = PackedWeights(out)
+    blobs = {}
+    for u in index["units"]:
+        if "compression" in u:
+            raw = codec.decode(folder.encoded(folder.stored[u["name"]]))
+            leaves = [Leaf(t["offset"], t["nbytes"], check_dtype(t["dtype"], out, "test"), tuple(t["shape"]), None)
+                      for t in u["tensors"]]
+            enc = codec_v2.encode_v2(raw, leaves)
+            assert all(c.version == 2 for c in enc.chunks if c.coded) and any(c.coded for c in enc.chunks)
+            blobs[u["name"]] = enc
+    folder.close()
+    for shard in index["shards"]:
+        data = bytearray((out / shard["path"]).read_bytes())
+        for u in index["units"]:
+            if u["path"] == shard["path"] and u["name"] in blobs:
+                enc = blobs[u["name"]]
+                assert enc.size <= u["stored"] or u["offset"] + enc.size <= len(data)
+                data[u["offset"]:u["offset"] + enc.size] = bytes(enc.blob.numpy())
+                u.update(stored=enc.size, chunks=codec.chunks_to_list(enc.chunks))
+        (out / shard["path"]).write_bytes(bytes(data))
+        shard["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    index["version"] = 2
+    (out / "index.json").write_text(json.dumps(index))
+    assert all(len(c) == 10 for u in index["units"] if "chunks" in u for c in u["chunks"])
+
+
+def test_a_version_2_folder_still_reads_and_streams(tmp_path, offload):
+    """A folder of index version 2 (chunks of the old k-bit window code, written by earlier engines) still opens,
+    verifies, reads back every tensor and streams from disk with the device decoding its stored bytes, bitwise; its
+    crafted chunk lists are refused as before."""
+    model = _llama(layers=2)
+    ref = _logits(model)
+    out = _packed(tmp_path, model)
+    _as_version_2(out)
+    folder = PackedWeights(out)
+    folder.verify()
+    for name, t in model.state_dict().items():
+        assert torch.equal(folder.read_tensor(name), t), name
+    folder.close()
+    empty = _llama(meta=True, layers=2)
+    h = offload(empty, _cfg(out, _all_bytes(model) // 2, host_compression="off"))
+    assert {b.tier for b in h.report().blocks} == {"disk"}
+    assert all(type(u.source) is StoredDiskSource for u in h.streamer.staged.units)
+    assert all(c.version == 2 for u in h.streamer.staged.units for c in u.source.unit.chunks if c.coded)
+    for _ in range(2):
+        assert torch.equal(_logits(empty), ref)
+    _edit_index(out, lambda ix: _coded(ix).__setitem__(7, 9))  # k past the exponent bits
+    with pytest.raises(CorruptFileError, match="not a chunk the codec writes"):
+        PackedWeights(out)

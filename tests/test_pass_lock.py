@@ -9,6 +9,8 @@ import torch.nn as nn
 
 from offload.stream.pass_lock import PassLock, module_call_frame
 
+HANG_S = 120  # a guard against a hang only: generous for a loaded machine, never a verdict on speed
+
 
 class _Probe(nn.Module):
     """A module whose forward takes a hold the way the engine's hooks do (naming its module call)."""
@@ -24,7 +26,7 @@ class _Probe(nn.Module):
             self.then()
 
 
-def _in_thread(fn, timeout: float = 10.0) -> threading.Thread:
+def _in_thread(fn, timeout: float = HANG_S) -> threading.Thread:
     t = threading.Thread(target=fn, daemon=True)
     t.start()
     t.join(timeout)
@@ -56,9 +58,10 @@ def test_a_running_module_call_is_never_taken_over():
     stale = []
     lock = PassLock(stale.append, check_s=0.02)
     inside, leave = threading.Event(), threading.Event()
-    holder = threading.Thread(target=lambda: _Probe(lock, then=lambda: (inside.set(), leave.wait(10)))(), daemon=True)
+    holder = threading.Thread(target=lambda: _Probe(lock, then=lambda: (inside.set(), leave.wait(HANG_S)))(),
+                              daemon=True)
     holder.start()
-    assert inside.wait(10)
+    assert inside.wait(HANG_S)
     assert not lock.acquire(blocking=False)
     got = []
     waiter = threading.Thread(target=lambda: got.append(lock.acquire()), daemon=True)
@@ -66,9 +69,9 @@ def test_a_running_module_call_is_never_taken_over():
     time.sleep(0.3)  # many stale checks go by
     assert got == [] and stale == [], "the waiter must wait while the holder's forward runs"
     leave.set()
-    holder.join(10)
+    holder.join(HANG_S)
     # the holder's forward ended without releasing: now it is stale, and the waiter gets the lock
-    waiter.join(10)
+    waiter.join(HANG_S)
     assert got == [True] and stale == [holder.ident]
 
 
@@ -79,15 +82,15 @@ def test_a_with_block_is_never_taken_over():
     def hold():
         with lock:
             inside.set()
-            leave.wait(10)
+            leave.wait(HANG_S)
 
     t = threading.Thread(target=hold, daemon=True)
     t.start()
-    assert inside.wait(10)
+    assert inside.wait(HANG_S)
     time.sleep(0.1)
     assert not lock.acquire(blocking=False)
     leave.set()
-    t.join(10)
+    t.join(HANG_S)
     assert lock.acquire(blocking=False)
     lock.release()
 

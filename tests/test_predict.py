@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from offload import Card, OffloadConfig, Prediction, VramBudget, offload_module, predict
+from offload.backends.sim_clock import SimClock
 from offload.predict.cards import CARDS, get_card
 from offload.demo.reference_models import FatCheapBlock, MixedCostStack, TransformerStack
 from offload.predict import analyse_on_meta, unit_sizes
@@ -173,16 +174,23 @@ def test_measure_on_sim_plans_as_the_engine_does(sim_budget):
 
 def test_fat_cheap_blocks_are_kept_resident_in_the_prediction():
     """Four fat blocks (copies that cannot hide) and four lean ones, a budget for the fat ones and three lean slots
-    (benchmarks/bench_placement.py): the plan from costs keeps the fat blocks resident, and says why."""
+    (benchmarks/bench_placement.py): the plan from costs timed on the simulated device (on its own clock, so the
+    costs are the ones given) keeps the fat blocks resident, and says why."""
     torch.manual_seed(0)
-    model = MixedCostStack("FFFFLLLL").eval()
+    model = MixedCostStack("FFFFLLLL", repeats=2).eval()
     fat = [b for b in model.blocks if isinstance(b, FatCheapBlock)]
     lean = [b for b in model.blocks if not isinstance(b, FatCheapBlock)]
     budget = sum(_aligned(b) for b in fat) + 3 * _aligned(lean[0]) + 4096
-    cfg = OffloadConfig(device="sim", prefetch=2, sim_bandwidth_gbps=1.0, sim_capacity_bytes=(96 << 20) + 17)
+    clock = SimClock()
+    clock.charge(fat, 0.05)  # 4 MiB each: a 4.2 ms copy at 1 GB/s
+    clock.charge(lean, 3.0)
+    cfg = OffloadConfig(device="sim", prefetch=2, sim_bandwidth_gbps=1.0, sim_capacity_bytes=(96 << 20) + 17,
+                        sim_clock=clock)
     pred = predict(model, (torch.randn(256, 64),), config=cfg, budget=VramBudget(budget), runs=2, warmup=1)
     assert "".join("R" if b.tier == "vram" else "s" for b in pred.blocks) == "RRRRssss"
-    assert all(b.stall_ms == 0 for b in pred.blocks[:4]) and pred.blocks[0].placement.startswith("resident")
+    assert all(b.stall_ms == 0 for b in pred.blocks) and pred.blocks[0].placement.startswith("resident")
+    assert [b.compute_ms for b in pred.blocks] == pytest.approx([0.05] * 4 + [3.0] * 4)
+    assert pred.step_ms == pytest.approx(4 * 0.05 + 4 * 3.0)
     assert pred.device_bytes <= budget
 
 

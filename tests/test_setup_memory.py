@@ -70,7 +70,7 @@ CHILD = textwrap.dedent("""
 def test_offloading_raises_peak_host_ram_by_about_one_unit(preset):
     # 16 units of 12 MiB (194 MiB): units above glibc's mmap threshold behaviour, small enough for CI
     script = CHILD.format(root=ROOT, dim=512, depth=16, preset=preset)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     mib = 1 << 20

@@ -41,11 +41,13 @@ QUIET_HEAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 class Worker:
     """A worker process and its line protocol (see tests/shared_host_worker.py)."""
 
-    def __init__(self, path: Path, share: str = "auto", load: str = "meta", extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, path: Path, share: str = "auto", load: str = "meta", extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.shared_host_worker", str(path), share, load,
                                       *extra],
                                      cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **QUIET_HEAP})
+                                     text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **QUIET_HEAP,
+                                                     **(env or {})})
         self.expect("ready")
 
     def expect(self, word: str) -> str:
@@ -70,7 +72,7 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.flush()
-        self.proc.wait(timeout=60)
+        self.proc.wait(timeout=900)
         assert self.proc.returncode == 0, self.proc.stderr.read()[-3000:]
 
 
@@ -245,7 +247,7 @@ def test_a_header_with_a_chunk_table_the_codec_would_not_write_is_not_used():
     assert parse_header(body, "k", offsets, sizes) == ({0: []}, {0: (enc.size, enc.chunks)})
     bad = [c for c in enc.chunks]
     i = next(j for j, c in enumerate(bad) if c.coded)
-    bad[i] = codec.Chunk(**{**bad[i].__dict__, "k": bad[i].k + 1})  # the same size, another code width
+    bad[i] = codec.Chunk(**{**bad[i].__dict__, "bits": bad[i].bits + 1})  # the same size, another index width
     body = header_json("k", offsets, sizes, [], {0: []}, encoded={0: (enc.size, tuple(bad))})
     assert parse_header(body, "k", offsets, sizes) is None
     assert parse_header(body.replace(b'"k"', b'"other"', 1), "k", offsets, sizes) is None
@@ -466,8 +468,9 @@ def test_a_segment_with_another_header_is_never_used(tmp_path):
     path.write_bytes(b"x" * 100)
     blocks, layouts = _layouts()
     key = shared_host.segment_key(shared_host.file_identity(path), layouts, ["0", "1"])
-    name = tmp_path / (shared_host.PREFIX + key[:40])
+    name = tmp_path / shared_host.segment_name(key)
     name.write_bytes(b"\0" * 8192)  # no header: a filler died before writing it
+    name.chmod(0o600)
     holder = os.open(name, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_SH)  # someone still holds it
     try:
@@ -484,9 +487,11 @@ def test_a_segment_with_another_header_is_never_used(tmp_path):
 def test_a_segment_left_by_a_killed_process_is_swept(tmp_path):
     """A process killed while holding a segment cannot unlink it: the next one to create a segment removes every
     segment nobody holds (older than a minute); one in use stays."""
-    left, used = tmp_path / (shared_host.PREFIX + "a"), tmp_path / (shared_host.PREFIX + "b")
+    left, used = tmp_path / shared_host.segment_name("a" * 40), tmp_path / shared_host.segment_name("b" * 40)
     left.write_bytes(b"1")
     used.write_bytes(b"2")
+    left.chmod(0o600)
+    used.chmod(0o600)
     old = time.time() - 2 * shared_host.STALE_AFTER_S
     os.utime(left, (old, old))
     os.utime(used, (old, old))
@@ -520,9 +525,11 @@ def test_a_write_stops_copies_from_the_pinned_view_at_once(tmp_path):
             copies.append(src)
             dst.copy_(src)
 
+    from offload.store.stage_reads import fill_from
+
     copy = shared_host.SharedHostCopy.open(path, layouts, ["0"], {0}, tmp_path)
     try:
-        host = copy.place(0, layouts[0], lambda k, flat, view: None)
+        host = copy.place(0, layouts[0], lambda dst: fill_from(layouts[0], dst, None, None))
         layouts[0].build(host, master=True).apply()
         copy.finish(Pinning(), {0})
         assert registered == [layouts[0].nbytes]

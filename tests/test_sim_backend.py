@@ -1,8 +1,6 @@
 """The simulated device itself: memory accounting, ordered copies, bandwidth, errors surfacing."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -31,17 +29,17 @@ def test_owns_only_its_allocations():
 
 
 def test_copies_run_in_order_and_take_the_simulated_time():
+    """On the host's clock a throttled copy lasts at least latency + bytes / bandwidth (the copy engine sleeps out
+    the rest): a floor the load of the host can only raise, read from the copy events themselves."""
     dev = SimBackend(capacity_bytes=1 << 24, bandwidth_gbps=0.1, latency_us=1000)  # 1 MB -> 10 ms + 1 ms
     dst = dev.alloc(1 << 20)
     srcs = [torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(3)]
-    t0 = time.perf_counter()
     events = [dev.copy_h2d(dst, s) for s in srcs]
     for e in events:
         dev.wait(e)
-    elapsed = time.perf_counter() - t0
-    assert elapsed >= 3 * 0.011 * 0.9, "three copies cannot beat the simulated bandwidth"
     assert int(dst[0]) == 2, "copies land in submission order"
-    assert all(dev.copy_span_ms(e) >= 10.0 for e in events)
+    assert all(dev.copy_span_ms(e) >= 10.0 for e in events), [dev.copy_span_ms(e) for e in events]
+    assert all(a.time <= b.start for a, b in zip(events, events[1:])), "one copy engine: one copy at a time"
 
 
 def test_copy_waits_for_its_after_event():

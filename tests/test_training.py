@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as checkpoint
 
+from offload.backends.sim_clock import SimClock
 from tests.models import CASES, LayersModel, TransformerStack, seeded, streaming_budget
 
 STEPS = 3
@@ -269,8 +270,10 @@ def test_resident_trainable_norm_and_streamed_adapters(offload, sim_cfg):
         params = add_adapters(model, "hook") + [model.layers[resident].norm.weight]
         return handle, resident, train(model, params, [x], "adamw")
 
+    # on a clock of the simulated device's own where nothing takes time: no measured cost moves the resident block
     handle, resident, (losses, trained) = go(
-        lambda m: offload(m, sim_cfg(vram_budget_bytes=streaming_budget(m, list(m.layers), slots=3), prefetch=1)))
+        lambda m: offload(m, sim_cfg(vram_budget_bytes=streaming_budget(m, list(m.layers), slots=3), prefetch=1,
+                                     sim_clock=SimClock())))
     tiers = [b.tier for b in handle.report().blocks]
     assert tiers.count("vram") >= 1 and tiers.count("vram") < len(tiers)
     _, _, (ref_losses, ref_trained) = go(resident=resident)

@@ -12,9 +12,9 @@ import json
 import math
 import struct
 import sys
-import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from offload.__main__ import main
@@ -30,6 +30,14 @@ import tiny_wan  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "example_workflows").glob("*.json"))
 BIG = 1 << 40  # a terabyte of hole after the big files' headers: reading past a header would take minutes
+
+
+def _bytes_read() -> int | None:
+    """Bytes this process has read through read calls so far (Linux: /proc's rchar), or None where unknown."""
+    try:
+        return psutil.Process().io_counters().read_chars
+    except (AttributeError, psutil.Error):
+        return None
 
 
 def write_safetensors(path: Path, shapes: dict[str, tuple], dtype: str = "BF16", pad_to: int = 0) -> Path:
@@ -147,11 +155,9 @@ def finder(root: Path):
 
 @pytest.mark.parametrize("workflow", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_every_example_workflow_plans(models, workflow):
-    started = time.perf_counter()
     plan = plan_workflow(json.loads(workflow.read_text()), finder(models), "rtx3060-12gb", 32 << 30)
     d = plan.to_dict()
     json.dumps(d, allow_nan=False)  # strict JSON for the panel
-    assert time.perf_counter() - started < 30
     assert d["models"] and all(m["found"] for m in d["models"]), [m["notes"] for m in d["models"]]
     assert d["run"]["complete"] and d["run"]["total_ms"] > 0
     if "wan" in workflow.name:
@@ -217,10 +223,11 @@ def _wan22_models(root: Path, gguf: bool = False) -> None:
 
 def test_two_experts_lora_chain_headers_only(tmp_path):
     _wan22_models(tmp_path)
-    started = time.perf_counter()
+    before = _bytes_read()
     plan = plan_workflow(_api_two_experts("high.safetensors", "low.safetensors", lora=True), finder(tmp_path),
                          "rtx4090", 64 << 30)
-    assert time.perf_counter() - started < 30  # two 1 TB files: their headers only
+    if before is not None:  # two 1 TB files: their headers only
+        assert _bytes_read() - before < 64 << 20
     d = plan.to_dict()
     experts = [m for m in d["models"] if m["role"] == "diffusion"]
     assert [m["name"] for m in experts] == ["high.safetensors", "low.safetensors"]

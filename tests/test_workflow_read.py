@@ -103,6 +103,7 @@ def test_subgraph_inputs_outputs_and_promoted_widgets(promoted, proxy, expected)
     flat = flatten(subgraph_workflow(promoted, proxy))
     assert set(flat.nodes) >= {"10:1", "10:2", "5", "7"} and flat.subgraphs == {"10": "Sampler"}
     assert flat.nodes["10:2"].inputs["latent_image"] == ["5", 0] and flat.nodes["10:2"].path == ("10",)
+    assert flat.nodes["10:2"].definition == "sub-1" and flat.nodes["5"].definition is None
     assert flat.nodes["7"].inputs["samples"] == ["10:2", 0]  # out through the subgraph's output
     facts = read_graph(subgraph_workflow(promoted, proxy))
     assert facts.loaders["10:1"].name == expected and facts.loaders["10:1"].subgraph == "Sampler"
@@ -206,3 +207,39 @@ def test_a_30_mb_workflow_is_refused_as_a_workflow(tmp_path, capsys):
     assert main(["plan", str(path)]) != 0
     err = capsys.readouterr().err
     assert "workflow" in err and "config.json" not in err and time.perf_counter() - started < 30
+
+
+def _mutate(value, rng, junk, p):
+    """Each value of a JSON tree replaced by junk with probability p."""
+    if isinstance(value, dict):
+        for k in list(value):
+            value[k] = rng.choice(junk) if rng.random() < p else _mutate(value[k], rng, junk, p)
+    elif isinstance(value, list):
+        for i in range(len(value)):
+            value[i] = rng.choice(junk) if rng.random() < p else _mutate(value[i], rng, junk, p)
+    return value
+
+
+def test_damaged_templates_are_read_or_refused_never_a_traceback():
+    """ComfyUI's templates with values swapped for junk of every JSON type (ids that are lists, links that are
+    strings, slots past the end ...): the plan is made, or a ValueError says why; no TypeError / KeyError /
+    IndexError from inside the reader (the panel turns ValueErrors into a 400 with one line)."""
+    import random
+    from pathlib import Path
+
+    from offload.predict import plan_workflow
+
+    package = pytest.importorskip("comfyui_workflow_templates_json")
+    files = sorted(p for p in (Path(package.__file__).parent / "templates").glob("*.json")
+                   if not p.name.startswith(("index", "api_")))
+    rng = random.Random(43)
+    junk = [None, 1, -10, -20, "x", [], {}, [1, 2], [None], {"a": 1}, 1.5, True, "-10", [1, 2, 3, 4, 5, 6], 10 ** 30]
+    for _ in range(80):
+        wf = json.loads(rng.choice(files).read_text())
+        if rng.random() < 0.5:
+            wf = to_api(wf)
+        _mutate(wf, rng, junk, rng.choice([0.002, 0.02, 0.1]))
+        try:
+            json.dumps(plan_workflow(wf, lambda kind, name: None, "rtx4090", 32 << 30).to_dict(), allow_nan=False)
+        except ValueError:
+            pass

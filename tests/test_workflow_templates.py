@@ -75,12 +75,13 @@ def test_template_planned_whole(path, capsys):
         assert m["notes"] and (("not found" in m["notes"][0]) if m["runs"] else m["notes"][0].startswith("not loaded"))
         if m["url"]:
             assert m["url"] in m["notes"][0] or not m["runs"]
-    seen = {s["sampler"] for s in d["run"]["samplers"]} | {s["node"] for s in d["graph"]["samplers_not_run"]}
+    seen = {s["sampler"] for s in d["run"]["samplers"]}
+    assert {s["node"] for s in d["graph"]["samplers_not_run"]} <= seen
     raw = [n for n in _raw_nodes(wf) if n.get("type") in SAMPLERS]
     for n in raw:  # each sampler of the template (in any subgraph instance) runs or is said not to
         assert any(s == str(n["id"]) or s.endswith(f":{n['id']}") for s in seen), n["id"]
-    for s in d["run"]["samplers"]:
-        assert s["steps"] >= 0 and s["model_file"], s  # the model file each sampler runs
+    for s in d["run"]["samplers"]:  # the model file each sampler runs; those that do not run say why
+        assert s["steps"] >= 0 and (s["model_file"] if s["runs"] else s["note"].startswith("not run: ")), s
     if raw and any(n.get("mode", 0) == 0 for n in raw):
         assert d["run"]["samplers"] or d["graph"]["samplers_not_run"]
 
@@ -136,8 +137,9 @@ def test_split_sigmas_and_bypassed_loaders():
     assert set(bypassed) == {"hunyuanvideo1.5_1080p_sr_distilled_fp16.safetensors",
                              "hunyuanvideo15_latent_upsampler_1080p.safetensors"}
     assert all(m["notes"][0] == "not loaded: bypassed" for m in bypassed.values())
-    (s,) = d["run"]["samplers"]
+    (s,) = [x for x in d["run"]["samplers"] if x["runs"]]
     assert (s["steps"], s["width"], s["height"], s["frames"]) == (20, 1280, 720, 121)
+    assert [x["note"] for x in d["run"]["samplers"] if not x["runs"]] == ["not run: bypassed"] * 2  # the SR stage
 
 
 def test_nested_subgraph_and_promoted_values():

@@ -466,8 +466,9 @@ function planSection() {
     el("div", { class: "lo-wrap" }, el("b", {}, m.name || m.key), el("span", { class: "lo-muted" },
       ` ${[m.role, m.label || m.family].filter(Boolean).join(" · ")}`)),
     el("div", { class: "lo-figures" },
-      cell("fits", "fits ", !m.found ? "not found" : m.fits === true ? "yes" : m.fits === false ? "no" : "-",
-        { class: m.fits === false || !m.found ? "lo-stall" : "" }),
+      cell("fits", "fits ", m.runs === false ? "not loaded" : !m.found ? "not found"
+        : m.fits === true ? "yes" : m.fits === false ? "no" : "-",
+        { class: m.runs === false ? "lo-muted" : m.fits === false || !m.found ? "lo-stall" : "" }),
       cell("preset", "", m.preset || "-"),
       cell("vram", "VRAM ", maybeBytes(m.vram_bytes), { title: `of which activations ${maybeBytes(m.activation_bytes)}` }),
       cell("ram", "RAM ", maybeBytes(m.host_bytes)),
@@ -476,6 +477,9 @@ function planSection() {
   });
   box.append(el("div", { class: "lo-plan-models" }, rows));
   const notes = [...(p.notes || [])];
+  if (p.graph && p.graph.read_whole === false) {  // what kept the reader from the whole graph
+    notes.push(...(p.graph.unread || []).map((u) => `not read whole: ${u}`));
+  }
   if (notes.length) {
     box.append(el("ul", { class: "lo-notices", "data-lo-plan-notes": "" }, notes.map((n) => el("li", {}, n))));
   }

@@ -1,10 +1,11 @@
-"""Device adapters: the only CUDA calls (`cuda.py`), the simulated device (`sim.py`), the interface both keep
-(`base.Backend`) and the gate every pin asks first (`pin_gate`: a host's pin budget, e.g. ComfyUI's). `get_backend`
-picks one from a config; simulated devices with equal settings are shared.
+"""Device adapters: the only CUDA calls (`cuda.py`), the simulated device (`sim.py`; on a clock of its own,
+`sim_clock.py`), the interface both keep (`base.Backend`), the time host work is measured on (`clock.py`) and the
+gate every pin asks first (`pin_gate`: a host's pin budget, e.g. ComfyUI's). `get_backend` picks one from a config;
+simulated devices with equal settings (the same `sim_clock` included) are shared.
 
 Layer: the lowest; imports only the config vocabulary (`offload/config.py`, which imports nothing).
-Used from outside: `get_backend`, `resolve_device`, `device_memory`, `Backend`, `SimBackend`, `pin_gate.pin_host`,
-`pin_gate.set_pin_gate`.
+Used from outside: `get_backend`, `resolve_device`, `device_memory`, `Backend`, `SimBackend`, `SimClock`,
+`pin_gate.pin_host`, `pin_gate.set_pin_gate`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from ..config import OffloadConfig
 from .base import Backend
 from .sim import SimBackend
+from .sim_clock import ClockedSimBackend, SimClock
 
 _lock = threading.Lock()
 _backends: dict[tuple, Backend] = {}
@@ -34,7 +36,7 @@ def get_backend(config: OffloadConfig, device: str | None = None) -> Backend:
     if device.startswith("sim"):
         index = int(device.split(":")[1]) if ":" in device else 0
         key: tuple = ("sim", index, config.sim_capacity_bytes, config.sim_bandwidth_gbps,
-                      float(config.sim_latency_us))
+                      float(config.sim_latency_us), config.sim_clock)
     else:
         index = torch.device(device).index
         if index is None and torch.cuda.is_available():
@@ -43,7 +45,10 @@ def get_backend(config: OffloadConfig, device: str | None = None) -> Backend:
     with _lock:
         backend = _backends.get(key)
         if backend is None:
-            if device.startswith("sim"):
+            if device.startswith("sim") and config.sim_clock is not None:
+                backend = ClockedSimBackend(config.sim_clock, config.sim_capacity_bytes, config.sim_bandwidth_gbps,
+                                            config.sim_latency_us, index=key[1])
+            elif device.startswith("sim"):
                 backend = SimBackend(config.sim_capacity_bytes, config.sim_bandwidth_gbps, config.sim_latency_us,
                                      index=key[1])
             else:
@@ -58,4 +63,4 @@ def device_memory(device: str = "auto") -> tuple[int, int]:
     return get_backend(OffloadConfig(device=device)).mem_get_info()
 
 
-__all__ = ["Backend", "SimBackend", "get_backend", "resolve_device", "device_memory"]
+__all__ = ["Backend", "SimBackend", "SimClock", "get_backend", "resolve_device", "device_memory"]

@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 import torch
 
+from .clock import WALL_CLOCK, Clock
+
 
 class Backend(abc.ABC):
     """A device the engine streams to: allocation, async host-to-device copies, events, memory info."""
@@ -14,6 +16,8 @@ class Backend(abc.ABC):
     device: torch.device
     supports_pinned_host: bool = False  # host buffers can be pinned (else pageable units copy straight)
     supports_peer_to_peer: bool = False  # tensors move straight to another device of this kind (else through host)
+    clock: Clock = WALL_CLOCK  # what host work before a copy is timed on (clock.py; the simulated device's own
+    # clock in sim_clock.py)
 
     @abc.abstractmethod
     def alloc(self, nbytes: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ def default_sim_capacity() -> int:
     return int(gib * (1 << 30))
 
 
-def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """The copy engine's memcpy: one thread, outside torch's thread pool, so it steals little from compute."""
     n = src.numel() * src.element_size()
     if (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype and dst.shape == src.shape
@@ -58,7 +58,7 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
     start = time.perf_counter()
-    _copy_bytes(dst, src)
+    copy_bytes(dst, src)
     return time.perf_counter() - start
 
 
@@ -117,12 +117,20 @@ class SimBackend(Backend):
         self._queued = 0  # copies handed to the copy engine thread and not finished yet
         self._throttled = bool(bandwidth_gbps) or bool(latency_us)
         self._memcpy_gbps: float | None = None  # the host's memcpy speed, measured when first asked (h2d_gbps)
-        self._worker = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
-        self._worker.start()
-        atexit.register(self._stop)  # a daemon thread killed mid-copy at exit would abort the process
+        self._worker: threading.Thread | None = None  # the copy engine thread, started by the first queued copy
+
+    def _enqueue(self, item: tuple) -> None:
+        """Hand a copy (or a decode) to the copy engine thread, starting it the first time."""
+        with self._lock:
+            self._queued += 1
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="sim-copy-engine", daemon=True)
+                self._worker.start()
+                atexit.register(self._stop)  # a daemon thread killed mid-copy at exit would abort the process
+        self._queue.put(item)
 
     def _stop(self) -> None:
-        if self._worker.is_alive():
+        if self._worker is not None and self._worker.is_alive():
             self._queue.put(None)
             self._worker.join()
 
@@ -194,7 +202,7 @@ class SimBackend(Backend):
         if not self._throttled and self._queued == 0 and (after is None or after.is_set()):
             start = time.perf_counter()
             try:
-                _copy_bytes(dst, src)
+                copy_bytes(dst, src)
             except BaseException as exc:  # reported where the copy is waited for, as a queued copy's would be
                 event = SimEvent(start)
                 event.error = exc
@@ -203,9 +211,7 @@ class SimBackend(Backend):
             event.start = start
             return event
         event = SimEvent()
-        with self._lock:
-            self._queued += 1
-        self._queue.put((dst, src, after, event))
+        self._enqueue((dst, src, after, event))
         return event
 
     def then(self, event: SimEvent, fn: Callable[[], None]) -> SimEvent:
@@ -221,9 +227,7 @@ class SimBackend(Backend):
             done.time = time.perf_counter()
             return done
         done = SimEvent()
-        with self._lock:
-            self._queued += 1
-        self._queue.put((None, fn, event, done))
+        self._enqueue((None, fn, event, done))
         return done
 
     def _run(self) -> None:
@@ -243,7 +247,7 @@ class SimBackend(Backend):
                     src()
                     event.set(after.start if after is not None else start, time.perf_counter())
                     continue
-                _copy_bytes(dst, src)
+                copy_bytes(dst, src)
                 if self.bandwidth_gbps or self.latency_us:
                     target = self.latency_us * 1e-6
                     if self.bandwidth_gbps:
@@ -292,7 +296,7 @@ class SimBackend(Backend):
         if self._memcpy_gbps is None:
             n = 64 << 20
             src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-            _copy_bytes(dst, src)  # first touch of fresh pages
+            copy_bytes(dst, src)  # first touch of fresh pages
             best = min(_timed_copy(dst, src) for _ in range(3))
             self._memcpy_gbps = n / max(best, 1e-9) / 1e9
         return min(self._memcpy_gbps, self.bandwidth_gbps) if self.bandwidth_gbps else self._memcpy_gbps

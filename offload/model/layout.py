@@ -360,10 +360,15 @@ def unit_tensors(module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Ten
     return found
 
 
-def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> TensorLayout:
+def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]], group_dtypes: bool = True) -> TensorLayout:
     """Lay out distinct tensors (a tensor met twice is laid out once, except a non-persistent buffer aliasing
     another: transformers' dynamic RoPE leaves `inv_freq` and `original_inv_freq` as one tensor after a reset, then
-    re-registers `inv_freq` alone in a later forward; a shared leaf would carry the new value into both)."""
+    re-registers `inv_freq` alone in a later forward; a shared leaf would carry the new value into both).
+
+    With `group_dtypes` the leaves of one dtype lie together (dtypes in the order they first appear, tensors in their
+    order within each): the codec then codes all of a unit's tensors of one dtype as one stream (`codec.py`), so its
+    decode takes a constant number of device ops. Without it (a unit laid out as a packed folder stores it), the
+    order given."""
     by_id: dict[int, Entry] = {}
     leaves: list[Leaf] = []
     offset = [0]
@@ -381,4 +386,23 @@ def plan_layout(tensors: list[tuple[nn.Module, str, str, torch.Tensor]]) -> Tens
             by_id[id(t)] = entry
             entries.append(entry)
         entry.locations.append((sub, name, kind))
+    if group_dtypes and len(leaves) > 1:
+        offset[0] = group_by_dtype(leaves)
     return TensorLayout(leaves, entries, max(offset[0], ALIGN))
+
+
+SMALL_LEAF = 4096  # bytes: a smaller tensor goes to the end of its dtype's run (the codec may keep that tail raw)
+
+
+def group_by_dtype(leaves: list[Leaf]) -> int:
+    """Place `leaves` again so that those of one dtype lie together (dtypes in the order they first appear; within
+    each, tensors of at least SMALL_LEAF bytes first, then the smaller ones, each in their order), each at an aligned
+    offset; returns the bytes they span."""
+    rank: dict[torch.dtype, int] = {}
+    for leaf in leaves:
+        rank.setdefault(leaf.dtype, len(rank))
+    end = 0
+    for i in sorted(range(len(leaves)), key=lambda i: (rank[leaves[i].dtype], leaves[i].nbytes < SMALL_LEAF, i)):
+        leaves[i].offset = end
+        end = align(end + leaves[i].nbytes)
+    return end

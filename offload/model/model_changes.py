@@ -30,6 +30,10 @@ import torch.nn as nn
 from .layout import TensorLayout, _assemble, _walk_leaves
 
 
+# what the streamer puts in a module's __dict__ (stream/ is above this layer: by name): a copy leaves them out
+_ENGINE_ATTRS = ("_CompileForward", "MethodEntry")
+
+
 class ModelChangedError(RuntimeError):
     """A change to an offloaded model that cannot reach the engine's copies (detach() first)."""
 
@@ -128,7 +132,7 @@ class ModelChanges:
         state = {}
         for k, v in module.__dict__.items():
             if k == "_layer_offload_handle" or isinstance(v, (_GuardedApply, _OrdinaryDeepcopy)) or \
-                    type(v).__name__ == "_CompileForward":
+                    type(v).__name__ in _ENGINE_ATTRS:
                 continue
             if k.endswith("_hooks") or k.endswith("_hooks_with_kwargs") or k.endswith("_hooks_always_called"):
                 if isinstance(v, dict) and any(h in engine_hooks for h in v):
@@ -190,7 +194,8 @@ class _OrdinaryDeepcopy:
             cls = type(module)
             y = cls.__new__(cls)
             memo[id(module)] = y
-            state = {k: v for k, v in module.__dict__.items() if not isinstance(v, (_GuardedApply, _OrdinaryDeepcopy))}
+            state = {k: v for k, v in module.__dict__.items()
+                     if not isinstance(v, (_GuardedApply, _OrdinaryDeepcopy)) and type(v).__name__ not in _ENGINE_ATTRS}
             y.__dict__.update(copy.deepcopy(state, memo))
             return y
         return changes.deepcopy_module(module, memo)

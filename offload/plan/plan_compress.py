@@ -99,3 +99,19 @@ def choose_compressed(mode: str, sizes: list[int], packed: list[int],
         return plan_for(with_compressed(candidates)), frozenset(forced + candidates)
     except RamCeilingError:
         raise error from None
+
+
+ENCODE_LATER_BYTES = 64 << 20  # raw bytes to encode from the file above which setup leaves them to a thread
+
+
+def encoded_later(compressed: frozenset[int], fixed: dict[int, bool], from_file: tuple[bool, ...],
+                  file_forms: tuple[str, ...], sizes: tuple[int, ...]) -> frozenset[int]:
+    """The units held compressed that staging may keep raw and have encoded after setup (the caller checked that RAM
+    holds them raw meanwhile and no ceiling binds): those read from the model's file (encoding them at load would
+    hold the reads up: the encoder runs at a fraction of a read's speed), not a packed folder's stored encoding (taken
+    as is) nor a form another process's shared copy holds (`fixed`); none where they come to less than
+    ENCODE_LATER_BYTES (encoded at load in a fraction of a second)."""
+    stored = {i for i, f in enumerate(file_forms) if f != "none"}
+    later = frozenset(i for i in compressed
+                      if i < len(from_file) and from_file[i] and i not in stored and i not in fixed)
+    return later if sum(sizes[i] for i in later) >= ENCODE_LATER_BYTES else frozenset()

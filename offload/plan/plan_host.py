@@ -26,6 +26,9 @@ class HostPlan:
     host_sizes: list[int] | None = None  # each unit's host bytes (its encoded size where compressed)
     rest_spilled: bool = False  # the weights outside the blocks keep no RAM copy (their master: the spill map)
     shared: frozenset[int] = frozenset()  # units whose RAM master is the host copy shared between processes
+    # units held compressed that staging may keep raw and have encoded on a thread after setup (RAM holds the raw
+    # plan and no ceiling binds: setup then takes what a raw one does; `stream/background_encode.py`)
+    encode_later: frozenset[int] = frozenset()
 
 
 def shared_units(tiers: dict[int, str], share: bool) -> frozenset[int]:

@@ -29,7 +29,7 @@ from .plan_device import (DeviceMemoryError, PlanError, UnitPlan, across_devices
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
                         bounce_buffers, host_ram_bytes, in_shared_copy, plan_host, plan_host_capped, shared_units)
 from ..store.codec import CODEC
-from .plan_compress import choose_compressed
+from .plan_compress import choose_compressed, encoded_later
 from .ring_sim import UnitCosts, simulate_pass
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class PlanFacts:
     remote_allowances: tuple[tuple[str, int], ...] = ()  # the same on each secondary device, in order
     dtypes: tuple[tuple[str, ...], ...] = ()  # each unit's tensor dtypes (what its bytes are)
     disk_ok: tuple[bool, ...] = ()  # per unit: the model's file can stream it (empty: none can)
+    from_file: tuple[bool, ...] = ()  # per unit: setup reads its bytes from the model's file (built on meta)
     host: HostFacts | None = None  # None: the host side is staged already (its tiers are kept)
     host_tiers: tuple[str, ...] = ()  # the host tiers in place when `host` is None
     costs: UnitCosts | None = None  # measured per-unit compute and copy times (None: nothing measured yet)
@@ -322,6 +323,8 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
     plan.compressed = compressed
     plan.rest_spilled = plan.rest_spilled and bool(plan.compressed)
     compressed = plan.compressed
+    if compressed and not h.hard and fits(plan_for(list(facts.sizes))):  # RAM holds them raw meanwhile
+        plan.encode_later = encoded_later(compressed, fixed, facts.from_file, facts.file_forms, facts.sizes)
     messages.extend(said.get(id(plan), []))
     if compressed:
         raw = sum(facts.sizes[i] for i in compressed)

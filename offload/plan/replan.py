@@ -16,6 +16,10 @@ through the streamer. It decides WHEN to plan again, never WHERE a unit lives:
   stalling unit resident wins over the one in place when it saves a clear share (plan_device.py);
 - after an out-of-memory shrink, once the device has room again for the plan the allowance gives.
 
+A plan the measurements ask for at the end of a forward that left a graph for backward through streamed units is
+placed when that backward ends (or at the next pass start): backward, and activation checkpointing's re-run of a
+forward, must find every unit where the forward had it.
+
 Timings are folded in at the end of every pass for the first passes of a plan (FRESH_PASSES), then every
 COST_EVERY passes (the per-pass bookkeeping stays O(1) per unit on long runs).
 """
@@ -63,6 +67,7 @@ class PlanKeeper:
         self._checks_beyond = 0  # consecutive checks on the plan in place whose newest passes stalled beyond it
         self._memo: tuple[PlanFacts, Plan] | None = None
         self._read_ms: list[float] = [0.0] * len(base.sizes)  # per unit: bounce-buffer read before each copy
+        self._due = False  # the measurements asked for a plan while a backward of the last forward was to come
 
     # facts -> plan ----------------------------------------------------------------------
     def facts(self, allowance: int) -> PlanFacts:
@@ -109,7 +114,7 @@ class PlanKeeper:
 
     def stale(self, allowance: int, remote: dict[str, int]) -> bool:
         """Whether the plan in place no longer fits the facts (at a pass start)."""
-        return (allowance != self.allowance or remote != self.remote or not self.streamer.loaded
+        return (allowance != self.allowance or remote != self.remote or not self.streamer.loaded or self._due
                 or self._may_grow_back(allowance))
 
     def replan(self, allowance: int, place: bool = False, remote: dict[str, int] | None = None) -> None:
@@ -121,6 +126,7 @@ class PlanKeeper:
         """
         if remote is not None:
             self.remote = dict(remote)
+        self._due = False  # placed now, from the facts now
         plan = self.plan_for(allowance)
         self._adopt(plan, allowance)
         if not (place or self.streamer.loaded):
@@ -199,6 +205,21 @@ class PlanKeeper:
             return False  # capped after an out-of-memory shrink: the plan grows back only when memory frees up
         first = self.plan is not None and not self.plan.from_costs and self.costs.ready
         if not (first or self.costs.shifted() or self._stalled_beyond_prediction()):
+            return False
+        if self.streamer.backward.armed:
+            # the forward left a graph whose backward brings its streamed units back and re-runs checkpointed ones,
+            # which must find every unit where the forward had it (torch.utils.checkpoint compares what the two
+            # save): the new plan is placed when that backward ends (after_backward), else at the next pass start
+            self._due = True
+            return False
+        self.replan(self.allowance, place=True)
+        self.streamer.worker.fill()
+        return True
+
+    def after_backward(self) -> bool:
+        """The backward of the last forward ended: a plan the measurements asked for meanwhile is placed now, so the
+        next forward's first blocks are prefetched in the gap. Returns whether it planned again."""
+        if not self._due or self.allowance is None or not self.streamer.loaded or self.oom_free is not None:
             return False
         self.replan(self.allowance, place=True)
         self.streamer.worker.fill()

@@ -42,6 +42,13 @@ LOADERS: dict[str, tuple[tuple[str, str, str], ...]] = {
                                ("ckpt_name", "checkpoints", "text_projection")),
     "LoraLoader": (("lora_name", "loras", "lora"),),
     "LoraLoaderModelOnly": (("lora_name", "loras", "lora"),),
+    "LoraLoaderBypass": (("lora_name", "loras", "lora"),),
+    "LoraLoaderBypassModelOnly": (("lora_name", "loras", "lora"),),
+    "CreateHookLora": (("lora_name", "loras", "lora"),),
+    "CreateHookLoraModelOnly": (("lora_name", "loras", "lora"),),
+    "CreateHookModelAsLora": (("ckpt_name", "checkpoints", "lora"),),
+    "CreateHookModelAsLoraModelOnly": (("ckpt_name", "checkpoints", "lora"),),
+    "TrainLoraNode": (("existing_lora", "loras", "lora"),),
     "OffloadTTSLoader": (("model_name", "tts", "tts"),),
     "CLIPVisionLoader": (("clip_name", "clip_vision", "clip_vision"),),
     "ControlNetLoader": (("control_net_name", "controlnet", "controlnet"),),
@@ -60,6 +67,10 @@ LOADERS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "FrameInterpolationModelLoader": (("model_name", "frame_interpolation", "frame_interpolation"),),
     "OpticalFlowLoader": (("model_name", "optical_flow", "optical_flow"),),
     "LoadMediaPipeFaceLandmarker": (("model_name", "detection", "detection"),),
+    # the pip-installable fork's (0.12) own names for some of the above
+    "ControlNetLoaderWeights": (("control_net_name", "controlnet", "controlnet"),),
+    "LTXVAudioVAELoader1": (("ckpt_name", "checkpoints", "audio_vae"),),
+    "LatentUpscaleModelLoader1": (("model_name", "latent_upscale_models", "latent_upscale_model"),),
 }
 for _t in ("CLIPLoader", "CLIPLoaderGGUF"):
     LOADERS[_t] = (("clip_name", "clip_gguf" if _t.endswith("GGUF") else "text_encoders", "text_encoder"),)
@@ -67,6 +78,7 @@ for _t, _n in (("DualCLIPLoader", 2), ("TripleCLIPLoader", 3), ("QuadrupleCLIPLo
                ("TripleCLIPLoaderGGUF", 3), ("QuadrupleCLIPLoaderGGUF", 4)):
     LOADERS[_t] = tuple((f"clip_name{i}", "clip_gguf" if _t.endswith("GGUF") else "text_encoders", "text_encoder")
                         for i in range(1, _n + 1))
+NO_FILE = ("[None]", "None", "none")  # a loader's "no file" choice (TrainLoraNode's existing_lora)
 # the roles the plan prices as models it streams or runs; the others are loaded whole by ComfyUI (file bytes)
 MODEL_ROLES = ("diffusion", "checkpoint", "text_encoder", "vae", "lora", "tts")
 # a template's `properties.models[].directory` -> the folder kind (where they differ)

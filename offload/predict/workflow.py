@@ -187,7 +187,8 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
         plan.path, plan.found = path, path is not None
         if path is None:
             plan.notes.append(f"{ref.name} not found in {ref.folder}" +
-                              (f" (the workflow's download link: {ref.url})" if ref.url else "") + ": not planned")
+                              (f" (the workflow's download link: {ref.url})" if ref.url else "") +
+                              ": named, not priced (its figures need the file's header)")
             continue
         if ref.role not in MODEL_ROLES:
             _whole_file(plan, path, card_obj)
@@ -219,7 +220,8 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
                      f"the model files (the disk tier; presets that allow it)")
     graph_read = {"read_whole": facts.complete, "unread": facts.unread, "form": facts.form,
                   "files": len(models), "files_loaded": sum(m.runs for m in models.values()),
-                  "samplers": len(facts.samplers), "samplers_not_run": facts.idle_samplers}
+                  "samplers": len(facts.samplers),
+                  "samplers_not_run": [{k: v for k, v in x.items() if k != "ref"} for x in facts.idle_samplers]}
     return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes, graph_read)
 
 
@@ -300,7 +302,7 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
     for s in facts.samplers:
         key = s.model_loader if s.model_loader in models else f"{s.model_loader}:diffusion"
         desc, plan = descs.get(key), models.get(key)
-        entry: dict[str, Any] = {"sampler": s.node, "class_type": s.class_type, "model": key,
+        entry: dict[str, Any] = {"sampler": s.node, "class_type": s.class_type, "runs": True, "model": key,
                                  "model_file": plan.name if plan is not None else None, "steps": s.steps,
                                  "total_steps": s.total_steps, "cfg": s.cfg, "width": s.width, "height": s.height,
                                  "frames": s.frames, "batch": s.batch, "subgraph": s.subgraph}
@@ -343,6 +345,14 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
                       "loras": [models[k].name for k in s.loras if k in models]})
         phases.append({"phase": "sampling", "model": key, "calls": s.steps * calls_per_step, "ms": entry["ms"],
                        "vram_bytes": plan.chosen.get("vram_bytes")})
+    for idle in facts.idle_samplers:  # named with what they would run, not costed
+        s = idle["ref"]
+        model = models.get(s.model_loader) if s.model_loader else None
+        samplers_out.append({"sampler": s.node, "class_type": s.class_type, "runs": False, "model": s.model_loader,
+                             "model_file": model.name if model is not None else None, "steps": s.steps,
+                             "total_steps": s.total_steps, "cfg": s.cfg, "width": s.width, "height": s.height,
+                             "frames": s.frames, "batch": s.batch, "subgraph": s.subgraph,
+                             "note": f"not run: {idle['why']}"})
     decodes = []
     for d in facts.decodes:
         key = d["vae"] if d["vae"] in descs else f"{d['vae']}:vae"
@@ -404,7 +414,7 @@ def _plan_run(facts: GraphFacts, models: dict[str, ModelPlan], descs: dict[str, 
     return {"phases": phases, "samplers": samplers_out, "decodes": decodes, "total_ms": total,
             "peak_vram_bytes": max(peaks) if peaks else 0, "fits": fits,
             "complete": all(p.get("ms") is not None for p in phases) and all("note" not in x or "assumed" in x["note"]
-                                                                              for x in samplers_out)
+                                                                              for x in samplers_out if x["runs"])
             and all(m.found for m in models.values() if m.runs)}
 
 

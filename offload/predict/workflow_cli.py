@@ -116,8 +116,12 @@ def format_plan(plan: WorkflowPlan) -> str:
     run = d["run"]
     lines.append("run:")
     for s in run["samplers"]:
+        split = f" of {s['total_steps']}" if s.get("total_steps", s["steps"]) != s["steps"] else ""
+        if not s.get("runs", True):
+            lines.append(f"  sampler {s['sampler']} ({s.get('class_type')}, {s.get('model_file') or 'no model'}): "
+                         f"{s['steps']}{split} steps: {s['note']}")
+            continue
         if "ms" not in s:
-            split = f" of {s['total_steps']}" if s.get("total_steps", s["steps"]) != s["steps"] else ""
             size = f" at {s['width']}x{s['height']}" if s["width"] else ""
             frames = f", {s['frames']} frames" if s["frames"] else ""
             lines.append(f"  sampler {s['sampler']} ({s.get('class_type')}, {s.get('model_file') or 'no model'}): "

@@ -33,6 +33,7 @@ class FlatNode:
     mode: int = 0  # 0 runs; MUTED or BYPASSED (its own, or its subgraph instance's)
     outputs: list[str] | None = None  # output types where the UI JSON lists them
     widgets_values: Any = None  # as stored (list or dict), for tools that rewrite the UI JSON
+    definition: str | None = None  # the id of the subgraph definition it is a node of (None: the top level)
 
 
 @dataclass

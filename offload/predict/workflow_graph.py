@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .comfy_nodes import DIRECTORY_KINDS, LOADERS, NodeDefs
+from .comfy_nodes import DIRECTORY_KINDS, LOADERS, NO_FILE, NodeDefs
 from .workflow_flat import FlatGraph, FlatNode, WorkflowError, is_link
 from .workflow_read import flatten
 from .workflow_values import UNKNOWN, Values
@@ -75,7 +75,7 @@ class GraphFacts:
     unread: list[str] = field(default_factory=list)  # what keeps the graph from being read whole
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> the template's {url, directory}
     form: str = "api"
-    idle_samplers: list[dict[str, Any]] = field(default_factory=list)  # {"node", "class_type", "why"}: never run
+    idle_samplers: list[dict[str, Any]] = field(default_factory=list)  # {"node", "class_type", "why", "ref"}
 
     @property
     def complete(self) -> bool:
@@ -124,7 +124,7 @@ class _Reader:
     def loaders(self) -> dict[str, LoaderRef]:
         found: dict[str, LoaderRef] = {}
         for nid, node in list(self.flat.nodes.items()) + list(self.flat.skipped.items()):
-            declared = {m.get("name"): m for m in node.properties.get("models") or [] if isinstance(m, dict)}
+            declared = _declared(node)
             table = LOADERS.get(node.class_type)
             if table is None:  # a loader this reader does not know: the template names its file and folder
                 table = tuple((w, DIRECTORY_KINDS.get(str(m.get("directory")), str(m.get("directory"))),
@@ -133,6 +133,8 @@ class _Reader:
             for widget, folder, role in table:
                 raw = node.inputs.get(widget)
                 name = self.values.value(raw)
+                if name in NO_FILE:
+                    continue
                 if not isinstance(name, str) or not name:
                     if node.id in self.runs:
                         self.unread.append(f"{node.class_type} {self.flat.where(nid)}: its {widget} is "
@@ -169,6 +171,13 @@ class _Reader:
     def num(self, v: Any, default: float) -> float:
         x = self.values.number(v)
         return default if x is None else x
+
+
+def _declared(node: FlatNode) -> dict[str, dict[str, Any]]:
+    """The model files a UI node's `properties.models` names (what the frontend's missing-models dialog lists)."""
+    models = node.properties.get("models") if isinstance(node.properties, dict) else None
+    return {m["name"]: m for m in models if isinstance(m, dict) and isinstance(m.get("name"), str)} \
+        if isinstance(models, list) else {}
 
 
 def _role(node: FlatNode | None, loaders: dict[str, LoaderRef]) -> str | None:
@@ -221,12 +230,15 @@ def read_graph(graph: dict[str, Any], defs: NodeDefs | None = None) -> GraphFact
                      "the models are planned, the run is not")
     declared: dict[str, dict[str, Any]] = {}
     for node in list(flat.nodes.values()) + list(flat.skipped.values()):
-        for m in node.properties.get("models") or []:
-            if isinstance(m, dict) and isinstance(m.get("name"), str):
-                declared.setdefault(m["name"], {"url": m.get("url"), "directory": m.get("directory")})
-    idle = [{"node": n.id, "class_type": n.class_type, "why": r._runs(n)[1]}
-            for n in list(flat.nodes.values()) + list(flat.skipped.values())
-            if n.class_type in SAMPLERS and not r._runs(n)[0]]
+        for name, m in _declared(node).items():
+            declared.setdefault(name, {"url": m.get("url"), "directory": m.get("directory")})
+    idle = []  # samplers the workflow holds but does not run: read all the same, said why
+    for n in list(flat.nodes.values()) + list(flat.skipped.values()):
+        if n.class_type in SAMPLERS and not r._runs(n)[0]:
+            kept = len(r.unread)
+            ref = _sampler(r, n, loaders, is_model)
+            del r.unread[kept:]  # what it would not tell does not keep the run from being read whole
+            idle.append({"node": n.id, "class_type": n.class_type, "why": r._runs(n)[1], "ref": ref})
     return GraphFacts(loaders, samplers, text_encodes, decodes, tts, notes, r.unread, declared, flat.form, idle)
 
 

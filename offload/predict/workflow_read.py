@@ -63,24 +63,71 @@ class _Scope:
     mode: int = 0  # MUTED / BYPASSED when the instance (or one around it) is
 
 
+def _id(v: Any) -> Any:
+    """A node or link id as the UI stores it (a number or a string), else None."""
+    return v if isinstance(v, (int, str)) and not isinstance(v, bool) else None
+
+
+def _slot(raw: Any, links_key: str) -> dict[str, Any] | None:
+    if not isinstance(raw, dict):
+        return None
+    slot = {"name": raw["name"] if isinstance(raw.get("name"), str) else "",
+            "type": raw["type"] if isinstance(raw.get("type"), str) else "*"}
+    if links_key == "link":
+        slot["link"] = _id(raw.get("link"))
+        if isinstance(raw.get("widget"), dict) and isinstance(raw["widget"].get("name"), str):
+            slot["widget"] = {"name": raw["widget"]["name"]}
+    else:
+        ids = raw.get(links_key)
+        slot[links_key] = [i for i in ids if _id(i) is not None] if isinstance(ids, list) else []
+    return slot
+
+
+def _clean(container: dict[str, Any], definition: bool = False) -> dict[str, Any]:
+    """A (sub)graph with only well-formed parts: nodes with a string type and a number or string id, slots as
+    dicts of the expected types; what is malformed is left out, as if it were not there (the reader then says
+    what it could not read)."""
+    nodes = []
+    for raw in container.get("nodes") if isinstance(container.get("nodes"), list) else []:
+        if not isinstance(raw, dict) or not isinstance(raw.get("type"), str) or _id(raw.get("id")) is None:
+            continue
+        node = dict(raw)
+        node["inputs"] = [x for x in map(lambda i: _slot(i, "link"), raw.get("inputs") or []
+                                         if isinstance(raw.get("inputs"), list) else []) if x]
+        node["outputs"] = [x for x in map(lambda o: _slot(o, "links"), raw.get("outputs") or []
+                                          if isinstance(raw.get("outputs"), list) else []) if x]
+        node["mode"] = raw.get("mode") if isinstance(raw.get("mode"), int) else 0
+        node["properties"] = raw.get("properties") if isinstance(raw.get("properties"), dict) else {}
+        if not isinstance(raw.get("widgets_values"), (list, dict)):
+            node["widgets_values"] = None
+        nodes.append(node)
+    clean = {"nodes": nodes, "links": container.get("links")}
+    if definition:
+        clean.update(id=container["id"], name=str(container.get("name") or container["id"]))
+        for side in ("inputs", "outputs"):
+            raw = container.get(side)
+            clean[side] = [_slot(x, "linkIds") or {"name": "", "type": "*", "linkIds": []}
+                           for x in (raw if isinstance(raw, list) else [])]
+    return clean
+
+
 def _links(raw: Any) -> dict[Any, tuple[Any, int, Any, int, Any]]:
     links: dict[Any, tuple[Any, int, Any, int, Any]] = {}
     for link in raw if isinstance(raw, list) else []:
-        if isinstance(link, list) and len(link) >= 5:
-            links[link[0]] = (link[1], _int(link[2]), link[3], _int(link[4]), link[5] if len(link) > 5 else None)
-        elif isinstance(link, dict) and "id" in link:
-            links[link["id"]] = (link.get("origin_id"), _int(link.get("origin_slot")), link.get("target_id"),
-                                 _int(link.get("target_slot")), link.get("type"))
+        if isinstance(link, list) and len(link) >= 5 and _id(link[0]) is not None:
+            links[link[0]] = (_id(link[1]), _int(link[2]), _id(link[3]), _int(link[4]),
+                              link[5] if len(link) > 5 and isinstance(link[5], str) else None)
+        elif isinstance(link, dict) and _id(link.get("id")) is not None:
+            kind = link.get("type")
+            links[link["id"]] = (_id(link.get("origin_id")), _int(link.get("origin_slot")), _id(link.get("target_id")),
+                                 _int(link.get("target_slot")), kind if isinstance(kind, str) else None)
         if len(links) > MAX_LINKS:
             raise WorkflowError(f"the workflow has more than {MAX_LINKS} links")
     return links
 
 
 def _int(v: Any) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return -1
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
 
 
 def _key(v: Any) -> str:
@@ -94,7 +141,8 @@ class _UIReader:
         self.subgraphs: dict[str, dict[str, Any]] = {}
         for sub in subs if isinstance(subs, list) else []:
             if isinstance(sub, dict) and isinstance(sub.get("id"), str):
-                self.subgraphs[sub["id"]] = sub
+                self.subgraphs[sub["id"]] = _clean(sub, definition=True)
+        self.graph = _clean(graph)
         self.flat = FlatGraph({}, form="ui")
         self._sub_links: dict[str, dict] = {}
 
@@ -197,7 +245,7 @@ class _UIReader:
         eid = ":".join(scope.path + (lid,))
         props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         fn = FlatNode(eid, ctype, inputs, scope.path, str(node.get("title") or ""), props, mode, outputs,
-                      node.get("widgets_values"))
+                      node.get("widgets_values"), (scope.definition or {}).get("id"))
         (self.flat.skipped if mode else self.flat.nodes)[eid] = fn
 
     def _widgets(self, ctype: str, node: dict[str, Any]) -> dict[str, Any]:
@@ -367,8 +415,8 @@ def _bypass_input(node: dict[str, Any], slot: int, want: Any) -> int | None:
     if not inputs:
         return None
     if want in (None, "", "*"):
-        return slot if slot < len(inputs) else 0
-    if slot < len(inputs) and _fits(inputs[slot].get("type"), out_type) and _fits(inputs[slot].get("type"), want):
+        return slot if 0 <= slot < len(inputs) else 0
+    if 0 <= slot < len(inputs) and _fits(inputs[slot].get("type"), out_type) and _fits(inputs[slot].get("type"), want):
         return slot
     exact = next((i for i, x in enumerate(inputs) if x.get("type") == want), None)
     if exact is not None:

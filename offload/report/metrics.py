@@ -89,6 +89,10 @@ class OffloadReport:
     # blocks in the copy shared with other processes offloading the same file (OffloadConfig.share_host)
     host_private_bytes: int = 0
     host_shared_bytes: int = 0
+    # where offload_module's time went, in ms: total_ms, layout_ms, plan_ms, stage_ms (wall) and, added up over
+    # staging's workers, read_ms (file reads), encode_ms (units encoded), spill_ms, pin_ms (host buffers allocated,
+    # pinned where planned); workers; encoded_units (encoded at setup), stored_units (a packed folder's encoding taken)
+    setup: dict[str, Any] = field(default_factory=dict)
 
     @property
     def streamed_bytes(self) -> int:
@@ -122,7 +126,8 @@ class OffloadReport:
 
 
 def summarize(d: dict[str, Any]) -> str:
-    """Two readable lines for one model's report dict (`OffloadReport.to_dict()`): the one summary everywhere."""
+    """Readable lines for one model's report dict (`OffloadReport.to_dict()`): the one summary everywhere (the
+    model, its last runs, its setup)."""
     tiers = d["tiers"]
     mb = 1 << 20
     head = f"{d['name']}"
@@ -143,7 +148,22 @@ def summarize(d: dict[str, Any]) -> str:
     if d.get("backward_bytes_streamed"):
         runs += (f"; backward {d['backward_bytes_streamed'] / mb:.1f} MB of it, blocks held "
                  f"{d.get('backward_ms', 0.0):.1f} ms")
-    return head + "\n" + runs
+    return head + "\n" + runs + setup_line(d.get("setup") or {})
+
+
+def setup_line(t: dict[str, Any]) -> str:
+    """'\n  setup: 1.23 s (read 0.2 s, encode 0.8 s, ...)' for a report's `setup` (nothing before one was timed)."""
+    if not t.get("total_ms"):
+        return ""
+    parts = [f"{label} {t[key] / 1000:.2f} s" for key, label in
+             (("layout_ms", "layout"), ("plan_ms", "plan"), ("read_ms", "read"), ("encode_ms", "encode"),
+              ("spill_ms", "spill"), ("pin_ms", "pin")) if t.get(key)]
+    line = f"\n  setup: {t['total_ms'] / 1000:.2f} s ({', '.join(parts)}"
+    if t.get("workers", 1) > 1:
+        line += f"; reads and encodes on {t['workers']} workers, their times added up"
+    if t.get("encoded_units") or t.get("stored_units"):
+        line += f"; {t.get('encoded_units', 0)} block(s) encoded, {t.get('stored_units', 0)} taken as stored"
+    return line + ")"
 
 
 @dataclass

@@ -3,12 +3,11 @@ tensor: `file_keys`), the safetensors file read in
 positioned ranges with change detection (`storage`), the sources a unit is copied from (`sources`: pinned RAM,
 pageable RAM through a bounce buffer, the disk tier), the packed execution-ordered disk format (`packed` reads
 it, `pack_writer` writes it, `index_check` validates its index; units may be stored compressed), the host copy
-several processes offloading the same file share (`shared_host`; its segment files: `shm_segment`; its header, with
-each unit's form: `shared_forms`), and the compressed host form: `codec` (the lossless "expwin" encoding, decoded
-on the device in place, one chunk at a time by `chunk_decode`), `compressed` (a unit held encoded in RAM: staging
-and its `CompressedSource`), `spill`
-(the copy-on-write map its tensors view between passes). Every header and index is checked by one validator first
-(`header_check`: files are untrusted).
+several processes offloading the same file share (`shared_host`; its segment files, only our own user's:
+`shm_segment`; its header, with each unit's form: `shared_forms`), and the compressed host form: `codec` (the
+lossless "expwin" encoding, decoded on the device in place, one chunk at a time by `chunk_decode`), `compressed` (a
+unit held encoded in RAM: staging and its `CompressedSource`), `spill` (the copy-on-write map its tensors view
+between passes). Every header and index is checked by one validator first (`header_check`: files are untrusted).
 
 Layer: below plan/, budget/ and stream/; imports only model/, backends/ and the config vocabulary.
 Used from outside: `staging.lay_out_model`, `staging.stage_model`, `staging.StagedModel`, `storage.SafetensorsFile`,

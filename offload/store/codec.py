@@ -3,260 +3,246 @@ torch ops any backend runs.
 
 Trained weights carry little information in their exponents. For every element, the byte holding the sign and the
 (top of the) exponent is split from the others: the other bytes are stored raw, planar; the exponent bits of that
-byte become a `k`-bit code over a window of the `2**k - 1` most frequent consecutive exponent values (`base`...),
-the last code an escape whose byte is kept in a short list (positions and values); the sign and the exponent byte's
-remaining low bits (fp16's, fp8's mantissa bits) ride along raw in the same field. A field is `q = sign + low + k`
-bits, eight fields packed into `q` bytes. Decoding is one table gather per chunk: the fields one index covers (a
-packed byte, or a pair cut from a whole-byte group of straddling fields by a shift, an or and a mask) index a small
-table of their elements' words, top bytes in place and the other bytes zero, written straight into the slot; the
-other byte planes follow as strided copies and the escapes as a scatter (`chunk_decode.decode_chunk`).
+byte become one of a few codes over a window of the most frequent consecutive exponents (the last code an escape,
+decoded as exponent 0; other escaped bytes are listed), the sign and low bits riding along.
 
-A unit's buffer is cut into chunks that tile it in order (`Chunk`): a coded chunk per run of at most
-`CHUNK_ELEMS` elements of a floating or byte dtype where coding pays, raw chunks for the rest (padding, small
-tensors, bytes that do not compress). No chunk is larger encoded than raw, so the encoded bytes can be copied into
-the TAIL of the unit's own slot and decoded forward into it in place (`decode_into`): the device needs no staging
-buffer of its own, only the decode's scratch (`decode_scratch_bytes`).
+Version 3 (what this engine writes, `unit_code.py`): a unit is cut into runs, one per dtype (its layout groups its
+tensors by dtype, `layout.plan_layout`, so all its tensors of one dtype and the padding between them are one run),
+each coded as ONE stream with one code chosen from the run's exponent histogram, cut into pieces only where the
+decode scratch requires (`unit_code.CHUNK_ELEMS` elements); so a unit's decode is a constant number of device ops
+whatever its tensor count. Several codes are packed into one index (mixed radix), so a code needs no power-of-two
+count. Version 2 (`chunk_decode.py`, a k-bit window per tensor chunk) is what packed folders of index version 2 hold:
+still read and decoded, no longer written (`codec_v2.py` keeps its encoder for the tests).
+
+`plan(raw, leaves)` cuts a unit and chooses its codes (one histogram pass) and gives every chunk's exact encoded
+size, so the caller can place the blob (pinned, in the shared host copy) before `write(raw, chunks, blob)` fills it:
+no second copy of the blob. `encode` does both. Chunks tile the unit's bytes in order and none is larger encoded
+than raw, so the encoded bytes can be copied into the TAIL of the unit's own slot and decoded forward into it in
+place (`decode_into`): the device needs only the decode scratch (`decode_scratch_bytes`), one per device, reused.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
-from .chunk_decode import bytes_to_int, decode_chunk
+from . import unit_code
+from .chunk_decode import decode_chunk
+from .chunk_lists import (FIELDS_V3 as _FIELDS, MAX_CHUNKS, check_escapes, chunks_from_list,  # noqa: F401
+                          chunks_to_list, coded_size, escape_span, list_version)
+from .codec_forms import _FORMS, CODEC, ESCAPE_BYTES, Chunk, Encoded, codable  # noqa: F401
+from ..model.layout import SMALL_LEAF
+from .unit_code import CHUNK_ELEMS, DecodeScratch  # noqa: F401
 
-CODEC = "expwin"  # the name reports carry in `compression`
-CHUNK_ELEMS = 1 << 22  # elements coded (and decoded) together: bounds the decode scratch, amortizes launches
-MIN_CODED_BYTES = 4096  # smaller tensors stay raw (a few kernel launches cost more than they save)
-PAYS = 0.97  # a chunk is coded only below this share of its raw size
+MIN_RUN_BYTES = 2048  # a shorter run stays raw (its decode ops cost more than they save)
+PAYS = 0.97  # a run (or a piece) is coded only below this share of its raw size
 UNIT_PAYS = 0.95  # a unit is held compressed only below this share of its raw size
-ESCAPE_BYTES = 5  # an escape's cost: its position (4 bytes) and its byte
-
-# element size, sign bits and low (raw) bits of the byte holding the sign and the exponent's top
-_FORMS: dict[torch.dtype, tuple[int, int, int]] = {
-    torch.bfloat16: (2, 1, 0),
-    torch.float16: (2, 1, 2),
-    torch.float32: (4, 1, 0),
-    torch.uint8: (1, 0, 0),
-    torch.int8: (1, 0, 0),
-}
-for _name, _form in (("float8_e4m3fn", (1, 1, 3)), ("float8_e5m2", (1, 1, 2)), ("float8_e4m3fnuz", (1, 1, 3)),
-                     ("float8_e5m2fnuz", (1, 1, 2))):
-    if hasattr(torch, _name):
-        _FORMS[getattr(torch, _name)] = _form
-
-
-def codable(dtype: torch.dtype) -> bool:
-    """Whether tensors of `dtype` may be coded (others are held raw)."""
-    return dtype in _FORMS
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One run of a unit's raw bytes [dst, dst + nbytes) and where its encoded form lies in the blob [src, +size)."""
-
-    dst: int
-    nbytes: int
-    src: int
-    size: int
-    elem: int = 0  # element size in bytes (0: a raw chunk)
-    sbits: int = 0
-    rbits: int = 0
-    k: int = 0
-    base: int = 0
-    n_esc: int = 0
-
-    @property
-    def coded(self) -> bool:
-        return self.elem > 0
-
-    @property
-    def q(self) -> int:
-        return self.sbits + self.rbits + self.k
-
-
-@dataclass
-class Encoded:
-    """A unit's bytes in the compressed host form: the blob and how it maps onto the raw buffer."""
-
-    blob: torch.Tensor  # uint8, the chunks' encoded bytes one after another
-    chunks: tuple[Chunk, ...]
-    nbytes: int  # raw bytes of the unit
-
-    @property
-    def size(self) -> int:
-        return int(self.blob.numel())
-
-    @property
-    def ratio(self) -> float:
-        return self.size / self.nbytes if self.nbytes else 1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# encoding (CPU, once, while staging)
+# cutting a unit into runs and pieces, choosing codes (one histogram pass), writing them
 # ---------------------------------------------------------------------------------------------------------------
 
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+def runs(leaves: Iterable, nbytes: int) -> list[tuple[int, int, torch.dtype | None]]:
+    """The unit's bytes [0, nbytes) cut into runs in order: (start, end, dtype) for a run of one codable dtype (its
+    tensors with the padding between them, and after the last where it holds whole elements), dtype None for raw."""
+    segs: list[list[Any]] = []
+    pos = 0
+    for leaf in sorted((lf for lf in leaves if lf.nbytes > 0), key=lambda lf: lf.offset):
+        a, b = leaf.offset, leaf.offset + leaf.nbytes
+        if a < pos or b > nbytes:
+            continue  # overlapping or past the buffer: whatever holds these bytes stays raw
+        form = _FORMS.get(leaf.dtype)
+        dtype = leaf.dtype if form is not None and a % form[0] == 0 and leaf.nbytes % form[0] == 0 else None
+        last = segs[-1] if segs else None
+        if last is not None and dtype is not None and last[2] == dtype and (a - last[1]) % form[0] == 0:
+            last[1] = b  # the padding between two tensors of one dtype: part of the run
+        else:
+            if last is not None and last[1] < a:  # padding: the run before takes it where it is whole elements
+                if last[2] is not None and (a - last[1]) % _FORMS[last[2]][0] == 0:
+                    last[1] = a
+                else:
+                    segs.append([last[1], a, None])
+            elif last is None and a > 0:
+                segs.append([0, a, None])
+            segs.append([a, b, dtype])
+        pos = b
+    end = segs[-1][1] if segs else 0
+    if end < nbytes:
+        last = segs[-1] if segs else None
+        if last is not None and last[2] is not None and (nbytes - end) % _FORMS[last[2]][0] == 0:
+            last[1] = nbytes
+        else:
+            segs.append([end, nbytes, None])
+    out: list[tuple[int, int, torch.dtype | None]] = []
+    for a, b, dtype in segs:
+        if dtype is not None and b - a < MIN_RUN_BYTES:
+            dtype = None
+        if out and out[-1][2] is None and dtype is None:
+            out[-1] = (out[-1][0], b, None)
+        else:
+            out.append((a, b, dtype))
+    return out
 
 
-def _split(raw: torch.Tensor, elem: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(the top byte of every element, the other bytes as planes from the lowest), by shifts of whole elements
-    (contiguous ops, no strided byte copies)."""
-    if elem == 1:
-        return raw, []
-    if raw.storage_offset() % elem:
-        raw = raw.clone()  # an unaligned run (no layout makes one; the codec takes it anyway)
-    x = raw.view(_INT[elem])
-    top = (x >> (8 * (elem - 1))).to(torch.uint8)
-    return top, [(x >> (8 * j)).to(torch.uint8) for j in range(elem - 1)]
+def max_chunks(leaves: Iterable, nbytes: int) -> int:
+    """The most chunks `plan` can cut these leaves into (a shared copy's header room)."""
+    total = 0
+    for a, b, dtype in runs(list(leaves), nbytes):
+        total += 1 if dtype is None else 2 + (b - a) // (_FORMS[dtype][0] * CHUNK_ELEMS)
+    return total
 
 
-def _pack_fields(field: torch.Tensor, q: int) -> torch.Tensor:
-    """Fields of q bits (uint8, a multiple of 8 of them) packed eight to q bytes, little-endian."""
-    if 8 % q == 0:  # whole fields per byte: uint8 ops only
-        per = 8 // q
-        cols = field.view(-1, per)
-        packed = cols[:, 0].clone()
-        for m in range(1, per):
-            packed |= cols[:, m] << (m * q)
-        return packed
-    groups = field.view(-1, 8).to(torch.int64)
-    word = groups[:, 0].clone()
-    for i in range(1, 8):
-        word |= groups[:, i] << (q * i)
-    return word.view(torch.uint8).view(-1, 8)[:, :q].reshape(-1)
+def _hist(top: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(top, minlength=256)
 
 
-def _best_window(hist: torch.Tensor, ebits: int, n: int, fixed_bits: int) -> tuple[int, int, int, int]:
-    """(k, base, escapes, encoded bytes) minimizing the coded size of a chunk with this exponent histogram."""
-    span = 1 << ebits
-    doubled = torch.cat([hist, hist]).cumsum(0)
-    doubled = torch.cat([torch.zeros(1, dtype=doubled.dtype), doubled])
-    best = None
-    for k in range(1, ebits + 1):
-        width = (1 << k) - 1
-        covered = doubled[width:width + span] - doubled[:span]  # window starting at each base (cyclic)
-        base = int(torch.argmax(covered))
-        esc = n - int(covered[base])
-        q = fixed_bits + k
-        size = ((n + 7) // 8) * q + esc * ESCAPE_BYTES
-        if best is None or size < best[3]:
-            best = (k, base, esc, size)
+def _coded_run(raw: torch.Tensor, a: int, b: int, dtype: torch.dtype, cut: int | None = None) -> list[Chunk] | None:
+    """The pieces of one run of `dtype` (src 0: placed by `plan`), or None where coding it does not pay. A run that
+    starts off a word boundary (8 bytes) keeps its first elements raw: the decode writes whole words. `cut`: where
+    the run's tail of small tensors starts (laid out last, `layout.group_by_dtype`); that tail is kept raw where the
+    run codes smaller without it (a window that fits the large tensors may not fit a norm's weights)."""
+    elem, sbits, rbits = _FORMS[dtype]
+    lead = (-a) % 8
+    if lead:
+        rest = _coded_run(raw, a + lead, b, dtype, cut) if b - a - lead >= MIN_RUN_BYTES else None
+        return None if rest is None else [Chunk(a, lead, 0, lead)] + rest
+    n = (b - a) // elem
+    if n % 8:  # whole words of any code: the last few elements raw
+        end = b - (n % 8) * elem
+        rest = (_coded_run(raw, a, end, dtype, cut if cut is not None and cut < end else None)
+                if end - a >= MIN_RUN_BYTES else None)
+        return None if rest is None else rest + [Chunk(end, b - end, 0, b - end)]
+    top = raw[a:b].view(n, elem)[:, elem - 1]
+    bounds = [(s, min(n, s + CHUNK_ELEMS)) for s in range(0, n, CHUNK_ELEMS)]
+    fold = unit_code.exponent_map(sbits, rbits)
+    span = 1 << (8 - sbits - rbits)
+
+    def hist(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(span, dtype=torch.int64).index_add_(0, fold, _hist(t))
+
+    hists = [hist(top[s:e]) for s, e in bounds]
+    best = _pieces(a, n, bounds, hists, elem, sbits, rbits)
+    k = (cut - a) // elem if cut is not None and a < cut < b and (cut - a) % (8 * elem) == 0 else None
+    if k is not None and k >= bounds[-1][0] and (cut - a) >= MIN_RUN_BYTES:  # the small tail in the last piece
+        tail = hist(top[k:])
+        head = _pieces(a, k, bounds[:-1] + [(bounds[-1][0], k)], hists[:-1] + [hists[-1] - tail], elem, sbits,
+                       rbits)
+        if head is not None:
+            head.append(Chunk(cut, b - cut, 0, b - cut))
+            if best is None or sum(c.size for c in head) < sum(c.size for c in best):
+                best = head
     return best
 
 
-def _code_chunk(raw: torch.Tensor, elem: int, sbits: int, rbits: int) -> tuple[dict, list[torch.Tensor]] | None:
-    """The coded form of one chunk (`raw`: its bytes), or None when coding would not pay."""
-    n = raw.numel() // elem
-    ebits = 8 - sbits - rbits
-    emask = (1 << ebits) - 1
-    h, low = _split(raw, elem)
-    e = (h >> rbits) & emask if rbits else (h & emask if sbits else h)
-    hist = torch.bincount(e.reshape(-1), minlength=1 << ebits)
-    k, base, n_esc, coded = _best_window(hist, ebits, n, sbits + rbits)
-    total = (elem - 1) * n + coded
-    if total >= PAYS * raw.numel():
+def _pieces(a: int, n: int, bounds: list[tuple[int, int]], hists: list[torch.Tensor], elem: int, sbits: int,
+            rbits: int) -> list[Chunk] | None:
+    """A run's pieces under the code its histograms choose (None where coding does not pay)."""
+    bounds = [(s, e) for s, e in bounds if e > s]
+    total = torch.stack(hists[:len(bounds)]).sum(0)
+    m, bits, n_codes, base, size = unit_code.choose(total, n, elem, sbits, rbits)
+    if size >= PAYS * n * elem:
         return None
-    width = (1 << k) - 1
-    off = (e - base) & emask  # uint8 arithmetic wraps: the window may wrap around too
-    field = torch.clamp(off, max=width)  # past the window: the escape code
-    if rbits:
-        field |= (h & ((1 << rbits) - 1)) << k
-    if sbits:
-        field |= (h >> 7) << (k + rbits)
-    q = sbits + rbits + k
-    pad = (-n) % 8
-    if pad:
-        field = torch.cat([field, field.new_zeros(pad)])
-    parts = list(low)  # the other bytes, planar, lowest first
-    parts.append(_pack_fields(field, q))
-    if n_esc:
-        pos = torch.nonzero(off >= width).reshape(-1)
-        parts.append(pos.to(torch.int32).view(torch.uint8))
-        parts.append(h[pos])
-    params = dict(elem=elem, sbits=sbits, rbits=rbits, k=k, base=base, n_esc=n_esc)
-    return params, parts
+    pieces: list[Chunk] = []
+    for (s, e), h in zip(bounds, hists):
+        whole = (e - s) - (e - s) % m
+        dst, nb = a + s * elem, whole * elem
+        if whole < e - s:  # a piece that ends mid-word: its whole words coded, the rest raw (the histogram counted
+            return None if len(bounds) > 1 else _pieces(a, whole, [(s, s + whole)], [h], elem, sbits, rbits) \
+                and None  # the elements of the last word: never more than m - 1; the caller keeps the run raw
+        n_esc = unit_code.escapes(h, n_codes, base)
+        psize = unit_code.piece_size(elem, m, bits, n_esc, nb)
+        if psize < PAYS * nb:
+            pieces.append(Chunk(dst, nb, 0, psize, elem, sbits, rbits, 0, base, n_esc, n_codes, m, bits))
+        else:
+            pieces.append(Chunk(dst, nb, 0, nb))
+    return pieces
 
 
-def _runs(layout_leaves: Iterable, nbytes: int) -> list[tuple[int, int, torch.dtype | None]]:
-    """The unit's bytes cut into runs in order: (start, end, dtype) for coded candidates, dtype None for raw."""
-    runs: list[tuple[int, int, torch.dtype | None]] = []
-    pos = 0
-    for leaf in sorted(layout_leaves, key=lambda lf: lf.offset):
-        form = _FORMS.get(leaf.dtype)
-        if form is None or leaf.nbytes < MIN_CODED_BYTES or leaf.offset < pos:
-            continue
-        if leaf.offset > pos:
-            runs.append((pos, leaf.offset, None))
-        step = CHUNK_ELEMS * form[0]
-        for start in range(leaf.offset, leaf.offset + leaf.nbytes, step):
-            runs.append((start, min(leaf.offset + leaf.nbytes, start + step), leaf.dtype))
-        pos = leaf.offset + leaf.nbytes
-    if pos < nbytes:
-        runs.append((pos, nbytes, None))
-    return runs
+def _small_tail(leaves: list, a: int, b: int, dtype: torch.dtype) -> int | None:
+    """Where the tensors of less than SMALL_LEAF bytes at the end of a run start (None: the run ends with a large
+    one, or holds only small ones)."""
+    inside = sorted((lf for lf in leaves if lf.dtype == dtype and a <= lf.offset < b and lf.nbytes),
+                    key=lambda lf: lf.offset)
+    j = len(inside)
+    while j and inside[j - 1].nbytes < SMALL_LEAF:
+        j -= 1
+    return inside[j].offset if 0 < j < len(inside) else None
 
 
-runs_of = _runs  # how the encoder cuts a unit (the most chunks it can give: a shared copy's header room)
+def plan(raw: torch.Tensor, leaves: Iterable) -> tuple[Chunk, ...]:
+    """A unit's chunks with their exact encoded places (one histogram pass over its bytes; nothing written): `raw` is
+    the unit's flat buffer (uint8, CPU), `leaves` its tensors' places (offset, nbytes, dtype). Raw neighbours merge."""
+    nbytes = int(raw.numel())
+    leaves = list(leaves)
+    chunks: list[Chunk] = []
+    for a, b, dtype in runs(leaves, nbytes):
+        pieces = _coded_run(raw, a, b, dtype, _small_tail(leaves, a, b, dtype)) if dtype is not None else None
+        chunks.extend(pieces if pieces is not None else [Chunk(a, b - a, 0, b - a)])
+    out: list[Chunk] = []
+    src = 0
+    for c in chunks:
+        if out and not c.coded and not out[-1].coded:
+            last = out[-1]
+            out[-1] = Chunk(last.dst, last.nbytes + c.nbytes, last.src, last.size + c.size)
+        else:
+            out.append(Chunk(**{**c.__dict__, "src": src}))
+        src += c.size
+    return tuple(out)
+
+
+def encoded_size(chunks: Iterable[Chunk]) -> int:
+    """The blob's bytes for these chunks."""
+    return sum(c.size for c in chunks)
+
+
+def write(raw: torch.Tensor, chunks: tuple[Chunk, ...], blob: torch.Tensor, serial: bool = False) -> Encoded:
+    """Encode `raw` as `chunks` (from `plan`) into `blob` (uint8 of `encoded_size(chunks)` bytes, anywhere on the CPU:
+    pinned, or the shared host copy). `serial`: in sub-blocks small enough that torch runs every op on this thread
+    (a thread beside the model's own compute: no OpenMP team of its own to contend with it)."""
+    sub = unit_code.SERIAL_ELEMS if serial else unit_code.SUB_ELEMS
+    with torch.no_grad():
+        for c in chunks:
+            piece = raw[c.dst:c.dst + c.nbytes]
+            out = blob[c.src:c.src + c.size]
+            if c.coded:
+                unit_code.encode_piece(piece, c, out, sub)
+            else:
+                out.copy_(piece)
+    return Encoded(blob, chunks, int(raw.numel()))
 
 
 def encode(raw: torch.Tensor, leaves: Iterable) -> Encoded:
     """Encode a unit's flat host buffer (`raw`, uint8 on the CPU) whose tensors lie at `leaves` (layout leaves:
-    offset, nbytes, dtype). Chunks whose coding does not pay stay raw; raw neighbours merge."""
-    nbytes = int(raw.numel())
-    chunks: list[Chunk] = []
-    parts: list[torch.Tensor] = []
-    src = 0
-    pending: tuple[int, int] | None = None  # a raw run not written yet (merged with raw neighbours)
-
-    def flush() -> None:
-        nonlocal src, pending
-        if pending is not None:
-            a, b = pending
-            chunks.append(Chunk(a, b - a, src, b - a))
-            parts.append(raw[a:b])
-            src += b - a
-            pending = None
-
-    for a, b, dtype in _runs(leaves, nbytes):
-        coded = None
-        if dtype is not None:
-            elem, sbits, rbits = _FORMS[dtype]
-            coded = _code_chunk(raw[a:b], elem, sbits, rbits)
-        if coded is None:
-            pending = (pending[0], b) if pending is not None else (a, b)
-            continue
-        flush()
-        params, pieces = coded
-        size = sum(int(p.numel()) for p in pieces)
-        chunks.append(Chunk(a, b - a, src, size, **params))
-        parts.extend(pieces)
-        src += size
-    flush()
-    blob = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0, dtype=torch.uint8)
-    return Encoded(blob, tuple(chunks), nbytes)
+    offset, nbytes, dtype). Runs whose coding does not pay stay raw; raw neighbours merge."""
+    chunks = plan(raw, leaves)
+    return write(raw, chunks, torch.empty(encoded_size(chunks), dtype=torch.uint8))
 
 
 def estimate_size(raw: torch.Tensor, leaves: Iterable, sample_elems: int = 1 << 16) -> int:
-    """The encoded size of a unit, estimated from an evenly spaced sample of each codable tensor (what the plan
+    """The encoded size of a unit, estimated from evenly spread runs of elements of each codable run (what the plan
     decides with before anything is encoded)."""
     nbytes = int(raw.numel())
     total = 0
-    for a, b, dtype in _runs(leaves, nbytes):
+    for a, b, dtype in runs(list(leaves), nbytes):
         if dtype is None:
             total += b - a
             continue
-        elem, sbits, rbits = _FORMS[dtype]
+        elem = _FORMS[dtype][0]
         n = (b - a) // elem
-        step = max(1, n // sample_elems)
-        sample = raw[a:b].view(-1, elem)[::step].reshape(-1)
-        coded = _code_chunk(sample.contiguous(), elem, sbits, rbits)
-        if coded is None:
+        if n <= 2 * sample_elems:
+            sample = raw[a:b]
+        else:
+            per, k = 512, max(1, sample_elems // 512)
+            starts = torch.linspace(0, n - per, k).long()
+            index = (starts[:, None] + torch.arange(per)[None, :]).reshape(-1)
+            sample = raw[a:b].view(n, elem)[index].reshape(-1)
+        pieces = _coded_run(sample.contiguous(), 0, sample.numel(), dtype)
+        if pieces is None:
             total += b - a
         else:
-            ratio = sum(int(p.numel()) for p in coded[1]) / sample.numel()
+            ratio = sum(c.size for c in pieces) / sample.numel()
             total += min(b - a, int((b - a) * ratio * 1.01) + 64)
     return total
 
@@ -268,7 +254,7 @@ def estimate_by_dtype(leaves: Iterable, nbytes: int) -> int:
     total = nbytes
     for leaf in leaves:
         r = ratios.get(leaf.dtype, 0.88 if str(leaf.dtype).startswith("torch.float8") else 1.0)
-        if leaf.nbytes >= MIN_CODED_BYTES and r < 1.0:
+        if leaf.nbytes >= MIN_RUN_BYTES and r < 1.0:
             total -= int(leaf.nbytes * (1 - r))
     return total
 
@@ -278,99 +264,58 @@ def estimate_by_dtype(leaves: Iterable, nbytes: int) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-SCRATCH_PER_ELEM = 6  # decode temporaries per element of a coded chunk: the unpacked fields and their steps
+SCRATCH_PER_ELEM = 6  # decode temporaries per element of a version 2 chunk: the unpacked fields and their steps
+
+
+def _chunk_scratch(c: Chunk) -> int:
+    if c.version == 3:
+        return unit_code.scratch_need(c)
+    return c.size + SCRATCH_PER_ELEM * (c.nbytes // c.elem) if c.coded else c.size
 
 
 def decode_scratch_bytes(chunks: Iterable[Chunk]) -> int:
-    """Device bytes the decode of these chunks holds at its peak besides the slot (its temporaries)."""
-    peak = 0
-    for c in chunks:
-        n = c.nbytes // c.elem if c.coded else 0
-        peak = max(peak, c.size + SCRATCH_PER_ELEM * n)
-    return peak
+    """Device bytes the decode of these chunks holds at its peak besides the slot (the scratch)."""
+    return max((_chunk_scratch(c) for c in chunks), default=0)
 
 
 def scratch_estimate(leaves: Iterable) -> int:
-    """`decode_scratch_bytes` before encoding, from the largest chunk these leaves can give."""
-    peak = 0
+    """`decode_scratch_bytes` before encoding, from ONE unit's leaves: its largest piece (a run of one dtype holds at
+    most the unit's bytes of it, at most CHUNK_ELEMS elements), with the code that needs the most scratch."""
+    by_dtype: dict[torch.dtype, int] = {}
     for leaf in leaves:
-        form = _FORMS.get(leaf.dtype)
-        if form is not None and leaf.nbytes >= MIN_CODED_BYTES:
-            n = min(CHUNK_ELEMS, leaf.nbytes // form[0])
-            peak = max(peak, n * form[0] + SCRATCH_PER_ELEM * n)
+        if leaf.dtype in _FORMS and leaf.nbytes:
+            by_dtype[leaf.dtype] = by_dtype.get(leaf.dtype, 0) + -(-leaf.nbytes // 512) * 512
+    peak = 0
+    for dtype, total in by_dtype.items():
+        elem, sbits, rbits = _FORMS[dtype]
+        if total < MIN_RUN_BYTES:
+            continue
+        n = min(CHUNK_ELEMS, total // elem)
+        for m, bits, n_codes in unit_code.options(elem, sbits, rbits):
+            n_m = n - n % m
+            c = Chunk(0, n_m * elem, 0, n_m * elem, elem, sbits, rbits, 0, 0, 0, n_codes, m, bits)
+            extra = unit_code.scratch_need(c) - unit_code.piece_size(elem, m, bits, 0, n_m * elem)
+            peak = max(peak, int(PAYS * n_m * elem) + extra + 16)
     return peak
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the stored form of a unit's chunks (a packed model's index, `pack --compress`): untrusted when read back
-# ---------------------------------------------------------------------------------------------------------------
-
-_FIELDS = ("dst", "nbytes", "src", "size", "elem", "sbits", "rbits", "k", "base", "n_esc")
-_CODED_FORMS = {(e, s, r) for e, s, r in _FORMS.values()}
-MAX_CHUNKS = 1 << 20  # far more than any unit (CHUNK_ELEMS elements each) has
-
-
-def chunks_to_list(chunks: Iterable[Chunk]) -> list[list[int]]:
-    """The chunks as plain lists of integers (JSON), in `_FIELDS` order."""
-    return [[getattr(c, f) for f in _FIELDS] for c in chunks]
-
-
-def coded_size(elem: int, sbits: int, rbits: int, k: int, n_esc: int, nbytes: int) -> int:
-    """Encoded bytes of a coded chunk of `nbytes` raw bytes: the other bytes' planes, the packed fields, escapes."""
-    n = nbytes // elem
-    return (elem - 1) * n + ((n + 7) // 8) * (sbits + rbits + k) + n_esc * ESCAPE_BYTES
-
-
-def chunks_from_list(value: object, nbytes: int, size: int) -> tuple[Chunk, ...]:
-    """Chunks read back from a stored index, checked so that decoding them can only write inside the unit's
-    `nbytes` raw bytes and read inside its `size` encoded bytes (`decode_into`'s invariants): raw ranges tile
-    [0, nbytes) in order, encoded ranges tile [0, size) in order, no chunk larger encoded than raw, every coded
-    chunk of a form the codec writes with its exact encoded size. Raises ValueError saying what is wrong."""
-    if not isinstance(value, list) or len(value) > MAX_CHUNKS:
-        raise ValueError("'chunks' is not a list of chunks")
-    out: list[Chunk] = []
-    dst = src = 0
-    for i, item in enumerate(value):
-        if (not isinstance(item, list) or len(item) != len(_FIELDS)
-                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)):
-            raise ValueError(f"chunk {i} is not {len(_FIELDS)} whole numbers >= 0 ({', '.join(_FIELDS)})")
-        c = Chunk(*item)
-        if c.dst != dst or c.src != src or c.nbytes <= 0 or c.size > c.nbytes:
-            raise ValueError(f"chunk {i} does not follow the one before it (raw bytes at {c.dst}, encoded at {c.src}; "
-                             f"expected {dst} and {src}) or is larger encoded than raw")
-        if c.coded:
-            ebits = 8 - c.sbits - c.rbits
-            if ((c.elem, c.sbits, c.rbits) not in _CODED_FORMS or not 1 <= c.k <= ebits or c.base >= 1 << ebits
-                    or c.nbytes % c.elem or c.n_esc > c.nbytes // c.elem
-                    or c.size != coded_size(c.elem, c.sbits, c.rbits, c.k, c.n_esc, c.nbytes)):
-                raise ValueError(f"chunk {i} is not a chunk the codec writes (form, code width, base, escapes or "
-                                 f"size)")
-        elif any((c.sbits, c.rbits, c.k, c.base, c.n_esc)) or c.size != c.nbytes:
-            raise ValueError(f"chunk {i} is a raw chunk with coding parameters or another size")
-        out.append(c)
-        dst, src = dst + c.nbytes, src + c.size
-    if dst != nbytes or src != size:
-        raise ValueError(f"the chunks cover {dst} raw and {src} encoded bytes, the unit has {nbytes} and {size}")
-    return tuple(out)
-
-
-def check_escapes(enc: Encoded) -> None:
-    """Every escape position of a stored unit lies inside its chunk (checked on the CPU where a unit read from an
-    untrusted file is first decoded; the device decode also clamps them). Raises ValueError."""
-    for c in enc.chunks:
-        if c.coded and c.n_esc:
-            n = c.nbytes // c.elem
-            start = c.src + c.size - ESCAPE_BYTES * c.n_esc
-            where = bytes_to_int(enc.blob[start:start + 4 * c.n_esc].view(c.n_esc, 4), 4)
-            if int(where.max()) >= n:
-                raise ValueError(f"an escape of the chunk at raw byte {c.dst} points past its {n} elements")
-
-
-def decode_into(buf: torch.Tensor, chunks: Iterable[Chunk], nbytes: int, size: int) -> None:
+def decode_into(buf: torch.Tensor, chunks: Iterable[Chunk], nbytes: int, size: int,
+                scratch: DecodeScratch | None = None) -> None:
     """Decode in place: `buf[nbytes - size:nbytes]` holds the encoded blob (copied there), `buf[:nbytes]` gets the
-    raw bytes. Chunks go in order; a chunk whose encoded bytes overlap its output is read into scratch first (no
-    chunk's output reaches the encoded bytes of a later chunk: none is larger encoded than raw)."""
+    raw bytes. Chunks go in order; a chunk's encoded bytes are read into the scratch before its output is written
+    (no chunk's output reaches the encoded bytes of a later chunk: none is larger encoded than raw). `scratch`: the
+    device's decode scratch (one per device, reused); without it, a scratch of this call's own."""
+    chunks = tuple(chunks)
     tail = nbytes - size
+    need = decode_scratch_bytes(chunks)
+    if scratch is None:
+        _decode_all(buf, chunks, tail, torch.empty(need, dtype=torch.uint8, device=buf.device))
+        return
+    with scratch.lock:
+        _decode_all(buf, chunks, tail, scratch.get(buf.device, need))
+
+
+def _decode_all(buf: torch.Tensor, chunks: tuple[Chunk, ...], tail: int, scratch: torch.Tensor) -> None:
     with torch.inference_mode():  # a slot may be an inference tensor (allocated under inference mode)
         for c in chunks:
             a = tail + c.src
@@ -378,10 +323,16 @@ def decode_into(buf: torch.Tensor, chunks: Iterable[Chunk], nbytes: int, size: i
                 continue  # already in place
             payload = buf[a:a + c.size]
             out = buf[c.dst:c.dst + c.nbytes]
-            if c.coded:
-                decode_chunk(c, payload, out, overlaps=a < c.dst + c.nbytes)
+            overlaps = a < c.dst + c.nbytes
+            if c.version == 3 and c.coded:
+                unit_code.decode_piece(c, payload, out, scratch)
+            elif c.coded:
+                decode_chunk(c, payload, out, overlaps=overlaps)
+            elif overlaps:
+                scratch[:c.size].copy_(payload)
+                out.copy_(scratch[:c.size])
             else:
-                out.copy_(payload.clone() if a < c.dst + c.nbytes else payload)
+                out.copy_(payload)
 
 
 def decode(enc: Encoded, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -78,13 +78,13 @@ class CompressedSource:
             log.debug("a compressed unit was written in place: encoded again (%d bytes)", encoded.size)
 
     def _decode(self, dst: torch.Tensor, encoded: codec.Encoded) -> Callable[[], None]:
-        return lambda: codec.decode_into(dst, encoded.chunks, encoded.nbytes, encoded.size)
+        scratch = decode_scratch(self.backend)
+        return lambda: codec.decode_into(dst, encoded.chunks, encoded.nbytes, encoded.size, scratch)
 
     def _fill(self, blob: torch.Tensor) -> Callable[[torch.Tensor, int, int], int]:
         def fill(buf: torch.Tensor, start: int, end: int) -> int:
-            t0 = time.perf_counter()
-            buf[:end - start].copy_(blob[start:end])
-            self.read_ms += (time.perf_counter() - t0) * 1e3
+            _, ms = self.reader.clock.timed("bounce", end - start, lambda: buf[:end - start].copy_(blob[start:end]))
+            self.read_ms += ms
             return 0
         return fill
 
@@ -119,24 +119,37 @@ class StoredDiskSource:
         self.read_ms = 0.0
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
-        t0 = time.perf_counter()
-        try:
-            return self.file.read_stored(self.unit, buf, start, end)
-        finally:
-            self.read_ms += (time.perf_counter() - t0) * 1e3
+        n, ms = self.reader.clock.timed("disk", end - start, lambda: self.file.read_stored(self.unit, buf, start, end))
+        self.read_ms += ms
+        return n
 
     def issue(self, dst: torch.Tensor, after: Any) -> Any:
         self.reads += 1
         u = self.unit
 
+        scratch = decode_scratch(self.backend)
+
         def decode() -> None:
-            codec.decode_into(dst, u.chunks, u.nbytes, u.stored)
+            codec.decode_into(dst, u.chunks, u.nbytes, u.stored, scratch)
 
         return self.reader.submit(self._fill, u.stored, dst[u.nbytes - u.stored:u.nbytes], after,
                                   then=lambda event: self.backend.then(event, decode))
 
 
 _said_layout: set[str] = set()
+_scratches: dict[int, codec.DecodeScratch] = {}
+_scratch_lock = threading.Lock()
+
+
+def decode_scratch(backend: Any) -> codec.DecodeScratch:
+    """The decode scratch of a backend's device: one, reused by every unit decoded on it (its decodes run in order on
+    its transfer stream)."""
+    with _scratch_lock:
+        found = _scratches.get(id(backend))
+        if found is None:
+            found = _scratches[id(backend)] = codec.DecodeScratch()
+        return found
+
 
 
 def disk_source(file: Any, keys: list[str], leaves: list[Leaf], nbytes: int, reader: BounceReader,
@@ -176,19 +189,28 @@ def _sample(flat: torch.Tensor, sample_elems: int) -> torch.Tensor:
 
 
 def estimate_layout_size(layout: TensorLayout, sample_elems: int = 1 << 16) -> int:
-    """A unit's encoded size before anything is encoded: each codable tensor sampled in evenly spread runs (a
-    tensor still on the meta device is estimated from its dtype)."""
+    """A unit's encoded size before anything is encoded: per dtype, its tensors sampled in evenly spread runs (each
+    in proportion to its size) and coded together as the unit-wide code codes them; a tensor still on the meta
+    device is estimated from its dtype. Runs of a dtype shorter than the codec codes stay raw."""
     total = layout.nbytes
+    by_dtype: dict[torch.dtype, list[tuple[Any, torch.Tensor]]] = {}
     with torch.no_grad():
         for leaf, src in zip(layout.leaves, layout.sources()):
-            if not codec.codable(leaf.dtype) or leaf.nbytes < codec.MIN_CODED_BYTES:
+            if not codec.codable(leaf.dtype) or leaf.nbytes == 0:
                 continue
             if src.is_meta or leaf.meta:
                 total -= leaf.nbytes - codec.estimate_by_dtype([leaf], leaf.nbytes)
                 continue
-            sample = _sample(src.detach().reshape(-1), sample_elems).view(torch.uint8)
-            guess = codec.estimate_size(sample, [codec_leaf(sample.numel(), leaf.dtype)], sample_elems)
-            total -= leaf.nbytes - min(leaf.nbytes, int(leaf.nbytes * guess / max(1, sample.numel())))
+            by_dtype.setdefault(leaf.dtype, []).append((leaf, src))
+        for dtype, found in by_dtype.items():
+            nbytes = sum(leaf.nbytes for leaf, _ in found)
+            if nbytes < codec.MIN_RUN_BYTES:
+                continue
+            samples = [_sample(src.detach().reshape(-1), max(SAMPLE_RUN, sample_elems * leaf.nbytes // nbytes))
+                       .reshape(-1).view(torch.uint8) for leaf, src in found]
+            sample = torch.cat(samples) if len(samples) > 1 else samples[0]
+            guess = codec.estimate_size(sample, [codec_leaf(sample.numel(), dtype)], sample_elems)
+            total -= nbytes - min(nbytes, int(nbytes * guess / max(1, sample.numel())))
     return total
 
 
@@ -352,8 +374,9 @@ def measure_decode_gbps(backend: Any, nbytes: int = 16 << 20) -> float:
                 copy = backend.copy_h2d(buf[nbytes - encoded.size:], encoded.blob)
                 backend.event_synchronize(copy)
                 t0 = time.perf_counter()
+                scratch = decode_scratch(backend)
                 backend.event_synchronize(backend.then(copy, lambda: codec.decode_into(buf, encoded.chunks, nbytes,
-                                                                                         encoded.size)))
+                                                                                         encoded.size, scratch)))
                 best = min(best, time.perf_counter() - t0)
         finally:
             backend.release(buf)

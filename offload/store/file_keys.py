@@ -143,20 +143,22 @@ def stored_units(laid: Any) -> list[Any]:
 
 
 def in_stored_order(tensors: list[tuple[nn.Module, str, str, torch.Tensor]], file: Any,
-                    key_of: Callable[[nn.Module, str], str]) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
-    """A unit's tensors in the order its packed folder stores them compressed, so that the unit's layout is the
-    stored one and the device decodes the stored bytes in place (`pack_file` lays tensors out in the file's order,
-    the model in its modules'); as given when the file stores no unit holding exactly these tensors."""
+                    key_of: Callable[[nn.Module, str], str],
+                    ) -> tuple[list[tuple[nn.Module, str, str, torch.Tensor]], bool]:
+    """(a unit's tensors in the order its packed folder stores them compressed, True), so that the unit's layout is
+    the stored one and the device decodes the stored bytes in place (`pack_file` lays tensors out in the file's
+    order, the model in its modules'); (as given, False) when the file stores no unit holding exactly these
+    tensors (the layout then groups them by dtype)."""
     stored_name = getattr(file, "stored_name", None)
     if stored_name is None or not tensors or not file.stored:
-        return tensors
+        return tensors, False
     names = [key_of(sub, name) for sub, name, _, _ in tensors]
     prefix = next((p for p in file._prefixes(names[0]) if all(p + n in file.tensors for n in names)), None)
     if prefix is None:
-        return tensors
+        return tensors, False
     keys = [prefix + n for n in names]
     units = {stored_name(k) for k in keys}
     if len(units) != 1 or None in units:
-        return tensors
+        return tensors, False
     order = sorted(range(len(tensors)), key=lambda j: file.tensors[keys[j]].start)
-    return [tensors[j] for j in order]
+    return [tensors[j] for j in order], True

@@ -12,7 +12,7 @@ from .codec import CODEC, Chunk, chunks_from_list
 from .header_check import CorruptFileError, FileTensor, _show, check_no_overlap, check_tensor, require_regular, whole
 
 PACKED_FORMAT = "layer-offload-packed"
-PACKED_VERSION = 2  # 2: units may be stored compressed ("compression", "stored", "chunks"); 1: none are
+PACKED_VERSION = 3  # 3: units stored compressed in the codec's chunks of version 3; 2: of version 2; 1: none
 _SEPARATORS = ("/", "\\", ":", "\x00")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -159,13 +159,13 @@ def _stored_unit(u: dict[str, Any], uname: str, lo: int, nbytes: int, version: i
     where = f"unit {uname!r}"
     if version < 2 or u["compression"] != CODEC:
         raise CorruptFileError(f"{index_path}: {where} is stored as {_show(u['compression'])}, which a version "
-                               f"{version} index does not hold (this engine reads {CODEC!r} from version 2)")
+                               f"{version} index does not hold (this engine reads {CODEC!r} from versions 2 and 3)")
     stored = whole(u.get("stored"), index_path, where, "stored")
     if lo + stored > out.sizes[u["path"]]:
         raise CorruptFileError(f"{index_path}: {where} ends at byte {lo + stored}, past its shard's "
                                f"{out.sizes[u['path']]} bytes")
     try:
-        chunks = chunks_from_list(u.get("chunks"), nbytes, stored)
+        chunks = chunks_from_list(u.get("chunks"), nbytes, stored, version=2 if version == 2 else 3)
     except ValueError as exc:
         raise CorruptFileError(f"{index_path}: {where}: {exc}") from None
     tensors = u.get("tensors")

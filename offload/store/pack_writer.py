@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ..model.blocks import KNOWN_BLOCK_LISTS
-from ..model.layout import ALIGN, Leaf, align
+from ..model.layout import ALIGN, SMALL_LEAF, Leaf, align
 from . import codec
 from .packed import FORMAT, INDEX, UNIT_ALIGN, PackedWeights
 from .header_check import CorruptFileError, name_of
@@ -185,8 +185,8 @@ def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
                  shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False, source: str | None = None,
                  compress: bool = False) -> Path:
     """Write `units` (in this order) and the `other` tensors as a packed folder; returns the index path.
-    `compress`: each unit whose lossless encoding pays is stored encoded (index version 2; its tensors' offsets are
-    then within the unit's raw bytes); the other tensors stay raw."""
+    `compress`: each unit whose lossless encoding pays is stored encoded (index version 3: the codec's chunks of
+    version 3; its tensors' offsets are then within the unit's raw bytes); the other tensors stay raw."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder")
@@ -228,7 +228,7 @@ def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
             index_other.append({"name": entry.pop("name"), "path": path, **entry})
     finally:
         writer.close()
-    version = 2 if any("compression" in u for u in index_units) else 1  # a plain pack stays readable by version 1
+    version = 3 if any("compression" in u for u in index_units) else 1  # a plain pack stays readable by version 1
     index = {"format": FORMAT, "version": version, "alignment": UNIT_ALIGN, "source": source,
              "shards": writer.shards, "units": index_units, "other": index_other}
     fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".json.tmp", dir=out)  # O_EXCL | O_NOFOLLOW, ours alone
@@ -267,7 +267,9 @@ def pack_file(src: str | os.PathLike | SafetensorsFile, out_dir: str | os.PathLi
     """Pack a safetensors file (or an open one) into `out_dir`; returns the index path.
 
     `units`: (unit name, [(key, offset in the unit)]) in execution order, e.g. from a model's layouts; by default
-    they are grouped from the key names (`group_units`), tensors at 512-byte aligned offsets in the file's order.
+    they are grouped from the key names (`group_units`), tensors at 512-byte aligned offsets, one dtype's together
+    (dtypes in the order the file first names them; within each, tensors of SMALL_LEAF bytes and more first, each
+    group in the file's order), as the engine lays a unit out.
     `order`: unit names in execution order (the units it does not name follow in their own order).
     `compress`: units stored losslessly compressed where that pays (`write_packed`).
     """
@@ -279,7 +281,11 @@ def pack_file(src: str | os.PathLike | SafetensorsFile, out_dir: str | os.PathLi
             units = []
             for name, unit_keys in grouped:
                 pieces, off = [], 0
-                for key in unit_keys:
+                rank: dict[torch.dtype, int] = {}
+                for key in unit_keys:  # one dtype's tensors together, as the engine lays a unit out
+                    rank.setdefault(file.tensors[key].dtype, len(rank))
+                for key in sorted(unit_keys, key=lambda k: (rank[file.tensors[k].dtype],
+                                                            file.tensors[k].end - file.tensors[k].start < SMALL_LEAF)):
                     ft = file.tensors[key]
                     pieces.append((key, off))
                     off = align(off + ft.end - ft.start)

@@ -15,10 +15,12 @@ packed from a handle (`layout.plan_layout`: 512-byte aligned leaves), so a unit 
 buffer. `dtype` uses the safetensors names (`F32`, `BF16`, `F8_E4M3`...); `scale` names the scale tensor a float8
 weight goes with, else null. Bytes are those of the source, bit for bit; padding is zeros.
 
-Version 2 (`pack --compress`): a unit whose lossless encoding pays (`codec.py`) is stored encoded and its entry adds
+Version 3 (`pack --compress`): a unit whose lossless encoding pays (`codec.py`) is stored encoded and its entry adds
 `"compression": "expwin", "stored": <encoded bytes at offset>, "chunks": [[dst, nbytes, src, size, elem, sbits,
-rbits, k, base, n_esc], ...]` (`codec.chunks_to_list`); its tensors' `offset`s are then within the unit's `nbytes`
-raw bytes. A disk-tier unit laid out as stored (the engine lays a unit out in its stored order) streams its encoded
+rbits, n_codes, base, m, bits, n_esc], ...]` (`codec.chunks_to_list`: the unit-wide code, one stream per dtype);
+its tensors' `offset`s are then within the unit's `nbytes` raw bytes. Version 2 (what earlier engines wrote) is the
+same with chunks of `[dst, nbytes, src, size, elem, sbits, rbits, k, base, n_esc]` (a k-bit window per tensor
+chunk): still read, and decoded on the device as well. A disk-tier unit laid out as stored (the engine lays a unit out in its stored order) streams its encoded
 bytes and the device decodes them in the slot (`compressed.StoredDiskSource`); otherwise `read_into` decodes on the
 CPU. Between passes its tensors view a copy-on-write map of its decoded bytes, written once to a spill file
 (`spill.py`). A folder without compressed units is written as version 1.

@@ -14,12 +14,12 @@ from typing import Any
 from ..model.layout import TensorLayout
 from . import codec
 
-_CHUNK_ROOM = 16 + 21 * 10  # the most one chunk's JSON takes (ten 64-bit integers and separators)
+_CHUNK_ROOM = 16 + 21 * 12  # the most one chunk's JSON takes (twelve 64-bit integers and separators)
 
 
 def chunk_room(layout: TensorLayout) -> int:
     """Header bytes one unit's chunk table may take at the most (its runs, as the encoder cuts them)."""
-    return _CHUNK_ROOM * (len(codec.runs_of(layout.leaves, layout.nbytes)) + 1)
+    return _CHUNK_ROOM * (codec.max_chunks(layout.leaves, layout.nbytes) + 1)
 
 
 def header_json(key: str, offsets: dict[int, int], sizes: dict[int, int], layouts: list[TensorLayout],
@@ -58,7 +58,7 @@ def parse_header(body: bytes, key: str, offsets: dict[int, int], sizes: dict[int
                     size = int(u["size"])
                     if u["form"] != codec.CODEC or not 0 <= size <= sizes[i]:
                         return None
-                    encoded[i] = (size, codec.chunks_from_list(u["chunks"], sizes[i], size))
+                    encoded[i] = (size, codec.chunks_from_list(u["chunks"], sizes[i], size, version=3))
         return out, encoded
     except (ValueError, KeyError, TypeError):
         return None

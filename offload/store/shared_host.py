@@ -6,10 +6,12 @@ path, size and modification time) with the same layout (every unit's tensors: of
 share ONE copy instead: a named segment under /dev/shm (`SharedHostCopy`), which the first process fills unit by
 unit while it stages (`place`) and the others map once it is complete.
 
-- Naming: `layer-offload-<sha256 of the file's identity and the layout>`; created with O_EXCL, so exactly one
-  process fills it. A header (magic, the full key, the size, per unit its offset, which leaves were read from the
-  file and its form) is written last; a segment whose header does not match is ignored (the process stages its own
-  copy).
+- Naming: `layer-offload-<uid>-<sha256 of the file's identity and the layout>`; created with O_EXCL (mode 0600),
+  so exactly one process fills it. Only our own files are used (shm_segment.py: this uid's, no group/other bits,
+  checked before opening and on the descriptor mapped, the expected size): another user's file under our name is
+  never opened nor removed, and this process stages a private copy. A header (magic, the full key, the size, per
+  unit its offset, which leaves were read from the file and its form) is written last; a segment whose header does
+  not match is ignored (the process stages its own copy).
 - Forms: a unit the filler's plan holds compressed is in the segment in its encoded form (`put_encoded`: the blob
   at the start of the unit's range, its chunk table in the header), decoded on the device as a private compressed
   unit is. A joining process reads the forms before it plans (`peek`) and takes them as facts (`planner.make_plan`
@@ -43,12 +45,13 @@ import torch
 from ..model.layout import TensorLayout
 from . import codec
 from .shared_forms import chunk_room, header_json, parse_header
-from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, available, fcntl, file_identity,  # noqa: F401
-                          map_segment, private_pages, punch_hole, release, round_up, segment_key, sweep_stale)
+from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, ForeignSegment, available,  # noqa: F401
+                          fcntl, file_identity, is_ours, map_segment, open_own, private_pages, punch_hole, release,
+                          round_up, segment_dir, segment_key, segment_name, sweep_stale, unlink_own)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"LOSHARE2"  # 2: units in the codec's encoded form too
+MAGIC = b"LOSHARE3"  # 3: encoded units in the codec's chunks of version 3; 2: of version 2
 _HEAD = struct.Struct("<8sQQ")  # magic, ready (0 | 1), length of the JSON that follows
 
 
@@ -101,6 +104,7 @@ class SharedHostCopy:
                  sizes: dict[int, int], total: int) -> None:
         self.path = path
         self.fd = fd
+        self.stat = os.fstat(fd)  # the file we hold: every later open of the name must be this very file
         self.filler = filler
         self.key = key
         self.offsets = offsets  # unit index -> byte offset in the segment
@@ -110,20 +114,21 @@ class SharedHostCopy:
         self.encoded: dict[int, tuple[int, tuple[codec.Chunk, ...]]] = {}  # units filled encoded: (size, chunks)
         self.placed: list[int] = []
         self.refused = 0
-        self._fill: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_WRITE) if filler else None
-        self._private: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_COPY)
-        self._shared: mmap.mmap | None = map_segment(path, total, mmap.ACCESS_READ)
+        self._fill: mmap.mmap | None = map_segment(path, self.stat, total, mmap.ACCESS_WRITE) if filler else None
+        self._private: mmap.mmap | None = map_segment(path, self.stat, total, mmap.ACCESS_COPY)
+        self._shared: mmap.mmap | None = map_segment(path, self.stat, total, mmap.ACCESS_READ)
         self._unregisters: list[Callable[[], None]] = []
         self._pinned: dict[int, torch.Tensor] = {}  # unit -> its registered view in the shared mapping
         # a model dropped without detach() lets go too (device registrations first, while the mappings exist)
-        self._closer = weakref.finalize(self, release, fd, str(path), os.fstat(fd).st_ino, self._unregisters)
+        self._closer = weakref.finalize(self, release, fd, str(path), self.stat, self._unregisters)
 
     # opening ------------------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, file_path: str | os.PathLike, layouts: list[TensorLayout], names: list[str],
-             wanted: set[int] | frozenset[int], directory: Path = SEGMENT_DIR) -> "SharedHostCopy | None":
+             wanted: set[int] | frozenset[int], directory: Path | None = None) -> "SharedHostCopy | None":
         """This process's mapping of the segment for these units, filling it when none exists; None (logged) where
         none can be had (each process then stages its own copy)."""
+        directory = segment_dir() if directory is None else directory
         if not wanted:
             return None
         try:
@@ -132,7 +137,7 @@ class SharedHostCopy:
             log.info("no shared host copy: cannot read %s (%s)", file_path, exc)
             return None
         offsets, sizes, total = cls._places(key, layouts)
-        path = directory / (PREFIX + key[:40])
+        path = directory / segment_name(key)
         for _ in range(3):  # a segment the last process unlinked while we opened it: look again
             try:
                 copy = cls._join(path, key, offsets, sizes, total)
@@ -143,6 +148,9 @@ class SharedHostCopy:
                 continue  # another process created it between our look and our create: join it
             except _Retry:
                 continue
+            except ForeignSegment as exc:  # someone else's file under our name: never opened, never removed
+                log.debug("no shared host copy of %s: %s; this process stages its own", file_path, exc)
+                return None
             except OSError as exc:
                 log.warning("no shared host copy of %s (%s: %s); this process stages its own", file_path,
                             type(exc).__name__, exc)
@@ -166,13 +174,14 @@ class SharedHostCopy:
     def _create(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int], total: int,
                 directory: Path) -> "SharedHostCopy":
         sweep_stale(directory)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # whatever the umask: ours alone, readable and writable by us
             fcntl.flock(fd, fcntl.LOCK_EX)  # joiners wait until the header says it is complete
             os.ftruncate(fd, total)  # tmpfs: pages exist once written
             copy = cls(path, fd, True, key, offsets, sizes, total)
         except BaseException:
-            os.unlink(path)
+            unlink_own(path, os.fstat(fd))
             os.close(fd)
             raise
         log.debug("filling the shared host copy %s (%.1f MB) for other processes offloading the same file", path,
@@ -183,26 +192,26 @@ class SharedHostCopy:
     def _join(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int],
               total: int) -> "SharedHostCopy | None":
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_own(path, os.O_RDONLY)  # ForeignSegment: not ours, never opened
         except FileNotFoundError:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the filler still fills it
+            st = os.fstat(fd)
             try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+                here = os.lstat(path)
+                same = (here.st_dev, here.st_ino) == (st.st_dev, st.st_ino)
             except FileNotFoundError:
                 same = False
             if not same:
                 raise _Retry()
-            header = cls._read_header(fd, key, offsets, sizes, total)
-            if header is not None:
-                copy = cls(path, fd, False, key, offsets, sizes, total)
+            header = cls._read_header(fd, key, offsets, sizes, total) if is_ours(st) else None
+            if header is None:
+                cls._take_over(fd, path, st)  # raises: look again, or stage a private copy
+            copy = cls(path, fd, False, key, offsets, sizes, total)
         except BaseException:
             os.close(fd)
             raise
-        if header is None:
-            os.close(fd)
-            cls._take_over(path)  # raises: look again, or stage a private copy
         copy.file_leaves, copy.encoded = header
         log.info("mapping the shared host copy %s another process filled (%d unit(s), %d of them compressed)", path,
                  len(copy.file_leaves), len(copy.encoded))
@@ -210,15 +219,15 @@ class SharedHostCopy:
 
     @classmethod
     def peek(cls, file_path: str | os.PathLike, layouts: list[TensorLayout], names: list[str],
-             directory: Path = SEGMENT_DIR) -> dict[int, tuple[str, int]] | None:
+             directory: Path | None = None) -> dict[int, tuple[str, int]] | None:
         """The forms of the units a complete segment for this model holds: unit -> (its form, "none" or the
         codec's name; its bytes there), waiting while a filler still fills it; None when there is none (this
         process would fill it). What a joining process plans with (`HostFacts.shared_forms`)."""
         try:
             key = segment_key(file_identity(file_path), layouts, names)
             offsets, sizes, total = cls._places(key, layouts)
-            fd = os.open(directory / (PREFIX + key[:40]), os.O_RDONLY)
-        except OSError:
+            fd = open_own((segment_dir() if directory is None else directory) / segment_name(key), os.O_RDONLY)
+        except OSError:  # none, or not ours (never opened)
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -248,46 +257,39 @@ class SharedHostCopy:
             return None
 
     @staticmethod
-    def _take_over(path: Path) -> None:
-        """A segment under our name that does not hold this model's copy: removed when nobody holds it (its filler
-        died half way), else left alone."""
+    def _take_over(fd: int, path: Path, st: os.stat_result) -> None:
+        """Our file under our name that does not hold this model's complete copy (`fd`, held shared): removed when
+        nobody else holds it (its filler died half way), else left alone."""
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            raise _Retry() from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(path)
-            raise _Retry()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only when no other process holds it
         except BlockingIOError:
             log.warning("%s is not a complete shared host copy of this model and is in use; this process stages its "
                         "own copy", path)
             raise OSError("segment in use with another header") from None
-        finally:
-            os.close(fd)
+        unlink_own(path, st)
+        raise _Retry()
 
     # staging ------------------------------------------------------------------------------------------------------
-    def place(self, i: int, layout: TensorLayout,
-              read_leaf: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor | None:
+    def place(self, i: int, layout: TensorLayout, fill: Callable[[torch.Tensor], list[int]],
+              write: Callable[[int, int], list[int]] | None = None) -> torch.Tensor | None:
         """Unit i's bytes in the segment, as this process's private mapping of them (None: keep a private copy).
-        The filler copies the unit's tensors in (`read_leaf(k, unit_bytes, leaf_view)` reads leaf k of a meta
-        leaf from the file); a joiner checks that the segment holds the bytes it holds."""
+        The filler puts the unit's tensors in: `write(fd, offset)` writes them through the segment's descriptor
+        (one copy from the model file's pages into the segment's, no page zeroed first; a full /dev/shm is ENOSPC
+        there), else `fill(unit_bytes)` into its reserved pages (meta leaves read from the file straight into the
+        segment, the others copied); both return the leaves read from the file. A joiner checks that the segment
+        holds the bytes it holds. Units may be placed from several threads."""
         off, n = self.offsets[i], self.sizes[i]
         if self.filler:
-            if not self._reserve(off, n):
+            if write is not None:
+                try:
+                    self.file_leaves[i] = write(self.fd, off)
+                except OSError as exc:
+                    self._full(exc)
+                    return None
+            elif not self._reserve(off, n):
                 return None
-            dst = self._frombuffer(self._fill, off, n)
-            from_file = []
-            with torch.no_grad():
-                for k, (view, src) in enumerate(zip(layout.leaf_views(dst), layout.sources())):
-                    if src.is_meta or layout.leaves[k].meta:
-                        del src
-                        read_leaf(k, dst, view)  # straight into the segment where it can
-                        from_file.append(k)
-                    else:
-                        view.copy_(src)
-                        del src
-            self.file_leaves[i] = from_file
+            else:
+                self.file_leaves[i] = fill(self._frombuffer(self._fill, off, n))
         else:
             if i not in self.file_leaves or i in self.encoded:
                 return None  # the filler kept this unit out of RAM (disk tier), or holds it encoded
@@ -313,25 +315,39 @@ class SharedHostCopy:
             os.posix_fallocate(self.fd, off, round_up(n))
             return True
         except OSError as exc:
-            if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
-                SharedHostCopy.said_full = True
-                log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
-                            "RAM (a container's /dev/shm may be small: docker run --shm-size)", SEGMENT_DIR, exc)
-            self.refused += 1
+            self._full(exc)
             return False
+
+    def _full(self, exc: OSError) -> None:
+        if not SharedHostCopy.said_full:  # once per process: a single-process user need not hear it twice
+            SharedHostCopy.said_full = True
+            log.warning("%s has no room for the shared host copy (%s); the rest stays in this process's own "
+                        "RAM (a container's /dev/shm may be small: docker run --shm-size)", segment_dir(), exc)
+        self.refused += 1
 
     def put_encoded(self, i: int, encoded: codec.Encoded, from_file: list[int]) -> torch.Tensor | None:
         """The filler puts unit i in its encoded form (the blob at the start of its range, the chunk table into the
         header); returns the blob in the read-only shared mapping (what the device copies from), or None (no
         room: the unit keeps a private blob)."""
-        if not self.filler or encoded.size > self.sizes[i] or not self._reserve(self.offsets[i], encoded.size):
+        if not self.filler or encoded.size > self.sizes[i]:
             return None
-        if encoded.size:
-            self._frombuffer(self._fill, self.offsets[i], encoded.size).copy_(encoded.blob)
+        target = self._frombuffer(self._fill, self.offsets[i], encoded.size) if encoded.size else None
+        in_place = target is not None and encoded.blob.data_ptr() == target.data_ptr()  # encoded there (`room`)
+        if not in_place and not self._reserve(self.offsets[i], encoded.size):
+            return None
+        if encoded.size and not in_place:
+            target.copy_(encoded.blob)
         self.file_leaves[i] = list(from_file)
         self.encoded[i] = (encoded.size, tuple(encoded.chunks))
         self.placed.append(i)
         return self._frombuffer(self._shared, self.offsets[i], encoded.size)
+
+    def room(self, i: int, size: int) -> torch.Tensor | None:
+        """The filler's room for unit i's encoded blob of `size` bytes at the start of its range (reserved; the encoder
+        writes it there, then `put_encoded` records it), or None (not the filler, or no room: a private blob)."""
+        if not self.filler or size > self.sizes[i] or not self._reserve(self.offsets[i], size):
+            return None
+        return self._frombuffer(self._fill, self.offsets[i], size)
 
     def encoded_unit(self, i: int) -> codec.Encoded | None:
         """A joiner's view of unit i held encoded in the segment (the blob in the read-only shared mapping), or None
@@ -415,7 +431,7 @@ class SharedHostCopy:
             self.file_leaves.pop(i, None)  # a later process stages this unit on its own
             self.encoded.pop(i, None)
             body = header_json(self.key, self.offsets, self.sizes, [], self.file_leaves, encoded=self.encoded)
-            fd = os.open(self.path, os.O_RDWR)
+            fd = open_own(self.path, os.O_RDWR, same_as=self.stat)
             try:
                 os.pwrite(fd, body, _HEAD.size)
                 os.pwrite(fd, _HEAD.pack(MAGIC, 1, len(body)), 0)
@@ -438,8 +454,7 @@ class SharedHostCopy:
         if self._fill is not None:  # a staging that failed half way: nobody else may map a half-filled copy
             self._fill.close()
             self._fill = None
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+            unlink_own(self.path, self.stat)
         self._closer()  # device registrations, then the lock; the last process out unlinks
         self._pinned.clear()
         for m in (self._private, self._shared):

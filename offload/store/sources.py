@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import weakref
 from typing import Any, Callable, Protocol
 
@@ -106,6 +105,7 @@ class BounceReader:
     """Read-ahead thread: fills pinned bounce buffers (from disk or pageable RAM) and queues their copies."""
 
     def __init__(self, backend: Any, bounce_bytes: int, count: int) -> None:
+        self.clock = backend.clock  # what the sources' reads are timed on (backends/clock.py)
         self.bounce_bytes = bounce_bytes
         self.count = max(1, count)
         self.counters = ReadCounters()
@@ -133,6 +133,7 @@ class BounceReader:
         starts = list(range(0, nbytes, step)) or [0]
         for k, start in enumerate(starts):
             self._jobs.put((fill, start, min(nbytes, start + step), dst, after, job, k == len(starts) - 1))
+        self.clock.hand_off(job._done.wait)  # the wall clock lets it run ahead; a simulated one waits for it
         return job
 
     def drain(self) -> None:
@@ -189,9 +190,8 @@ class BouncedSource:
         self.read_ms = 0.0  # time the read-ahead thread spent filling bounce buffers with this unit's bytes
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
-        t0 = time.perf_counter()
-        buf[:end - start].copy_(self.host[start:end])
-        self.read_ms += (time.perf_counter() - t0) * 1e3
+        _, ms = self.reader.clock.timed("bounce", end - start, lambda: buf[:end - start].copy_(self.host[start:end]))
+        self.read_ms += ms
         return 0
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
@@ -214,13 +214,14 @@ class DiskSource:
         self.read_ms = 0.0  # time the read-ahead thread spent reading this unit's bytes from the file
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
-        t0 = time.perf_counter()
-        try:
+        def read() -> int:
             if start == 0 and end == self.nbytes:
                 return self.file.read_into(buf, self.pieces)
             return self.file.read_range(buf, self.pieces, start, end)
-        finally:
-            self.read_ms += (time.perf_counter() - t0) * 1e3
+
+        n, ms = self.reader.clock.timed("disk", end - start, read)
+        self.read_ms += ms
+        return n
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
         self.reads += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 
@@ -73,34 +74,55 @@ def release_free_heap() -> None:
 
 
 class SpillFile:
-    """An unnamed temporary file that units' raw bytes are appended to; each is mapped back copy-on-write."""
+    """Unnamed temporary files that units' raw bytes are appended to; each is mapped back copy-on-write. Each thread
+    that spills (staging's workers) appends to a file of its own: writes into one file serialize on its inode."""
 
     def __init__(self, directory: str | None = None) -> None:
         self.directory = directory or spill_dir()
-        self._file = tempfile.TemporaryFile(prefix="layer-offload-spill-", dir=self.directory)
-        self.size = 0
-        self._close = weakref.finalize(self, self._file.close)
+        self._files: dict[int, list] = {}  # thread id -> [file, size]
+        self._lock = threading.Lock()
+        self._close = weakref.finalize(self, _close_all, self._files)
+
+    @property
+    def size(self) -> int:
+        return sum(f[1] for f in self._files.values())
+
+    def _mine(self) -> list:
+        key = threading.get_ident()
+        with self._lock:
+            found = self._files.get(key)
+            if found is None:
+                found = self._files[key] = [tempfile.TemporaryFile(prefix="layer-offload-spill-",
+                                                                   dir=self.directory), 0]
+            return found
 
     def put(self, raw: torch.Tensor) -> torch.Tensor:
-        """Write `raw` (uint8, CPU) at the end of the file and return a copy-on-write map of those bytes."""
+        """Write `raw` (uint8, CPU) at the end of this thread's file and return a copy-on-write map of those bytes."""
         n = int(raw.numel())
-        offset = -(-self.size // PAGE) * PAGE
+        mine = self._mine()
+        file = mine[0]
+        offset = -(-mine[1] // PAGE) * PAGE
+        mine[1] = offset + n
         data = memoryview(raw.contiguous().numpy()).cast("B")
-        fd = self._file.fileno()
+        fd = file.fileno()
         done = 0
         if hasattr(os, "pwrite"):
             while done < n:
                 done += os.pwrite(fd, data[done:], offset + done)
         else:  # Windows
-            self._file.seek(offset)
-            self._file.write(data)
-            self._file.flush()
-        self.size = offset + n
+            file.seek(offset)
+            file.write(data)
+            file.flush()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8)
         view = mmap.mmap(fd, n, access=mmap.ACCESS_COPY, offset=offset)
         return torch.frombuffer(view, dtype=torch.uint8)  # the tensor keeps the map alive
 
     def close(self) -> None:
-        """Close the file (the maps handed out stay valid until their tensors go)."""
+        """Close the files (the maps handed out stay valid until their tensors go)."""
         self._close()
+
+
+def _close_all(files: dict[int, list]) -> None:
+    for f in files.values():
+        f[0].close()

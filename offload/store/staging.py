@@ -11,6 +11,7 @@ back to pageable memory, said once).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -28,6 +29,8 @@ from .file_keys import (file_keys, file_keys_holding, in_stored_order, key_namer
                         non_persistent_buffer, persistent_buffers_from_file, stored_unit_of)
 from .sources import BouncedSource, BounceReader, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
+from .stage_reads import (ReadAhead, SetupTimes, decode_stored, drop_transients, encode_unit, fill_from, ram_unit,
+                          write_through)
 from .storage import SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -72,27 +75,43 @@ class StagingBuffer:
         host, pinned, encoded, segment = stage_unit_compressed(layout, file, keys, spill, alloc_host, pin, encode,
                                                                copy, index, encoded)
         return cls(layout, host, pinned, bind_master(layout, host), encoded=encoded, spilled=True, segment=segment)
+
+    @classmethod
+    def encoded_by(cls, layout: TensorLayout, prepared: tuple[torch.Tensor, Any, bool, list[int]],
+                   copy: SharedHostCopy | None = None, index: int = -1, alloc_host: Any = None,
+                   pin: bool = False) -> "StagingBuffer":
+        """A unit held compressed that a staging worker read, encoded and spilled (`stage_reads.encode_unit`); with
+        `copy` (its filler) the blob goes into the host copy shared between processes, or, where it has no room,
+        into a host buffer of this process (`alloc_host`, pinned where asked)."""
+        host, encoded, pinned, from_file = prepared
+        segment = None
+        if copy is not None:
+            blob = copy.put_encoded(index, encoded, from_file)
+            if blob is not None:
+                segment = copy
+            else:
+                blob, pinned = alloc_host(encoded.size, pin)
+                blob.copy_(encoded.blob)
+            encoded.blob = blob
+        return cls(layout, host, pinned, bind_master(layout, host), encoded=encoded, spilled=True, segment=segment)
     shared: SharedUnit | None = None  # the host copy shared between processes (`host` is this process's view)
 
     @classmethod
     def in_ram(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]], pin: bool,
                file: SafetensorsFile | None = None, keys: list[str] | None = None,
-               notice_level: int = logging.WARNING) -> "StagingBuffer":
+               notice_level: int = logging.WARNING, prepared: tuple[torch.Tensor, bool] | None = None,
+               ) -> "StagingBuffer":
         """Copy the unit's tensors into one host buffer and point the modules at views of it.
 
-        Leaves still on the meta device are read from `file` (`keys` names them). Once the binding is applied the
-        module no longer refers to the original tensors, so their storage is released here.
+        Leaves still on the meta device are read from `file` (`keys` names them) straight into the buffer
+        (`stage_reads.fill_from`); `prepared`: the buffer a staging worker filled already. Once the binding is
+        applied the module no longer refers to the original tensors, so their storage is released here.
         """
-        host, pinned = alloc_host(layout.nbytes, pin)
+        host, pinned = prepared if prepared is not None else ram_unit(layout, file, keys, alloc_host, pin,
+                                                                     SetupTimes())
         if pin and not pinned:
             PinFallbackNotice.say("the allocator refused or this torch has no accelerator", notice_level)
         views = layout.leaf_views(host)
-        with torch.no_grad():
-            for i, (view, src) in enumerate(zip(views, layout.sources())):
-                if src.is_meta or layout.leaves[i].meta:  # a meta leaf, or a persistent buffer of a model being loaded
-                    src = file.read_tensor(keys[i])  # validated before staging began
-                view.copy_(src)
-                del src
         layout.rebind_fresh(views)
         binding = layout.build(host, master=True)
         binding.apply()
@@ -101,16 +120,12 @@ class StagingBuffer:
 
     @classmethod
     def in_shared(cls, index: int, layout: TensorLayout, copy: SharedHostCopy, file: SafetensorsFile | None = None,
-                  keys: list[str] | None = None) -> "StagingBuffer | None":
+                  keys: list[str] | None = None, prepared: Any = False,
+                  times: SetupTimes | None = None) -> "StagingBuffer | None":
         """The unit's master in the host copy shared between processes (offload/store/shared_host.py), the modules
-        pointed at this process's view of it; None when the copy cannot hold it (the caller stages it in RAM)."""
-        def read_leaf(k: int, flat: torch.Tensor, view: torch.Tensor) -> None:
-            if layout.leaves[k].stride is None:  # row-major: one positioned read into the segment, no temporary
-                file.read_into(flat, [(keys[k], layout.leaves[k].offset)])
-            else:
-                view.copy_(file.read_tensor(keys[k]))
-
-        host = copy.place(index, layout, read_leaf)
+        pointed at this process's view of it; None when the copy cannot hold it (the caller stages it in RAM).
+        `prepared`: what a staging worker's `place_shared` gave (the unit placed already)."""
+        host = prepared if prepared is not False else place_shared(copy, index, layout, file, keys, times)
         if host is None:
             return None
         views = layout.leaf_views(host)
@@ -255,9 +270,10 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
     in_units: set[tuple[int, str, str]] = set()
     key_of = key_namer(model)
     for unit in units:
-        tensors = in_stored_order([t for t in unit_tensors(unit.module) if id(t[3]) not in shared], file, key_of)
+        tensors, stored = in_stored_order([t for t in unit_tensors(unit.module) if id(t[3]) not in shared], file,
+                                          key_of)
         in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
-        layouts.append(plan_layout(tensors))
+        layouts.append(plan_layout(tensors, group_dtypes=not stored))
         del tensors
     rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
                                if (id(sub), name, kind) not in in_units])
@@ -303,36 +319,85 @@ def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
     return out
 
 
+def _jobs(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, shared: frozenset[int],
+          compressed: frozenset[int] | set[int], spill: SpillFile | None, copy: Any,
+          times: SetupTimes) -> list[Callable[[], Any] | None]:
+    """What staging's workers do ahead for each unit: a unit in RAM allocated and filled; a unit held compressed
+    read, encoded into its blob and spilled. Units in the shared host copy, on the disk tier, or whose encoding a
+    packed folder stores are staged in order by the caller (None)."""
+    jobs: list[Callable[[], Any] | None] = []
+    for i, layout in enumerate(laid.layouts):
+        keys = laid.keys.get(i)
+        unit_pin = pin and tiers.get(i) != "pageable"
+        in_copy = copy is not None and i in shared
+        if tiers.get(i) == "disk" or (in_copy and i in compressed and not copy.filler):
+            jobs.append(None)  # disk views; a joiner takes the copy's encoded form
+        elif i in compressed:  # the filler of a shared copy encodes into its room there, in order put in it
+            stored = stored_unit_of(laid.file, keys, layout)
+            alloc = _room_in(copy, i, backend.alloc_host) if in_copy else backend.alloc_host
+            if stored is not None and stored.nbytes == layout.nbytes:
+                jobs.append(functools.partial(decode_stored, layout, laid.file, stored, alloc, unit_pin,
+                                              times, spill))
+            else:
+                jobs.append(functools.partial(encode_unit, layout, laid.file, keys, alloc, unit_pin,
+                                              times, spill))
+        elif in_copy:
+            jobs.append(functools.partial(place_shared, copy, i, layout, laid.file, keys, times))
+        elif any(leaf.meta for leaf in layout.leaves) or any(t.is_meta for t in layout.sources()):
+            jobs.append(functools.partial(ram_unit, layout, laid.file, keys, backend.alloc_host, unit_pin, times))
+        else:  # a unit in RAM already: copied in order, so host memory rises by one unit at a time
+            jobs.append(None)
+    return jobs
+
+
 def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, bounce_count: int,
                 bounce_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
                 shared: frozenset[int] = frozenset(), compressed: frozenset[int] | set[int] = frozenset(),
-                spill_rest: bool = False) -> StagedModel:
+                spill_rest: bool = False, times: SetupTimes | None = None,
+                encode_later: frozenset[int] = frozenset()) -> StagedModel:
     """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk; the units in `shared` in the
     host copy shared with other processes offloading the same file) and form (`compressed`: held in RAM in the
-    codec's form), one unit at a time, and the read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`)
-    for the units that are bounced."""
+    codec's form), one unit at a time in order, with the next units read (and encoded) ahead on staging's workers
+    (`stage_reads.py`), and the read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`) for the units
+    that are bounced. `times` adds up where the time went. The units in `encode_later` are staged raw (encoded on a
+    thread after setup, `stream/background_encode.py`)."""
     units, layouts, file, keys = laid.units, laid.layouts, laid.file, laid.keys
+    compressed = frozenset(compressed) - encode_later
+    times = times if times is not None else SetupTimes()
     masters: list[StagingBuffer] = []
     total = len(units) + 1
     notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
-    reader = rest = None
+    reader = rest = ahead = None
     spill = SpillFile() if spill_rest or any(tiers.get(i) != "disk" for i in compressed) else None
     copy = (SharedHostCopy.open(file.path, layouts, [u.name for u in units], shared)
             if shared and file is not None else None)
     try:
+        ahead = ReadAhead(_jobs(laid, tiers, backend, pin, shared, compressed, spill, copy, times))
+        times.workers = ahead.n
         for i, layout in enumerate(layouts):
+            prepared = ahead.take(i)
             if tiers.get(i) == "disk":
                 masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
             elif i in compressed:
-                pinned = pin and tiers.get(i) != "pageable"
-                masters.append(StagingBuffer.compressed(layout, backend.alloc_host, pinned, spill, file, keys.get(i),
-                                                        copy=copy if i in shared else None, index=i))
+                if prepared is not None:
+                    unit_pin = pin and tiers.get(i) != "pageable"
+                    masters.append(StagingBuffer.encoded_by(layout, prepared, copy if i in shared else None, i,
+                                                            backend.alloc_host, unit_pin))
+                else:
+                    unit_pin = pin and tiers.get(i) != "pageable"
+                    with times.timed("encode_ms"):
+                        masters.append(StagingBuffer.compressed(layout, backend.alloc_host, unit_pin, spill, file,
+                                                                keys.get(i), copy=copy if i in shared else None,
+                                                                index=i))
+                    if masters[-1].encoded is not None and stored_unit_of(file, keys.get(i), layout) is not None:
+                        times.stored_units += 1
             else:
-                master = (StagingBuffer.in_shared(i, layout, copy, file, keys.get(i))
+                master = (StagingBuffer.in_shared(i, layout, copy, file, keys.get(i), prepared, times)
                           if copy is not None and i in shared else None)
+                prepared = None if copy is not None and i in shared else prepared
                 masters.append(master or StagingBuffer.in_ram(layout, backend.alloc_host,
                                                               pin and tiers.get(i) != "pageable", file, keys.get(i),
-                                                              notice))
+                                                              notice, prepared))
             if progress:
                 progress(i + 1, total)
         if copy is not None:
@@ -355,18 +420,24 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             size = max(bounced) if bounce_bytes is None else min(max(bounced), bounce_bytes)
             reader = BounceReader(backend, size, bounce_count)  # a smaller buffer reads a unit in ranges
     except BaseException:
+        if ahead is not None:
+            ahead.close()
         for m in reversed(masters + ([rest] if rest is not None else [])):
             m.restore_ordinary()
         if copy is not None:
             copy.close()
         raise
     finally:
+        if ahead is not None:
+            ahead.close()
+        drop_transients()
         forget = getattr(file, "forget_decoded", None)  # a packed folder's last decoded unit: not held past staging
         if forget is not None:
             forget()
         if spill is not None:
             spill.close()  # the maps handed out keep their bytes
-            release_free_heap()  # the encoder's transient buffers: freed, handed back to the OS
+        if spill is not None or (ahead is not None and ahead.pooled):
+            release_free_heap()  # the encoder's and the workers' transient buffers: freed, handed back to the OS
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
         source: UnitSource = (disk_source(file, keys[i], master.layout.leaves, master.layout.nbytes, reader, backend)
@@ -376,6 +447,22 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
         progress(total, total)
     return StagedModel(staged, rest, laid.rest_bytes, reader, file, laid.key_of,
                        copy if copy is not None and copy.placed else None)
+
+
+def _room_in(copy: SharedHostCopy, index: int, alloc_host: Any) -> Callable[[int, bool], tuple[torch.Tensor, bool]]:
+    """Where a filler's worker encodes unit `index`: straight into the shared copy, else a host buffer of its own."""
+    def alloc(size: int, pin: bool) -> tuple[torch.Tensor, bool]:
+        room = copy.room(index, size)
+        return (room, False) if room is not None else alloc_host(size, pin)
+    return alloc
+
+
+def place_shared(copy: SharedHostCopy, index: int, layout: TensorLayout, file: Any, keys: list[Any] | None,
+                 times: SetupTimes | None = None) -> torch.Tensor | None:
+    """Unit `index` placed in the host copy shared between processes: the filler reads it from the file straight
+    into the segment (`stage_reads.fill_from`); None where the copy cannot hold it."""
+    return copy.place(index, layout, lambda dst: fill_from(layout, dst, file, keys, times),
+                      write_through(layout, file, keys, times))
 
 
 def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | None) -> UnitSource:

@@ -90,6 +90,28 @@ class HostTiers:
         log.info("%s was written in this process: it keeps a private copy; the other processes sharing its host copy "
                  "keep the original bytes", u.staged.name)
 
+    def take_encoded(self, i: int, old: StagingBuffer, version: int, raw: torch.Tensor, encoded: Any,
+                     pinned: bool) -> bool:
+        """Unit i, encoded in the background from its raw master `old` (at `version`), held compressed from now on:
+        its modules view `raw` (the spill map of the same bytes), it streams `encoded`. Refused (False) where the
+        unit moved or was written since. The caller holds the pass lock."""
+        u = self.units[i]
+        layout = u.staged.layout
+        if u.staged.master is not old or layout.version() != version:
+            return False
+        binding = layout.build(raw, master=True)
+        master = StagingBuffer(layout, raw, pinned, binding, encoded=encoded, spilled=True)
+        quiesce(self.staged, self.backend)  # no read or copy may still use the raw master about to go
+        if u.resident_buf is None:
+            binding.apply()
+        u.staged.master = master
+        u.staged.source = self.sources[u.index] = make_ram_source(master, self.backend, self.staged.reader)
+        u.mark = layout.version()
+        if old.shared is not None:
+            old.shared.copy.give_back(old.shared.index)  # alone (checked before encoding): its pages go
+        self.worker.restart()  # copies queued from the raw master are issued again from the encoded one
+        return True
+
     def host_memory(self) -> dict[str, int]:
         """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, of which in the copy
         shared with other processes, and on disk; the blocks' raw bytes in RAM (`blocks_raw`: what `ram` holds

@@ -83,6 +83,7 @@ class ModelStreamer:
         self.pin_memory = pin_memory
         self.units = [UnitState(s, mark=s.layout.version()) for s in staged.units]
         self.sources = [s.source for s in staged.units]  # shared with the worker: a promoted unit's source swaps here
+        self.background: Any = None  # units encoded after setup (HostPlan.encode_later, background_encode.py)
         self.worker = PrefetchWorker()
         self.host = HostTiers(staged, self.units, self.sources, backend, self.worker, pin_memory, prefetch)
         self.placement = DevicePlacement(staged, self.units, self.sources, backend, self.worker,
@@ -476,6 +477,8 @@ class ModelStreamer:
     # detach ----------------------------------------------------------------------------
     def detach(self) -> None:
         """Remove the hooks and give every tensor back as an ordinary host tensor."""
+        if self.background is not None:
+            self.background.stop.set()  # a unit not swapped in yet stays raw
         with self._lock:
             if any(u.master.host is None for u in self.units):
                 self.staged.check_sources()  # refuse before touching anything: the file no longer has the weights

@@ -2,7 +2,8 @@
 
 The server runs with --cpu and --base-directory pointing at a temporary folder that holds
 custom_nodes/<hyphenated name> (a symlink to this repository), the test-only nodes and the tiny models.
-Everything is bounded in time; the process is always stopped.
+Everything is bounded in time; the process is always stopped. Timeouts here guard against a hang only: they are
+generous for a loaded machine, and no test's verdict rests on how long something took.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -58,7 +60,7 @@ class ComfyServer:
     """One ComfyUI process; use as a context manager."""
 
     def __init__(self, comfy_path: str, base_dir: str, python: Optional[str] = None,
-                 startup_timeout: float = 120.0) -> None:
+                 startup_timeout: float = 600.0) -> None:
         self.comfy_path = comfy_path
         self.base_dir = base_dir
         self.python = python or sys.executable
@@ -136,11 +138,11 @@ class ComfyServer:
         except OSError:
             return ""
 
-    def get_json(self, path: str, timeout: float = 10) -> Any:
+    def get_json(self, path: str, timeout: float = 120) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
             return json.loads(r.read().decode("utf-8"))
 
-    def post_json(self, path: str, payload: Any, timeout: float = 10) -> Any:
+    def post_json(self, path: str, payload: Any, timeout: float = 120) -> Any:
         req = urllib.request.Request(self.url + path, data=json.dumps(payload).encode("utf-8"),
                                      headers={"Content-Type": "application/json"}, method="POST")
         try:
@@ -157,7 +159,7 @@ class ComfyServer:
             raise RuntimeError("prompt rejected: {}".format(resp["node_errors"]))
         return resp["prompt_id"]
 
-    def wait(self, prompt_id: str, timeout: float = 120.0) -> Dict[str, Any]:
+    def wait(self, prompt_id: str, timeout: float = 600.0) -> Dict[str, Any]:
         """Wait for a prompt's history entry, whatever its status."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -179,7 +181,7 @@ class ComfyServer:
     def interrupt(self) -> None:
         self.post_json("/interrupt", {})
 
-    def run_prompt(self, prompt: Dict[str, Any], timeout: float = 120.0) -> Dict[str, Any]:
+    def run_prompt(self, prompt: Dict[str, Any], timeout: float = 600.0) -> Dict[str, Any]:
         """Queue an API-format prompt and wait for its history entry; raise with the log on error."""
         resp = self.post_json("/prompt", {"prompt": prompt, "client_id": self.client_id})
         if resp.get("node_errors"):
@@ -203,3 +205,66 @@ class ComfyServer:
 def ui_texts(entry: Dict[str, Any], node_id: str) -> List[str]:
     """The UI 'text' list an output node returned in a history entry."""
     return list(entry.get("outputs", {}).get(node_id, {}).get("text", []))
+
+
+class WsEvents:
+    """Events of the given types the server sends this client over /ws, collected on a background thread while the
+    context is open (aiohttp, a ComfyUI dependency); `wait_for` blocks until one matches (bounded: a hang guard)."""
+
+    def __init__(self, server: ComfyServer, types: tuple) -> None:
+        self.url = server.url.replace("http://", "ws://") + "/ws?clientId=" + server.client_id
+        self.types = set(types)
+        self.events: List[Dict[str, Any]] = []
+        self._seen = threading.Condition()
+        self._ready = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import asyncio
+
+        import aiohttp
+
+        async def listen() -> None:
+            async with aiohttp.ClientSession() as session:
+                async with session.ws_connect(self.url) as ws:
+                    self._ready.set()
+                    while not self._closed.is_set():
+                        try:
+                            msg = await ws.receive(timeout=0.5)
+                        except asyncio.TimeoutError:
+                            continue
+                        if msg.type != aiohttp.WSMsgType.TEXT:
+                            if msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                                return
+                            continue
+                        data = json.loads(msg.data)
+                        if data.get("type") in self.types:
+                            with self._seen:
+                                self.events.append(dict(data.get("data") or {}, type=data.get("type")))
+                                self._seen.notify_all()
+
+        try:
+            asyncio.run(listen())
+        finally:
+            self._ready.set()
+
+    def wait_for(self, match: Any, timeout: float = 600.0) -> Optional[Dict[str, Any]]:
+        """The first event `match(event)` accepts, waiting for it; None after `timeout` (a hang guard)."""
+        deadline = time.monotonic() + timeout
+        with self._seen:
+            while True:
+                found = next((e for e in self.events if match(e)), None)
+                left = deadline - time.monotonic()
+                if found is not None or left <= 0 or not self._thread.is_alive():
+                    return found
+                self._seen.wait(min(left, 1.0))
+
+    def __enter__(self) -> "WsEvents":
+        self._thread.start()
+        self._ready.wait(300)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._closed.set()
+        self._thread.join(300)

@@ -38,7 +38,7 @@ def machines(tmp_path_factory):
         base = str(tmp_path_factory.mktemp("distributed_" + name))
         paths = cs.prepare_base_dir(base)
         tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET))
-        srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=300)
+        srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
         srv.extra_env = {"LAYER_OFFLOAD_SIM_GB": str(gib), "LAYER_OFFLOAD_SIM_DEVICES": str(count)}
         servers[name] = srv
     errors: List[BaseException] = []
@@ -87,7 +87,7 @@ def test_one_workflow_on_a_master_and_two_workers_budgets_each_card(machines):
     hashes = {}
     for name, gib, count in MACHINES:
         srv = machines[name]
-        entry = srv.wait(ids[name], timeout=240)
+        entry = srv.wait(ids[name], timeout=600)
         assert entry.get("status", {}).get("status_str") == "success", (name, entry.get("status"), srv.log_tail())
         text = cs.ui_texts(entry, "6")
         assert text and "finite=True" in text[0], (name, entry.get("outputs"))
@@ -113,14 +113,14 @@ def test_one_workflow_on_a_master_and_two_workers_budgets_each_card(machines):
     again = {name: srv.queue(workflow({"budget_share": "50%", "per_device": "sim:1=25%"}, seed=6))
              for name, srv in machines.items()}
     for name, srv in machines.items():
-        assert srv.wait(again[name], timeout=240).get("status", {}).get("status_str") == "success", name
+        assert srv.wait(again[name], timeout=600).get("status", {}).get("status_str") == "success", name
         if name != "master":
             assert srv.log_tail(200000).count("which this process does not have") == 2, name
 
 
 def test_an_absolute_budget_larger_than_a_worker_card_fails_there_and_names_budget_share(machines):
     wf = workflow({"budget_gb": 3.0})  # fits the master (8 GiB) and worker1 (4 GiB), not worker2 (2 GiB)
-    entries = {name: srv.wait(srv.queue(wf), timeout=240) for name, srv in machines.items()}
+    entries = {name: srv.wait(srv.queue(wf), timeout=600) for name, srv in machines.items()}
     assert entries["master"]["status"]["status_str"] == "success"
     assert entries["worker1"]["status"]["status_str"] == "success"
     assert entries["worker2"]["status"]["status_str"] == "error"

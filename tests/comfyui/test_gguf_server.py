@@ -53,7 +53,7 @@ def server(tmp_path_factory):
             gguf_wan.write_gguf(gguf_wan.state_dict(), os.path.join(paths["diffusion_models"], file_name(q, order)),
                                 main=q)
     write(WAN21.lora(), os.path.join(paths["loras"], LORA))
-    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
+    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
     srv.start()
     try:
         info = srv.get_json("/object_info/UnetLoaderGGUF")
@@ -95,7 +95,7 @@ def graph(name: str, lora: bool, branches: List[str]) -> Dict[str, Any]:
 
 
 def hashes(server: Any, p: Dict[str, Any]) -> Dict[str, str]:
-    entry = server.run_prompt(p, timeout=300)
+    entry = server.run_prompt(p, timeout=600)
     out = {}
     for node_id in p:
         if p[node_id]["class_type"] == "LOTestLatentHash":

@@ -74,7 +74,7 @@ def page(tmp_path_factory):
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_HI))
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_MD))
     example_models(base)
-    server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
+    server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
     server.seed_settings()
     old_env = os.environ.get("LAYER_OFFLOAD_SIM_DEVICES")
     os.environ["LAYER_OFFLOAD_SIM_DEVICES"] = "2"  # sim:1 is visible to the server (single-device models unchanged)
@@ -195,7 +195,7 @@ def test_panel_end_to_end(page, tmp_path):
     except Exception:  # noqa: BLE001 - showing the workflow in the canvas is for the screenshot only
         pass
     server.client_id = browser.browser_client_id(driver) or server.client_id
-    entry = server.wait(server.queue(prompt()), timeout=120)
+    entry = server.wait(server.queue(prompt()), timeout=600)
     assert entry.get("status", {}).get("status_str") == "success", entry.get("status")
 
     # the row appears without a reload (the layer_offload.report event)
@@ -306,7 +306,7 @@ def test_panel_end_to_end(page, tmp_path):
     assert count_texts(driver, "Layer Offload: Disk tier in use") == 0
 
     # a second run (the event again) keeps the rows and the controls' values
-    server.wait(server.queue(prompt(seed=4)), timeout=120)
+    server.wait(server.queue(prompt(seed=4)), timeout=600)
     browser.wait_for(lambda: report_model(server, UNET)["forwards"] >= 3, 10, "the second run's report")
     assert len(q(driver, "[data-lo-model]")) == 2
     assert q(driver, row_css(UNET) + ' input[data-lo-control="priority"]')[0].get_attribute("value") == "7"
@@ -356,7 +356,7 @@ def test_two_devices_draw_a_bar_each(page, tmp_path):
         "7": {"class_type": "OffloadReport", "inputs": {"anything": ["5", 0]}},
     }
     browser.open_sidebar_tab(driver, TAB)
-    entry = server.wait(server.queue(wf), timeout=120)
+    entry = server.wait(server.queue(wf), timeout=600)
     assert entry.get("status", {}).get("status_str") == "success", entry.get("status")
     browser.wait_for(lambda: q(driver, row_css(UNET_MD)), 30, "the two-device model's row")
     rep = report_model(server, UNET_MD)
@@ -470,7 +470,7 @@ def test_after_a_run_the_panel_shows_the_plan_beside_the_measured_figures(page):
     workflow's planned and measured time, peak VRAM and host RAM side by side."""
     server, driver = page
     browser.open_sidebar_tab(driver, TAB)
-    entry = server.wait(server.queue(prompt(seed=8)), timeout=120)
+    entry = server.wait(server.queue(prompt(seed=8)), timeout=600)
     assert entry.get("status", {}).get("status_str") == "success", entry.get("status")
     texts = cs.ui_texts(entry, "7")
     assert texts and "Workflow plan on sim (" in texts[0] and "time: planned" in texts[0], texts

@@ -54,14 +54,14 @@ def run_series(tmp_path_factory, offloaded: bool) -> tuple[int, int, int]:
     for i, name in enumerate(FILES):
         tiny_wan.write_wan(os.path.join(paths["diffusion_models"], name), seed=i, dtype=torch.float32, num_blocks=8)
     size = os.path.getsize(os.path.join(paths["diffusion_models"], FILES[0]))
-    with cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120) as srv:
+    with cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600) as srv:
         early = 0
         for i in range(PROMPTS):
             name = FILES[i % len(FILES)]
             loader = ({"class_type": "OffloadDiffusionModelLoader",
                        "inputs": {"unet_name": name, "weight_dtype": "default", "preset": "budget"}} if offloaded else
                       {"class_type": "UNETLoader", "inputs": {"unet_name": name, "weight_dtype": "default"}})
-            srv.run_prompt(prompt(loader, seed=i), timeout=120)
+            srv.run_prompt(prompt(loader, seed=i), timeout=600)
             if i == 9:
                 early = rss_bytes(srv.proc.pid)
         return early, rss_bytes(srv.proc.pid), size

@@ -68,7 +68,7 @@ def server(tmp_path_factory):
     with open(os.path.join(rope, "__init__.py"), "w") as f:
         f.write(TORCH_ROPE_NODE)
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET), dtype=torch.float32)
-    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
+    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
     srv.start()
     try:
         info = srv.get_json("/object_info")
@@ -126,7 +126,7 @@ def trained_lora(server, offload: bool, checkpointing: bool, tag: str, priority:
     """Run the graph and read the saved LoRA (a loader input that differs from an earlier prompt's makes ComfyUI run
     the loader and the training again instead of reusing its cached outputs)."""
     prefix = "loras/lo_train_{}".format(tag)
-    server.run_prompt(train_prompt(server.info, offload, checkpointing, prefix, priority), timeout=300)
+    server.run_prompt(train_prompt(server.info, offload, checkpointing, prefix, priority), timeout=600)
     files = glob.glob(os.path.join(server.output_dir, "loras", "lo_train_{}_*.safetensors".format(tag)))
     assert len(files) == 1, files
     return load_file(files[0])

@@ -50,7 +50,7 @@ def server(tmp_path_factory):
     from test_tts_server import write_voice
 
     write_voice(os.path.join(paths["input"], "voice.wav"))
-    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
+    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
     srv.start()
     srv.paths = paths
     try:
@@ -87,7 +87,7 @@ def prompt(model_type: str, preset: str = "budget", seed: int = 3, voice: bool =
     return p
 
 
-def audio_info(server: cs.ComfyServer, p: Dict[str, Any], model_type: str, timeout: float = 240) -> Dict[str, Any]:
+def audio_info(server: cs.ComfyServer, p: Dict[str, Any], model_type: str, timeout: float = 600) -> Dict[str, Any]:
     entry = server.run_prompt(p, timeout=timeout)
     text = cs.ui_texts(entry, "6")[0]
     digest, rest = text.split(" ", 1)
@@ -125,7 +125,7 @@ def test_a_voice_prompt_changes_the_audio_and_reproduces(server, model):
 
 def test_the_report_lists_the_streamed_blocks(server, model):
     name = MODELS[model][0]
-    entry = server.run_prompt(prompt(model, report=True), timeout=240)
+    entry = server.run_prompt(prompt(model, report=True), timeout=600)
     data = json.loads(entry["outputs"]["7"]["report_json"][0])
     models = [m for m in data["models"] if m["kind"] == "tts" and m["name"] == "tts:" + name]
     assert models, [m["name"] for m in data["models"]]
@@ -144,7 +144,7 @@ def test_a_truncated_weights_file_is_a_clear_error_and_the_server_stays_up(serve
     open(os.path.join(path, "model.safetensors"), "wb").write(data[: len(data) // 3])
     try:
         with pytest.raises(RuntimeError) as err:
-            server.run_prompt(prompt(model, name=broken), timeout=120)
+            server.run_prompt(prompt(model, name=broken), timeout=600)
         assert "truncated" in str(err.value) and broken in str(err.value), str(err.value)[-2000:]
     finally:
         import shutil

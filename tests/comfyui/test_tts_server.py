@@ -8,7 +8,6 @@ import json
 import math
 import os
 import struct
-import time
 import wave
 from typing import Any, Dict
 
@@ -48,7 +47,7 @@ def server(tmp_path_factory):
     tv.write_tiny_vibevoice(os.path.join(paths["tts"], MODEL))
     tv.write_tiny_vibevoice(os.path.join(paths["tts"], LONG), speech_tokens=300)
     write_voice(os.path.join(paths["input"], "voice.wav"))
-    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
+    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
     srv.start()
     srv.paths = paths
     try:
@@ -78,7 +77,7 @@ def tts_prompt(preset: str = "budget", kv: str = "auto", seed: int = 3, voice: b
     return p
 
 
-def audio_hash(server: cs.ComfyServer, p: Dict[str, Any], timeout: float = 120) -> str:
+def audio_hash(server: cs.ComfyServer, p: Dict[str, Any], timeout: float = 600) -> str:
     entry = server.run_prompt(p, timeout=timeout)
     texts = cs.ui_texts(entry, "6")
     assert texts and "rate=24000" in texts[0], entry.get("outputs")
@@ -100,7 +99,7 @@ def test_same_audio_across_presets_kv_modes_and_save(server):
     assert audio_hash(server, tts_prompt("budget", "auto", seed=4)) != ref, "another seed gives other audio"
     info = server.get_json("/object_info")
     if "SaveAudio" in info:  # core SaveAudio takes the AUDIO as it is
-        entry = server.run_prompt(tts_prompt("budget", save=True), timeout=120)
+        entry = server.run_prompt(tts_prompt("budget", save=True), timeout=600)
         saved = entry["outputs"]["4"]["audio"][0]
         assert saved["filename"].startswith("lo_tts") and saved["type"] == "output"
 
@@ -113,7 +112,7 @@ def test_a_voice_changes_the_audio_and_reproduces(server):
 
 
 def test_the_report_lists_the_tts_model_with_its_layers_streamed(server):
-    entry = server.run_prompt(tts_prompt("budget", report=True), timeout=120)
+    entry = server.run_prompt(tts_prompt("budget", report=True), timeout=600)
     data = json.loads(entry["outputs"]["7"]["report_json"][0])
     models = [m for m in data["models"] if m["kind"] == "tts" and m["name"] == "tts:" + MODEL]
     assert models, [m["name"] for m in data["models"]]
@@ -127,27 +126,28 @@ def test_missing_or_truncated_model_folders_are_clear_errors(server):
     data = open(os.path.join(bad, "model.safetensors"), "rb").read()
     open(os.path.join(bad, "model.safetensors"), "wb").write(data[: len(data) // 3])
     with pytest.raises(RuntimeError) as err:
-        server.run_prompt(tts_prompt(model="broken-vibevoice"), timeout=60)
+        server.run_prompt(tts_prompt(model="broken-vibevoice"), timeout=600)
     assert "truncated" in str(err.value) and "broken-vibevoice" in str(err.value), str(err.value)[-2000:]
     with pytest.raises(RuntimeError) as err:
-        server.run_prompt(tts_prompt(model="no-such-model"), timeout=60)
+        server.run_prompt(tts_prompt(model="no-such-model"), timeout=600)
     assert "no-such-model" in str(err.value)
     assert audio_hash(server, tts_prompt("budget")) == audio_hash(server, tts_prompt("high_end")), \
         "the server keeps working"
 
 
 def test_interrupt_stops_generation_and_the_next_prompt_succeeds(server):
+    """Cancel while the long model speaks (it speaks exactly 300 tokens): the prompt ends interrupted, before its
+    last token, and the next one runs clean. Progress events say where it stopped; no wall-clock bound (that it stops
+    within a token is tests/comfyui/test_tts_nodes.py's interrupt at the third token)."""
     ref = audio_hash(server, tts_prompt("budget"))
-    pid = server.queue(tts_prompt("budget", model=LONG, tokens=400))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not server.is_running(pid):
-        time.sleep(0.05)
-    time.sleep(2.0)  # loaded and generating
-    started = time.monotonic()
-    server.interrupt()
-    entry = server.wait(pid, timeout=60)
-    stopped_after = time.monotonic() - started
+    with cs.WsEvents(server, ("progress",)) as ws:
+        pid = server.queue(tts_prompt("budget", model=LONG, tokens=400))
+        ours = lambda e: e.get("prompt_id") in (None, pid) and e.get("max") == 400  # noqa: E731
+        assert ws.wait_for(lambda e: ours(e) and e.get("value", 0) >= 1), "no token was generated"
+        server.interrupt()
+        entry = server.wait(pid, timeout=600)
     kinds = [m[0] if isinstance(m, (list, tuple)) else m for m in entry.get("status", {}).get("messages", [])]
     assert "execution_interrupted" in kinds, entry.get("status")
-    assert stopped_after < 5.0, "cancel took {:.1f} s".format(stopped_after)
+    reached = max(e["value"] for e in ws.events if ours(e))
+    assert reached < 300, "the cancel did not stop generation: {} of 300 tokens".format(reached)
     assert audio_hash(server, tts_prompt("budget")) == ref

@@ -36,7 +36,7 @@ def server(tmp_path_factory):
     for name, seed in ((HIGH, 21), (LOW, 22)):
         tiny_wan.write_wan(os.path.join(paths["diffusion_models"], name), seed=seed, dtype=torch.float32,
                            num_blocks=BLOCKS)
-    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
+    srv = cs.ComfyServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
     srv.expert_bytes = os.path.getsize(os.path.join(paths["diffusion_models"], HIGH))
     srv.start()
     try:
@@ -78,7 +78,7 @@ def offload(name: str) -> Dict[str, Any]:
 
 
 def latent_hash(server: cs.ComfyServer, p: Dict[str, Any]) -> str:
-    entry = server.run_prompt(p, timeout=180)
+    entry = server.run_prompt(p, timeout=600)
     texts = cs.ui_texts(entry, "7")
     assert texts and "finite=True" in texts[0], entry.get("outputs")
     return texts[0].split()[0]
