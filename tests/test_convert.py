@@ -274,15 +274,114 @@ def test_a_subgraph_inside_itself_is_refused_by_name():
         convert(wf)
 
 
+def _loader(**fields):
+    return {"nodes": [dict({"id": 5, "type": "UNETLoader", "outputs": [{"name": "MODEL", "type": "MODEL",
+                                                                       "links": []}]}, **fields)], "links": []}
+
+
+def _with_sub(**fields):
+    wf = _nested_workflow()
+    wf["definitions"]["subgraphs"][1].update(fields)
+    return wf
+
+
 @pytest.mark.parametrize("bad, needle", [
     ([], "JSON object"), ({"1": {"class_type": "KSampler", "inputs": {}}}, "API format"),
     ({"nodes": [{"id": 1, "type": "X"}, {"id": 1, "type": "Y"}], "links": []}, "used twice"),
     ({"nodes": [{"id": 1}], "links": []}, "no type"),
     ({"nodes": [], "links": [[1, 2]]}, "neither"),
+    ({"nodes": [{"id": "a", "type": "X"}], "links": []}, "a node's id is not a number"),
+    ({"nodes": [], "links": [[1, "x", 0, 2, 0, "MODEL"]]}, "link 1's origin_id is not a number"),
+    (_loader(inputs=7), r"node 5 \(UNETLoader\): inputs is not a list"),
+    (_loader(inputs=[{"name": "unet_name", "link": "3"}]), "'unet_name' holds a link that is not an id"),
+    (_loader(inputs=[{"type": "COMBO", "link": None}]), "entry 0 has no name"),
+    (_loader(outputs=[{"name": "MODEL", "type": "MODEL", "links": {"1": 2}}]), "links is not a list of link ids"),
+    (_loader(outputs=[{"name": "MODEL", "type": ["MODEL"], "links": []}]), "'MODEL' has a type that is not a name"),
+    (_loader(widgets_values="wan.safetensors"), "widgets_values is neither a list nor an object"),
+    (_loader(mode="bypass"), "mode is not a number"),
+    (_loader(properties=[1]), "properties is not an object"),
+    (_with_sub(inputs=[{"name": "unet_name", "type": "COMBO", "linkIds": [31, None]}]),
+     "subgraph 'inner': its inputs: 'unet_name': linkIds is not a list of link ids"),
+    (_with_sub(inputNode=[-400, 0]), "subgraph 'inner': inputNode is not an object"),
+    ({"nodes": [], "links": [], "definitions": {"subgraphs": {"a": {}}}}, "definitions.subgraphs is not a list"),
+    ({"nodes": [], "links": [], "definitions": {"subgraphs": [{"nodes": []}]}}, "a subgraph definition has no id"),
+    ({"nodes": [{"id": i, "type": "Note"} for i in range(20_001)], "links": []}, "20001 nodes; at most 20000"),
 ])
 def test_bad_workflows_are_refused_by_name(bad, needle):
     with pytest.raises(ConvertError, match=needle):
         convert(bad)
+
+
+def test_a_loader_with_a_link_its_offload_twin_lacks_is_followed_not_replaced():
+    """A UNETLoader whose linked input the Offload Loader has no place for keeps its node (the link is not lost) and
+    gets an Offload Model after it."""
+    wf = _gguf_workflow()
+    wf["nodes"][0]["type"] = "UNETLoader"
+    wf["nodes"][0]["widgets_values"] = ["wan.safetensors", "default"]
+    wf["nodes"].append(_node(9, "PrimitiveNode", outputs=[("value", "FLOAT", [7])], widgets=[1.0], pos=(0, 1200)))
+    wf["nodes"][0]["inputs"] = [{"name": "strength", "type": "FLOAT", "link": 7, "widget": {"name": "strength"}}]
+    wf["links"].append([7, 9, 0, 1, 0, "FLOAT"])
+    after = convert(wf).workflow
+    assert sorted(check_conversion(wf, after)) == ["root:1 UNETLoader", "root:2 CLIPLoaderGGUF"]
+    nodes = nodes_of(after)
+    assert nodes[1]["type"] == "UNETLoader" and nodes[1]["inputs"][0]["link"] == 7
+    assert sorted(n["type"] for n in after["nodes"] if n["id"] > 9) == ["OffloadCLIP", "OffloadModel",
+                                                                        "OffloadVramBudget"]
+
+
+def _json_paths(value, path=()):
+    yield path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _json_paths(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _json_paths(v, path + (i,))
+
+
+def _no_new_problems(wf, base) -> bool:
+    from convert_checks import problems
+
+    try:
+        return problems(wf) <= problems(base)
+    except (TypeError, KeyError, IndexError, ValueError):  # damage the oracle cannot read (a link that is null)
+        return False
+
+
+def test_damaged_workflows_are_converted_or_refused_by_name():
+    """Workflows with one value replaced by junk (a seeded sample over ComfyUI's templates and the crafted graphs):
+    each is refused with a ConvertError, or converted to strict JSON that converting again leaves as it is; where the
+    damage left the graph's links and slots as consistent as the original's and did not rename a slot, the result
+    also passes the oracle."""
+    import random
+
+    rng = random.Random(43)
+    junk = [None, -1, 0, 1.5, "x", [], {}, [1], {"a": 1}, True, 10 ** 30, "999", -10, -20]
+    bases = [_gguf_workflow(), _gguf_workflow(True), _nested_workflow()]
+    bases += [json.loads(p.read_text(encoding="utf-8")) for p in TEMPLATES[::25]]
+    refused = converted = checked = 0
+    for _ in range(400):
+        base = rng.choice(bases)
+        wf = copy.deepcopy(base)
+        path = rng.choice([p for p in _json_paths(wf) if p])
+        holder = wf
+        for key in path[:-1]:
+            holder = holder[key]
+        holder[path[-1]] = rng.choice(junk)
+        try:
+            result = convert(wf)
+        except ConvertError as exc:
+            assert str(exc) and "Traceback" not in str(exc)
+            refused += 1
+            continue
+        converted += 1
+        assert json.loads(json.dumps(result.workflow, allow_nan=False)) == result.workflow
+        again = convert(result.workflow)
+        assert not again.changed, (path, again.edits[:3])
+        if path[-1] not in ("name", "type") and _no_new_problems(wf, base):
+            check_conversion(wf, result.workflow)
+            checked += 1
+    assert refused > 50 and converted > 200 and checked > 150, (refused, converted, checked)
 
 
 def test_existing_budget_node_and_offload_nodes_are_reused():

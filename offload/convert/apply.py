@@ -38,6 +38,19 @@ def _properties(old: Any, type_name: str) -> dict[str, Any]:
     return props
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _point(pos: Any) -> list[float] | None:
+    """[x, y] of a position the frontend saved as a list or as {"0": x, "1": y}; None when it is neither."""
+    if isinstance(pos, dict):
+        pos = [pos.get("0"), pos.get("1")]
+    if isinstance(pos, list) and len(pos) == 2 and all(_number(v) for v in pos):
+        return [float(pos[0]), float(pos[1])]
+    return None
+
+
 class _Applier:
     def __init__(self, wf: Workflow) -> None:
         self.wf = wf
@@ -71,10 +84,10 @@ class _Applier:
         for slot in node.get("inputs") or []:
             if not isinstance(slot, dict) or slot.get("link") is None:
                 continue
-            if slot.get("name") in widget_names:
-                linked[slot["name"]] = slot
-            else:  # a linked input the pack's loader does not have (none of ComfyUI's loaders has one): unlinked
-                self.unlink(graph, slot["link"])
+            if slot.get("name") not in widget_names:  # edits.replaceable() keeps such a loader
+                raise ConvertError(f"{graph.name}: node {edit['node']}'s linked input {slot.get('name')!r} is not "
+                                   f"an input of {pack.display_name}")
+            linked[slot["name"]] = slot
         node["inputs"] = _inputs_for(pack, linked)
         self.retarget(graph, node)
         outputs = node.get("outputs") or []
@@ -122,11 +135,11 @@ class _Applier:
 
     def subgraph_input(self, graph: Graph, edit: dict[str, Any]) -> None:
         slots = graph.io_slots("inputs")
-        last = slots[-1].get("pos") if slots and isinstance(slots[-1].get("pos"), list) else None
+        last = _point(slots[-1].get("pos")) if slots else None
         box = (graph.data.get("inputNode") or {}).get("bounding")
-        if last is not None and len(last) == 2:
+        if last is not None:
             pos = [last[0], last[1] + 20]
-        elif isinstance(box, list) and len(box) == 4:
+        elif isinstance(box, list) and len(box) == 4 and all(_number(v) for v in box):
             pos = [box[0] + box[2] - 20, box[1] + 20]
         else:
             pos = [0, 0]

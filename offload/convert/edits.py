@@ -4,7 +4,8 @@ line and the panel make the same workflow.
 
 Per graph (the root and every subgraph definition; a definition is edited once, whatever its instances):
 - each active UNETLoader / CheckpointLoaderSimple is replaced by the pack's loader of the same file
-  (`replace`: same node id, position, links and widget values, the plan's preset);
+  (`replace`: same node id, position, links and widget values, the plan's preset), unless a link goes into an input
+  the pack's loader lacks (then it is treated as the other loaders are);
 - every other loader (a node named ...Loader... without a MODEL / CLIP input: GGUF loaders, CLIP loaders, LTX-2's text
   encoder, image-only checkpoints ...) gets Offload Model / Offload CLIP after each MODEL / CLIP output that is used
   and not yet offloaded (`add` beside it, then `insert`: its consumers move to the new node's output);
@@ -84,6 +85,15 @@ def is_loader(node: dict[str, Any]) -> bool:
     return not any(_slot_type(i) in ("MODEL", "CLIP", "*") for i in node.get("inputs") or [])
 
 
+def replaceable(node: dict[str, Any]) -> bool:
+    """A UNETLoader / CheckpointLoaderSimple the pack's loader can stand in for: every linked input is one of its
+    widgets (a link into anything else would be lost; such a loader gets an Offload node after it instead)."""
+    if node["type"] not in REPLACED:
+        return False
+    widgets = set(REPLACED_WIDGETS[node["type"]])
+    return all(i.get("link") is None or i.get("name") in widgets for i in node.get("inputs") or [])
+
+
 def _offloaded(graph: Graph, node: dict[str, Any], slot: int, kind: str) -> bool:
     """Whether an output already feeds an Offload node of its kind (or Offload Any): then it is left as it is."""
     wanted = {OFFLOAD_AFTER[kind].type, "OffloadAny"}
@@ -126,8 +136,8 @@ def _replace(plan: _Plan, graph: Graph, node: dict[str, Any], preset_for: Preset
     plan.edits.append({"op": "replace", "graph": graph.gid, "node": int(node["id"]), "type": pack.type,
                        "widgets": widgets, "title": _title(node), "size": size})
     plan.changes.append(Change(graph.name, int(node["id"]), node["type"], f"replaced by {pack.display_name}", preset))
-    pos = node.get("pos") if isinstance(node.get("pos"), list) else [0, 0]
-    plan.taken[graph.gid].append(layout.rect_at(pos, size))
+    x, y = layout.node_rect(node)[:2]
+    plan.taken[graph.gid].append(layout.rect_at([x, y + layout.TITLE], size))
     plan.new_budget_users[graph.gid].append(int(node["id"]))
 
 
@@ -232,11 +242,11 @@ def plan_edits(wf: Workflow, preset_for: PresetFor) -> tuple[list[dict[str, Any]
         plan.new_budget_users[graph.gid] = []
     for graph in wf.graphs():
         for node in list(graph.nodes):
-            if is_active(node) and node["type"] in REPLACED:
+            if is_active(node) and replaceable(node):
                 _replace(plan, graph, node, preset_for)
     for graph in wf.graphs():
         for node in list(graph.nodes):
-            if not is_active(node) or node["type"] in REPLACED or not is_loader(node):
+            if not is_active(node) or replaceable(node) or not is_loader(node):
                 continue
             for slot, out in enumerate(node.get("outputs") or []):
                 kind = _slot_type(out)

@@ -34,6 +34,48 @@ def _int_id(value: Any, what: str) -> int:
     return number
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_slots(slots: Any, what: str, links_key: str) -> None:
+    """A node's inputs / outputs (or a subgraph's): a list of objects with a name, a type, and link ids."""
+    if slots is None:
+        return
+    if not isinstance(slots, list):
+        raise ConvertError(f"{what} is not a list")
+    for index, slot in enumerate(slots):
+        if not isinstance(slot, dict):
+            raise ConvertError(f"{what}: entry {index} is not an object")
+        label = f"{what}: {slot.get('name')!r:.40}" if isinstance(slot.get("name"), str) else f"{what}: entry {index}"
+        if not isinstance(slot.get("name"), str):
+            raise ConvertError(f"{label} has no name")
+        if not isinstance(slot.get("type", ""), (str, int)) or isinstance(slot.get("type"), bool):
+            raise ConvertError(f"{label} has a type that is not a name: {slot.get('type')!r:.60}")
+        held = slot.get(links_key)
+        if links_key == "link":
+            if held is not None and not _is_int(held):
+                raise ConvertError(f"{label} holds a link that is not an id: {held!r:.60}")
+        elif held is not None and not (isinstance(held, list) and all(_is_int(v) for v in held)):
+            raise ConvertError(f"{label}: {links_key} is not a list of link ids")
+
+
+def _check_node(node: dict[str, Any], what: str) -> None:
+    """The parts of a node the converter reads or edits have the frontend's shapes (else a ConvertError naming them;
+    the layout fields are read leniently in layout.node_rect)."""
+    inputs, outputs = node.get("inputs"), node.get("outputs")
+    _check_slots(inputs, f"{what}: inputs", "link")
+    _check_slots(outputs, f"{what}: outputs", "links")
+    values = node.get("widgets_values")
+    if values is not None and not isinstance(values, (list, dict)):
+        raise ConvertError(f"{what}: widgets_values is neither a list nor an object")
+    if node.get("properties") is not None and not isinstance(node.get("properties"), dict):
+        raise ConvertError(f"{what}: properties is not an object")
+    mode = node.get("mode", 0)
+    if not _is_int(mode):
+        raise ConvertError(f"{what}: mode is not a number: {mode!r:.40}")
+
+
 class Link:
     """One link of a graph, over its JSON entry (a list or an object): reads and writes go to the entry."""
 
@@ -73,6 +115,7 @@ class Graph:
                 raise ConvertError(f"{name}: node id {nid} is used twice")
             if not isinstance(node.get("type"), str):
                 raise ConvertError(f"{name}: node {nid} has no type")
+            _check_node(node, f"{name}: node {nid} ({node['type']})")
             self.by_id[nid] = node
         raw = data.get("links")
         if raw is None:
@@ -83,9 +126,17 @@ class Graph:
         for entry in raw:
             if isinstance(entry, list) and len(entry) >= 6 or isinstance(entry, dict) and "id" in entry:
                 link = Link(entry)
-                self.links[_int_id(link["id"], f"{name}: a link's id")] = link
+                lid = _int_id(link["id"], f"{name}: a link's id")
+                for key in ("origin_id", "origin_slot", "target_id", "target_slot"):
+                    _int_id(link[key], f"{name}: link {lid}'s {key}")
+                self.links[lid] = link
             elif entry is not None:
                 raise ConvertError(f"{name}: a link is neither [id, origin, slot, target, slot, type] nor an object")
+        for kind in ("inputs", "outputs"):  # a subgraph's own input and output slots
+            _check_slots(data.get(kind), f"{name}: its {kind}", "linkIds")
+        for kind in ("inputNode", "outputNode"):
+            if data.get(kind) is not None and not isinstance(data.get(kind), dict):
+                raise ConvertError(f"{name}: {kind} is not an object")
         # the form new links take: the graph's own, else the frontend's (lists at the root of a version 0.4 workflow)
         forms = {type(e) for e in raw if e is not None}
         self.link_form = forms.pop() if len(forms) == 1 else (list if gid == ROOT and data.get("version") != 1
