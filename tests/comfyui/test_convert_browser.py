@@ -1,10 +1,12 @@
 """"Offload this workflow" in a real ComfyUI frontend (headless Chromium, selenium): ComfyUI's own Wan templates
-(the second built from a subgraph holding both experts and the text encoder) are loaded onto the canvas, the Layer
-Offload panel's button converts them with the frontend's graph API, and
-- the pack's nodes are in the graph, inside the subgraph too (the canvas opened into it shows them), and the graph
-  the frontend serializes passes the same checks as the command line's output (tests/convert_checks.py);
-- the prompt the frontend makes of it equals the prompt of the command line's conversion loaded onto the canvas;
+(the second built from a subgraph holding both experts and the text encoder; a third made of two nested subgraphs by
+the frontend's own Convert to Subgraph) are loaded onto the canvas, and
+- the Layer Offload panel's button converts them with the frontend's graph API: the pack's nodes are in the graph,
+  inside the subgraphs too (the canvas opened into the innermost shows them), and the graph the frontend serializes
+  passes the same checks as the command line's output (tests/convert_checks.py);
 - Ctrl+Z (ComfyUI's undo) gives back the original graph, prompt for prompt;
+- `python -m offload convert` of the saved workflow, opened on the canvas, shows the pack's nodes inside the
+  subgraphs and makes the panel's prompt but for the presets (the route's conversion makes it exactly);
 - run on the server with tiny models under the templates' file names, the original, the panel's conversion and the
   command line's give the same latent bit for bit, the models offloaded;
 - no console error from the extension.
@@ -13,8 +15,11 @@ Screenshots go to pytest's tmp dir (LO_CONVERT_PNG=path writes a copy of the sub
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -85,6 +90,33 @@ def undo(driver) -> None:
     ActionChains(driver).key_down(Keys.CONTROL).send_keys("z").key_up(Keys.CONTROL).perform()
 
 
+def presets_of(api: dict) -> dict:
+    return {k: n["inputs"]["preset"] for k, n in api.items()
+            if str(n["class_type"]).startswith("Offload") and n["class_type"] != "OffloadVramBudget"}
+
+
+def without_presets(api: dict) -> dict:
+    return {k: dict(n, inputs={i: v for i, v in n["inputs"].items() if i != "preset" or k not in presets_of(api)})
+            for k, n in api.items()}
+
+
+def show_innermost_subgraph(driver, shot: str) -> None:
+    """The canvas opened into the subgraph, and the subgraph inside it where there is one, as a user double-clicks
+    into them: the pack's nodes are among the nodes it shows (a screenshot to `shot`); then back to the root."""
+    shown = driver.execute_script(
+        "const a = window.app, root = a.rootGraph || a.graph;"
+        "let g = root, inst;"
+        "while ((inst = g.nodes.find((n) => n.isSubgraphNode && n.isSubgraphNode()))) {"
+        "  a.canvas.openSubgraph(inst.subgraph); g = inst.subgraph; }"
+        "a.canvas.setDirty(true, true);"
+        "return a.canvas.graph.nodes.map((n) => n.type);")
+    assert "OffloadDiffusionModelLoader" in shown and "OffloadCLIP" in shown, shown
+    driver.execute_script("const a = window.app; a.canvas.ds.scale = 0.45; a.canvas.ds.offset = [900, 500];"
+                          "a.canvas.setDirty(true, true);")
+    assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
+    driver.execute_script("const a = window.app; a.canvas.setGraph(a.rootGraph || a.graph);")
+
+
 def subgraph_nodes(wf: dict) -> dict:
     return {s["id"]: sorted(n["type"] for n in s["nodes"]) for s in (wf.get("definitions") or {}).get("subgraphs", [])}
 
@@ -151,21 +183,9 @@ def test_offload_this_workflow(page, name, tmp_path):
         assert [[i["type"] for i in s["inputs"]][-1:] for s in converted["definitions"]["subgraphs"]] == \
             [["OFFLOAD_BUDGET"], ["OFFLOAD_BUDGET"]]
     if subgraph_nodes(converted):  # and the canvas opened into the subgraph (the innermost) shows them
-        shown = driver.execute_script(
-            "const a = window.app, root = a.rootGraph || a.graph;"
-            "let g = root, inst;"
-            "while ((inst = g.nodes.find((n) => n.isSubgraphNode && n.isSubgraphNode()))) {"
-            "  a.canvas.openSubgraph(inst.subgraph); g = inst.subgraph; }"
-            "a.canvas.setDirty(true, true);"
-            "return a.canvas.graph.nodes.map((n) => n.type);")
-        assert "OffloadDiffusionModelLoader" in shown and "OffloadCLIP" in shown, shown
-        shot = str(tmp_path / screenshot)
-        driver.execute_script("const a = window.app; a.canvas.ds.scale = 0.45; a.canvas.ds.offset = [900, 500];"
-                              "a.canvas.setDirty(true, true);")
-        assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
+        show_innermost_subgraph(driver, str(tmp_path / screenshot))
         if os.environ.get("LO_CONVERT_PNG") and name == cr.TEMPLATES[-1]:
-            shutil.copyfile(shot, os.environ["LO_CONVERT_PNG"])
-        driver.execute_script("const a = window.app; a.canvas.setGraph(a.rootGraph || a.graph);")
+            shutil.copyfile(str(tmp_path / screenshot), os.environ["LO_CONVERT_PNG"])
 
     # ComfyUI's undo takes the whole conversion back in one step
     undo(driver)
@@ -174,15 +194,30 @@ def test_offload_this_workflow(page, name, tmp_path):
     assert sorted(n["type"] for n in restored["nodes"]) == sorted(n["type"] for n in original["nodes"])
     assert subgraph_nodes(restored) == subgraph_nodes(original)
 
-    # the command line's conversion (the same edits, applied to the JSON), loaded onto the canvas: the same prompt
+    # `python -m offload convert` on the saved workflow (every block streamed), opened on the canvas: the pack's
+    # nodes inside the subgraphs, the prompt the panel's but for the presets, the command line's the route's
+    src, out = tmp_path / "original.json", tmp_path / "converted.json"
+    src.write_text(json.dumps(original))
+    cli = subprocess.run([sys.executable, "-m", "offload", "convert", str(src), "-o", str(out), "--preset", "budget"],
+                         cwd=cs.REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "wrote" in cli.stdout, cli.stdout + cli.stderr
+    from_cli = json.loads(out.read_text())
+    checks.check_conversion(original, from_cli)
+    load(driver, from_cli)
+    assert checks.check_conversion(original, serialized(driver))  # as the frontend loaded it
+    if subgraph_nodes(from_cli):
+        show_innermost_subgraph(driver, str(tmp_path / ("cli_" + screenshot)))
+    api_cli = prompt_of(driver)
+    assert presets_of(api_cli) and set(presets_of(api_cli).values()) == {"budget"}
+    assert without_presets(api_cli) == without_presets(api_panel)
     answer = server.post_json("/layer_offload/convert", {"workflow": original}, timeout=60)
     load(driver, answer["workflow"])
-    api_cli = prompt_of(driver)
-    assert api_cli == api_panel
+    assert prompt_of(driver) == api_panel
 
     # run: the original, the panel's and the command line's conversions give the same latent
     plain = cr.run_hash(server, cr.runnable(api_original))
     assert cr.run_hash(server, cr.runnable(api_panel)) == plain
+    assert cr.run_hash(server, cr.runnable(api_cli)) == plain
     names = {m["name"] for m in server.get_json("/layer_offload/report")["models"]}
     unets = {n["inputs"]["unet_name"] for n in api_panel.values() if n["class_type"] == "OffloadDiffusionModelLoader"}
     assert unets <= names, names
