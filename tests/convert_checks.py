@@ -13,6 +13,7 @@ OFFLOAD_AFTER = {"MODEL": "OffloadModel", "CLIP": "OffloadCLIP"}
 REPLACED = {"UNETLoader": "OffloadDiffusionModelLoader", "CheckpointLoaderSimple": "OffloadCheckpointLoader"}
 BUDGET_USERS = ("OffloadDiffusionModelLoader", "OffloadCheckpointLoader", "OffloadModel", "OffloadCLIP", "OffloadAny",
                 "OffloadTTSLoader")
+LOADER_WIDGETS = ("unet_name", "weight_dtype", "ckpt_name")  # the inputs UNETLoader / CheckpointLoaderSimple have
 FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
 
 
@@ -152,7 +153,7 @@ def check_conversion(before: Dict[str, Any], after: Dict[str, Any]) -> List[str]
         for nid, old in n0.items():
             new = n1[nid]
             active = old.get("mode", 0) not in (2, 4)
-            foreign = any(i.get("link") is not None and i.get("name") not in ("unet_name", "weight_dtype", "ckpt_name")
+            foreign = any(i.get("link") is not None and i.get("name") not in LOADER_WIDGETS
                           for i in old.get("inputs") or [])  # a link the pack's loader has no input for
             if old["type"] in REPLACED and active and not foreign:
                 assert new["type"] == REPLACED[old["type"]], (gid, nid)
