@@ -22,6 +22,11 @@ const DROPPED_PROPERTIES = ["cnr_id", "ver", "aux_id"]; // which pack a node com
 const SUBGRAPH_INPUT_ID = -10;
 const SUBGRAPH_OUTPUT_ID = -20;
 
+// node ids as the frontend holds them at run time: numbers in older frontends, strings ("-10", "76") in newer ones
+function sameId(a, b) {
+  return a !== null && a !== undefined && String(a) === String(b);
+}
+
 const state = { busy: false, error: "", result: null, views: new Set() };
 
 function rootGraph() {
@@ -74,7 +79,7 @@ function outgoing(graph, node, slot) {
 }
 
 function connectTo(graph, node, slot, end) {
-  if (end.target === SUBGRAPH_OUTPUT_ID) {
+  if (sameId(end.target, SUBGRAPH_OUTPUT_ID)) {
     graph.outputs[end.slot].connect(node.outputs[slot], node, end.parent);
   } else {
     node.connect(slot, graph.getNodeById(end.target), end.slot, end.parent);
@@ -82,10 +87,12 @@ function connectTo(graph, node, slot, end) {
 }
 
 function connectFrom(graph, origin, originSlot, node, index, parent) {
-  if (origin === SUBGRAPH_INPUT_ID) {
+  if (sameId(origin, SUBGRAPH_INPUT_ID)) {
     graph.inputs[originSlot].connect(node.inputs[index], node, parent);
   } else {
-    graph.getNodeById(origin).connect(originSlot, node, index, parent);
+    const from = graph.getNodeById(origin);
+    if (!from) throw new Error(`node ${origin} linked into ${node.type} is not in the graph`);
+    from.connect(originSlot, node, index, parent);
   }
 }
 
@@ -169,12 +176,22 @@ export function applyEdits(edits) {
   if (tracker) tracker.beforeChange();
   else root.beforeChange?.();
   const handles = new Map();
+  const before = root.serialize();
   try {
     for (const edit of edits) {
       const op = OPS[edit.op];
       if (!op) throw new Error(`unknown edit ${edit.op}`);
       op(graphOf(root, edit.graph), edit, handles);
     }
+  } catch (e) {
+    // nothing half converted: the graph as it was (the change tracker then sees no change, so no undo step)
+    try {
+      root.configure(before);
+    } catch (restoreError) {
+      e.message = `${e.message}; the graph could not be restored (${restoreError.message || restoreError}): ` +
+        "press Ctrl+Z";
+    }
+    throw e;
   } finally {
     if (tracker) tracker.afterChange();
     else root.afterChange?.();

@@ -243,3 +243,37 @@ def test_an_offloaded_workflow_has_nothing_to_change(page):
         "return e && e.getAttribute('data-lo-edits') === '0' && e.textContent;"), 60, "the 'nothing to change' line")
     assert "Nothing to change" in driver.find_element("css selector", "[data-lo-convert-result]").text
     assert prompt_of(driver) == before
+
+
+APPLY_FROM_MODULE = """
+const done = arguments[arguments.length - 1];
+import(arguments[1]).then((m) => {
+  try { m.applyEdits(arguments[0]); done("applied"); } catch (e) { done(String(e.message || e)); }
+}).catch((e) => done("import: " + e));
+"""
+
+
+def test_a_conversion_that_fails_halfway_leaves_the_graph_as_it_was(page):
+    """The panel's edits with one at the end that cannot be carried out (a node that is not there): the error names
+    it, the graph is the original (the subgraph's nodes too), and there is no undo step to take."""
+    server, driver = page
+    wf = cr.template("video_wan2_2_14B_t2v")
+    if wf is None:
+        pytest.skip("ComfyUI's templates are not installed ({})".format(cr.PINNED))
+    load(driver, copy.deepcopy(wf))
+    original = serialized(driver)
+    api_original = prompt_of(driver)
+    answer = server.post_json("/layer_offload/convert", {"workflow": original}, timeout=60)
+    assert len(answer["edits"]) > 3
+    bad = {"op": "link", "graph": "root", "from": {"node": answer["edits"][-1]["to"]["node"], "slot": 0},
+           "to": {"node": 987654, "input": "budget"}}
+    driver.set_script_timeout(60)
+    message = driver.execute_async_script(APPLY_FROM_MODULE, answer["edits"] + [bad],
+                                          "/extensions/{}/offload_convert.js".format(cs.PACK_FOLDER))
+    assert "987654" in message, message
+    assert prompt_of(driver) == api_original
+    restored = serialized(driver)
+    assert sorted(n["type"] for n in restored["nodes"]) == sorted(n["type"] for n in original["nodes"])
+    assert subgraph_nodes(restored) == subgraph_nodes(original)
+    undo(driver)  # nothing to undo: still the original
+    assert prompt_of(driver) == api_original
