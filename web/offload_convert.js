@@ -168,6 +168,17 @@ function capture(tracker) {
   else tracker?.checkState?.();
 }
 
+// node and link ids are unique across the workflow: every subgraph's id counters at least the highest in use anywhere
+// (newer frontends share one state; older ones (1.27) keep a subgraph's own, which would fall behind the new ids)
+function syncCounters(root) {
+  const states = [root.state, ...[...(root.subgraphs?.values?.() ?? [])].map((g) => g.state)]
+    .filter((st) => st && typeof st === "object");
+  for (const key of ["lastNodeId", "lastLinkId"]) {
+    const top = Math.max(...states.map((st) => Number(st[key]) || 0));
+    for (const st of states) if ((Number(st[key]) || 0) < top) st[key] = top;
+  }
+}
+
 // every edit in one undo step: ComfyUI's change tracker records one state before and one after
 export function applyEdits(edits) {
   const root = rootGraph();
@@ -183,6 +194,7 @@ export function applyEdits(edits) {
       if (!op) throw new Error(`unknown edit ${edit.op}`);
       op(graphOf(root, edit.graph), edit, handles);
     }
+    syncCounters(root);
   } catch (e) {
     // nothing half converted: the graph as it was (the change tracker then sees no change, so no undo step)
     try {
