@@ -179,8 +179,21 @@ function syncCounters(root) {
   }
 }
 
+// a subgraph's input / output slots list only links that are there (older frontends leave the id of a link that a
+// new connection to a subgraph output replaced)
+function pruneSlotLinks(root) {
+  for (const sub of root.subgraphs?.values?.() ?? []) {
+    for (const slot of [...(sub.inputs ?? []), ...(sub.outputs ?? [])]) {
+      if (Array.isArray(slot.linkIds)) {
+        const kept = slot.linkIds.filter((id) => linkOf(sub, id));
+        if (kept.length !== slot.linkIds.length) slot.linkIds.splice(0, slot.linkIds.length, ...kept);
+      }
+    }
+  }
+}
+
 // every edit in one undo step: ComfyUI's change tracker records one state before and one after
-export function applyEdits(edits) {
+export async function applyEdits(edits) {
   const root = rootGraph();
   const tracker = changeTracker();
   capture(tracker);
@@ -195,10 +208,17 @@ export function applyEdits(edits) {
       op(graphOf(root, edit.graph), edit, handles);
     }
     syncCounters(root);
+    pruneSlotLinks(root);
   } catch (e) {
-    // nothing half converted: the graph as it was (the change tracker then sees no change, so no undo step)
+    // nothing half converted: the graph as it was, loaded as the change tracker's own undo loads a state (then it
+    // sees no change, so no undo step)
     try {
-      root.configure(before);
+      if (tracker?.workflow) {
+        await app.loadGraphData(before, false, false, tracker.workflow,
+          { showMissingNodesDialog: false, showMissingModelsDialog: false });
+      } else {
+        root.configure(before);
+      }
     } catch (restoreError) {
       e.message = `${e.message}; the graph could not be restored (${restoreError.message || restoreError}): ` +
         "press Ctrl+Z";
@@ -227,7 +247,7 @@ export async function offloadThisWorkflow(card) {
     data = { ok: false, error: `the server answered ${res.status}` };
   }
   if (!res.ok || !data.ok) throw new Error(data.error || `the server answered ${res.status}`);
-  applyEdits(data.edits);
+  await applyEdits(data.edits);
   return data;
 }
 
