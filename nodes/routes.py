@@ -4,8 +4,11 @@ and "Offload this workflow".
 GET  /layer_offload/report                      the report JSON (nodes/status.py)
 POST /layer_offload/priority {"model", "priority"}  a model's priority; takes effect at its next forward
 POST /layer_offload/budget   {"total_gb"} or {"total_bytes"}  the process-wide budget total
+GET  /docs/<node id>/<locale>.md                 the pack's node help pages (nodes/node_help.py), its ids only
 POST /layer_offload/plan     {"prompt": API graph} or {"workflow": UI graph}, optional "card": a card's name
-                             the workflow plan before the graph is queued (nodes/workflow_plan.py; nothing loads)
+                             the workflow plan before the graph is queued (nodes/workflow_plan.py; nothing loads);
+                             "fetch_headers": true also plans missing models from the headers of the download links
+                             the workflow carries (nodes/plan_headers.py), "cached_headers": true from those read before
 POST /layer_offload/convert  {"workflow": UI graph}, optional "card": the edits that put the pack's nodes into the
                              open workflow, presets planned for the card (nodes/workflow_convert.py; nothing loads)
 
@@ -168,5 +171,8 @@ def register_routes() -> bool:
     async def _convert(request: Any) -> Any:
         return await _post(request, "convert")
 
+    from .node_help import register_help_route
+
+    register_help_route(ps)  # the nodes' help where a ComfyUI makes the frontend ask for core docs
     _registered = True
     return True

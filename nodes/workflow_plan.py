@@ -177,7 +177,8 @@ def _planner() -> Callable[..., Any]:
 
 
 def plan_graph(body: Any) -> Dict[str, Any]:
-    """The plan of a graph sent by the panel: {"plan", "card", "card_note", "ram_bytes", "cards"}.
+    """The plan of a graph sent by the panel: {"plan", "card", "card_note", "ram_bytes", "cards"}. With
+    "fetch_headers": true, missing models the workflow links are planned from their headers (nodes/plan_headers.py).
     PlanRequestError (HTTP 400) names what to change; nothing is loaded whatever happens."""
     if not isinstance(body, dict):
         raise PlanRequestError("the request body must be a JSON object")
@@ -195,8 +196,14 @@ def plan_graph(body: Any) -> Dict[str, Any]:
     else:
         card, note = this_card()
     ram = free_ram_bytes()
+    from .plan_headers import HeaderRequestError, remote_for
+
     try:
-        plan = plan_workflow(graph, find_file, card=card, ram_bytes=ram, defs=node_defs())
+        remote = remote_for(body, graph, MAX_NODES)  # the workflow's download links; headers where asked
+    except HeaderRequestError as e:
+        raise PlanRequestError(str(e)) from None
+    try:
+        plan = plan_workflow(graph, find_file, card=card, ram_bytes=ram, defs=node_defs(), remote=remote)
     except (ValueError, KeyError, TypeError) as e:  # a graph the planner cannot read: its message, one line
         raise PlanRequestError(_one_line(e)) from None
     return {"plan": plan.to_dict(), "card": card.name, "card_note": note, "ram_bytes": ram, "cards": card_names()}

@@ -33,12 +33,14 @@
 //     [data-lo-plan-state]              "idle|planning|done|error"; [data-lo-plan-error] the refusal's message
 //     [data-lo-plan-run="fits|total|peak_vram|ram|ram_free|disk"]  the run's figures (data-lo-value: raw number)
 //     [data-lo-plan-model="<key>"]      one row per model, [data-lo-plan-cell="fits|preset|vram|ram|disk|time"]
+//     [data-lo-download-plan]           models the workflow links but this machine lacks (web/download_plan.js)
 //   [data-lo-convert]                   "Offload this workflow": its hooks are listed in web/offload_convert.js
 //   [data-lo-workflow]                  after an Offload Report node ran: the plan beside the run,
 //     [data-lo-workflow-figure="time|peak_vram|host|disk"] (data-lo-planned / data-lo-measured: raw numbers),
 //     [data-lo-workflow-model="<name>"] per offloaded model
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { downloadSection, planRequestExtras } from "./download_plan.js";
 import { convertSection } from "./offload_convert.js";
 
 const EVENT = "layer_offload.report";
@@ -373,7 +375,7 @@ async function requestPlan(force) {
   }
   plan.busy = true;
   renderPlan();
-  const body = { prompt: graph };
+  const body = { prompt: graph, ...planRequestExtras(app) };
   if (plan.card) body.card = plan.card;
   const data = await post(PLAN_ROUTE, body);
   if (seq !== plan.seq) return; // a newer graph is being planned
@@ -483,6 +485,7 @@ function planSection() {
   if (notes.length) {
     box.append(el("ul", { class: "lo-notices", "data-lo-plan-notes": "" }, notes.map((n) => el("li", {}, n))));
   }
+  box.append(downloadSection(plan.data, plan.busy, () => requestPlan(true)) || "");
   const card = p.card || {};
   box.append(el("div", { class: "lo-muted" }, `on ${card.name || plan.data.card}` +
     (plan.card ? "" : ` (${plan.data.card_note})`)));

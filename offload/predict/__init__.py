@@ -11,9 +11,12 @@ with the same `predict_profile`.
 
     plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card: Card | str | None = None,
                   ram_bytes: int | None = None, presets: Sequence[str] | None = None,
-                  defs: NodeDefs | None = None) -> WorkflowPlan
-    WorkflowPlan.to_dict() -> dict (strict JSON: card, models, run, ram, notes, graph)
+                  defs: NodeDefs | None = None, remote: RemoteHeaders | None = None) -> WorkflowPlan
+    WorkflowPlan.to_dict() -> dict (strict JSON: card, models, run, ram, notes, graph, downloads)
     flatten(graph, defs=None) -> FlatGraph  (workflow_read: the nodes ComfyUI runs, each with its subgraph path)
+
+Missing models a workflow links (`model_links`) are planned from their headers read by range requests
+(`remote_headers`, kept by `header_cache`) through `header_source.RemoteHeaders`, plan_workflow's `remote`.
 
 Layer: an application of the engine, above the entry points (device_timing offloads a model to time it); imports
 everything below. Nothing in the engine imports it; `offload/__init__` and `__main__` do.

@@ -3,7 +3,8 @@
 version, counts, metadata key/values skipped, then each tensor's name, dims, ggml type and offset).
 
 Nothing past the header is read: a 30 GB model file costs a few kilobytes to megabytes of reading. Used by the
-workflow plan (`workflow.py`) and the single-model command (`plan_cli.py`).
+workflow plan (`workflow.py`) and the single-model command (`plan_cli.py`); a header read from a URL (`header_source`)
+goes through the same checks (`safetensors_infos_from_header`, `parse_gguf` on its bytes).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from ..store.header_check import MAX_BYTES, CorruptFileError, check_no_overlap, open_regular
+from ..store.header_check import (MAX_BYTES, CorruptFileError, FileTensor, check_no_overlap,
+                                  check_safetensors_header, open_regular, parse_json)
 
 # safetensors dtype -> bytes per element
 ST_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
@@ -75,20 +77,41 @@ def read_safetensors_infos(path: Path) -> dict[str, TensorInfo]:
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read: {exc}") from None
     try:
-        return {name: TensorInfo(t.shape, str(t.dtype).replace("torch.", ""), t.end - t.start)
-                for name, t in f.tensors.items()}
+        return infos_of(f.tensors)
     finally:
         f.close()
 
 
-def _need(fh: BinaryIO, n: int, path: Path) -> bytes:
+def infos_of(tensors: dict[str, FileTensor]) -> dict[str, TensorInfo]:
+    """TensorInfo by name of a validated safetensors header's tensors."""
+    return {name: TensorInfo(t.shape, str(t.dtype).replace("torch.", ""), t.end - t.start)
+            for name, t in tensors.items()}
+
+
+def safetensors_infos_from_header(raw: bytes, size: int, where: str) -> tuple[dict[str, TensorInfo], int]:
+    """A safetensors header's JSON text (the bytes after the 8-byte length) read from elsewhere than a local file (a
+    URL's range, the header cache), through the same validator as a local file's: `size` is the whole file's.
+    Returns the tensors and the file's length the header implies (8 + header + data)."""
+    if raw.lstrip(b" \t\r\n")[:1] != b"{":
+        raise ModelFileError(f"{where}: the safetensors header is not a JSON object (it starts with {raw[:16]!r})")
+    try:
+        header = parse_json(raw, where, "safetensors header")
+        tensors = check_safetensors_header(header, where, 8 + len(raw), size)[0]
+    except ModelFileError:
+        raise
+    except CorruptFileError as exc:
+        raise ModelFileError(str(exc)) from None
+    return infos_of(tensors), max((t.end for t in tensors.values()), default=8 + len(raw))
+
+
+def _need(fh: BinaryIO, n: int, path: "Path | str") -> bytes:
     raw = fh.read(n)
     if len(raw) != n:
         raise ModelFileError(f"{path}: truncated GGUF header")
     return raw
 
 
-def _string(fh: BinaryIO, path: Path) -> str:
+def _string(fh: BinaryIO, path: "Path | str") -> str:
     (n,) = struct.unpack("<Q", _need(fh, 8, path))
     if n > _MAX_STRING:
         raise ModelFileError(f"{path}: GGUF string of {n} bytes: corrupt header")
@@ -100,7 +123,7 @@ def _string(fh: BinaryIO, path: Path) -> str:
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def _skip_value(fh: BinaryIO, vtype: int, path: Path, depth: int = 0) -> None:
+def _skip_value(fh: BinaryIO, vtype: int, path: "Path | str", depth: int = 0) -> None:
     if vtype in _SCALAR:
         _need(fh, _SCALAR[vtype], path)
     elif vtype == 8:
@@ -120,50 +143,64 @@ def _skip_value(fh: BinaryIO, vtype: int, path: Path, depth: int = 0) -> None:
         raise ModelFileError(f"{path}: unknown GGUF metadata type {vtype}")
 
 
+@dataclass(frozen=True)
+class GgufHeader:
+    """A GGUF file's tensor table and where its header ends (`header_end`: the bytes a copy of the header needs)."""
+
+    infos: dict[str, TensorInfo]
+    header_end: int
+    data_bytes: int  # the end of the last tensor in the data section (relative to its start)
+
+
 def read_gguf_infos(path: Path) -> dict[str, TensorInfo]:
     """The tensor table of a GGUF file (v2/v3): names, shapes (reversed from ggml's order to torch's), ggml types and
     stored bytes; the metadata key/values are skipped over."""
     fd = open_regular(path, "GGUF file")  # a FIFO, device or folder is refused before it is opened
     try:
         with os.fdopen(fd, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if _need(fh, 4, path) != GGUF_MAGIC:
-                raise ModelFileError(f"{path}: not a GGUF file (no GGUF magic)")
-            (version,) = struct.unpack("<I", _need(fh, 4, path))
-            if version not in (2, 3):
-                raise ModelFileError(f"{path}: GGUF version {version}; versions 2 and 3 are read")
-            n_tensors, n_kv = struct.unpack("<QQ", _need(fh, 16, path))
-            if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
-                raise ModelFileError(f"{path}: GGUF header claims {n_tensors} tensors, {n_kv} keys: corrupt")
-            for _ in range(n_kv):
-                _string(fh, path)
-                (vtype,) = struct.unpack("<I", _need(fh, 4, path))
-                _skip_value(fh, vtype, path)
-            out: dict[str, TensorInfo] = {}
-            spans: list[tuple[int, int, str]] = []
-            for _ in range(n_tensors):
-                name = _string(fh, path)
-                (n_dims,) = struct.unpack("<I", _need(fh, 4, path))
-                if n_dims > _MAX_DIMS:
-                    raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dims: corrupt header")
-                dims = struct.unpack(f"<{n_dims}Q", _need(fh, 8 * n_dims, path))
-                gtype, offset = struct.unpack("<IQ", _need(fh, 12, path))
-                if gtype not in GGML_TYPES:
-                    raise ModelFileError(f"{path}: tensor {name!r} has ggml type {gtype}, unknown here")
-                tname, block, block_bytes = GGML_TYPES[gtype]
-                numel = math.prod(dims)
-                nbytes = -(-numel // block) * block_bytes
-                if name in out:
-                    raise ModelFileError(f"{path}: tensor {name[:200]!r} is listed twice")
-                if numel > MAX_BYTES or offset + nbytes > size:  # the data section lies inside the file
-                    raise ModelFileError(f"{path}: tensor {name[:200]!r} ({list(dims)} {tname}, {nbytes} bytes at "
-                                         f"data offset {offset}) does not fit the {size}-byte file: corrupt header")
-                out[name] = TensorInfo(tuple(int(d) for d in reversed(dims)), tname, nbytes)
-                spans.append((offset, offset + nbytes, f"tensor {name[:200]!r}"))
-            check_no_overlap(path, spans)  # offsets are relative to the one data section
-            return out
+            return parse_gguf(fh, os.fstat(fh.fileno()).st_size, path).infos
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read: {exc}") from None
+
+
+def parse_gguf(fh: BinaryIO, size: int, path: "Path | str") -> GgufHeader:
+    """The GGUF header read from `fh` (a local file, a URL read by ranges, a cached copy of the header) of a
+    `size`-byte file, with every bound above."""
+    if _need(fh, 4, path) != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (no GGUF magic)")
+    (version,) = struct.unpack("<I", _need(fh, 4, path))
+    if version not in (2, 3):
+        raise ModelFileError(f"{path}: GGUF version {version}; versions 2 and 3 are read")
+    n_tensors, n_kv = struct.unpack("<QQ", _need(fh, 16, path))
+    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
+        raise ModelFileError(f"{path}: GGUF header claims {n_tensors} tensors, {n_kv} keys: corrupt")
+    for _ in range(n_kv):
+        _string(fh, path)
+        (vtype,) = struct.unpack("<I", _need(fh, 4, path))
+        _skip_value(fh, vtype, path)
+    out: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for _ in range(n_tensors):
+        name = _string(fh, path)
+        (n_dims,) = struct.unpack("<I", _need(fh, 4, path))
+        if n_dims > _MAX_DIMS:
+            raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dims: corrupt header")
+        dims = struct.unpack(f"<{n_dims}Q", _need(fh, 8 * n_dims, path))
+        gtype, offset = struct.unpack("<IQ", _need(fh, 12, path))
+        if gtype not in GGML_TYPES:
+            raise ModelFileError(f"{path}: tensor {name!r} has ggml type {gtype}, unknown here")
+        tname, block, block_bytes = GGML_TYPES[gtype]
+        numel = math.prod(dims)
+        nbytes = -(-numel // block) * block_bytes
+        if name in out:
+            raise ModelFileError(f"{path}: tensor {name[:200]!r} is listed twice")
+        if numel > MAX_BYTES or offset + nbytes > size:  # the data section lies inside the file
+            raise ModelFileError(f"{path}: tensor {name[:200]!r} ({list(dims)} {tname}, {nbytes} bytes at "
+                                 f"data offset {offset}) does not fit the {size}-byte file: corrupt header")
+        out[name] = TensorInfo(tuple(int(d) for d in reversed(dims)), tname, nbytes)
+        spans.append((offset, offset + nbytes, f"tensor {name[:200]!r}"))
+    check_no_overlap(path, spans)  # offsets are relative to the one data section
+    return GgufHeader(out, fh.tell(), max((hi for _, hi, _ in spans), default=0))
 
 
 def file_dtype(infos: dict[str, TensorInfo]) -> str:

@@ -276,6 +276,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk", action="store_true", help="the model file may serve blocks RAM cannot hold "
                                                             "(the disk tier; presets that allow it)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    from .workflow_cli import add_workflow_arguments
+
+    add_workflow_arguments(parser)
 
 
 def card_from_args(args: argparse.Namespace) -> Any:
@@ -343,6 +346,8 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         from . import workflow_cli
 
         return workflow_cli.run(args, card, ram, out)
+    if getattr(args, "fetch_headers", False):
+        raise ValueError("--fetch-headers reads the headers of a workflow's missing models; give a workflow .json")
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:

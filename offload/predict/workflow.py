@@ -3,8 +3,15 @@
 API (used by the ComfyUI panel's route and `python -m offload plan workflow.json`):
 
     plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card: Card | str | None = None,
-                  ram_bytes: int | None = None, presets: Sequence[str] | None = None) -> WorkflowPlan
-    WorkflowPlan.to_dict() -> dict   # strict JSON (no NaN / infinity): {"card", "models", "run", "ram", "notes"}
+                  ram_bytes: int | None = None, presets: Sequence[str] | None = None,
+                  defs: NodeDefs | None = None, remote: RemoteHeaders | None = None) -> WorkflowPlan
+    WorkflowPlan.to_dict() -> dict   # strict JSON (no NaN / infinity): {"card", "models", "run", "ram", "notes",
+                                     # "graph", "downloads"}
+
+`remote` (header_source.RemoteHeaders): a file `find_file` does not find is planned from its header read from the
+download link the workflow carries (cache or network, as its mode says), as the same file on disk would be; its
+model has `url` and `download` ({url, bytes, source}), the plan `downloads` (each linked missing file, its bytes or
+why its header was not read).
 
 `graph` is ComfyUI's API JSON or UI JSON (`workflow_graph.read_graph`). `find_file(folder_kind, name)` gives the
 path of a loader's file or None: kinds "diffusion_models", "checkpoints", "text_encoders", "vae", "loras",
@@ -26,7 +33,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..config import PRESETS, OffloadConfig
 from .cards import MEMORY_EFFICIENCY, Card, get_card
@@ -37,6 +44,11 @@ from .model_kinds import FAMILIES, ModelDesc, describe, split_checkpoint
 from .prediction import CONTEXT_BYTES, Prediction, _profile_on_card, predict_profile
 from .comfy_nodes import MODEL_ROLES, NodeDefs
 from .workflow_graph import GraphFacts, LoaderRef, read_graph
+
+from .header_source import download_size
+
+if TYPE_CHECKING:
+    from .header_source import RemoteHeaders, RemoteModel
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +82,7 @@ class ModelPlan:
     url: str | None = None  # where the workflow says to download it (properties.models)
     directory: str | None = None
     subgraph: str = ""
+    download: dict[str, Any] | None = None  # a missing file planned from its URL's header: url, bytes, source
 
     @property
     def chosen(self) -> dict[str, Any]:
@@ -78,7 +91,7 @@ class ModelPlan:
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("key", "role", "name", "path", "found", "family", "label", "dtype",
                                            "file_bytes", "preset", "calls", "presets", "without_offloading", "notes",
-                                           "runs", "url", "directory", "subgraph")}
+                                           "runs", "url", "directory", "subgraph", "download")}
         d.update({k: self.chosen.get(k) for k in ("fits", "vram_bytes", "activation_bytes", "host_bytes",
                                                  "disk_bytes", "ms_per_call", "resident_ms_per_call")})
         return d
@@ -94,10 +107,11 @@ class WorkflowPlan:
     ram: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     graph: dict[str, Any] = field(default_factory=dict)  # how the workflow was read: {"read_whole", "unread", ...}
+    downloads: list[dict[str, Any]] = field(default_factory=list)  # missing files the workflow links (header_source)
 
     def to_dict(self) -> dict[str, Any]:
         return _finite({"card": self.card, "models": [m.to_dict() for m in self.models], "run": self.run,
-                        "ram": self.ram, "notes": self.notes, "graph": self.graph})
+                        "ram": self.ram, "notes": self.notes, "graph": self.graph, "downloads": self.downloads})
 
 
 def _finite(value: Any) -> Any:
@@ -157,9 +171,10 @@ def _text_tokens(ref: LoaderRef, desc: ModelDesc) -> int:
 
 def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card: "Card | str | None" = None,
                   ram_bytes: int | None = None, presets: Sequence[str] | None = None,
-                  defs: NodeDefs | None = None) -> WorkflowPlan:
+                  defs: NodeDefs | None = None, remote: "RemoteHeaders | None" = None) -> WorkflowPlan:
     """The workflow `graph` planned on `card` (see the module doc): headers read, nothing loaded. `defs`: the node
-    definitions to read it with (a running ComfyUI's; default the table shipped from ComfyUI's)."""
+    definitions to read it with (a running ComfyUI's; default the table shipped from ComfyUI's). `remote`: the
+    links of missing files and, where its mode says, their headers from the cache or the network."""
     notes: list[str] = []
     if card is None:
         notes.append(f"no card given: planned for {DEFAULT_CARD}")
@@ -174,6 +189,9 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
     notes.extend(facts.notes)
     models: dict[str, ModelPlan] = {}
     descs: dict[str, ModelDesc] = {}
+    paths = {key: _find(find_file, ref) for key, ref in facts.loaders.items()}
+    if remote is not None:  # every missing file's header at once
+        remote.prepare((ref.folder, ref.name) for key, ref in facts.loaders.items() if ref.runs and paths[key] is None)
     for key, ref in facts.loaders.items():
         plan = ModelPlan(key, ref.role, ref.name, None, False, preset=_preset_of(ref, facts), loader=key,
                          runs=ref.runs, url=ref.url, directory=ref.directory, subgraph=ref.subgraph)
@@ -181,30 +199,33 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
         if not ref.runs:
             plan.notes.append(f"not loaded: {ref.why}")
             continue
-        path = find_file(ref.folder, ref.name)
-        if path is None and ref.folder == "text_encoders":
-            path = find_file("clip", ref.name)
+        path = paths[key]
         plan.path, plan.found = path, path is not None
         if path is None:
-            plan.notes.append(f"{ref.name} not found in {ref.folder}" +
-                              (f" (the workflow's download link: {ref.url})" if ref.url else "") +
-                              ": named, not priced (its figures need the file's header)")
-            continue
-        if ref.role not in MODEL_ROLES:
+            got = _remote(plan, ref, remote)
+            if got is None:
+                continue
+            path = plan.path
+            if ref.role not in MODEL_ROLES:
+                _whole_size(plan, got.download_bytes or 0, card_obj)
+                continue
+            infos = got.infos
+        elif ref.role not in MODEL_ROLES:
             _whole_file(plan, path, card_obj)
             continue
-        try:
-            infos = _read(path, ref.role)
-        except (ModelFileError, OSError) as exc:
-            plan.found = False
-            plan.notes.append(str(exc))
-            continue
+        else:
+            try:
+                infos = _read(path, ref.role)
+            except (ModelFileError, OSError) as exc:
+                plan.found = False
+                plan.notes.append(str(exc))
+                continue
         plan.file_bytes = sum(i.nbytes for i in infos.values())
         if ref.role == "checkpoint":
             parts = split_checkpoint(infos)
             for part, part_infos in parts.items():
                 sub = ModelPlan(f"{key}:{part}", part, ref.name, path, True, preset=plan.preset, loader=key,
-                                url=ref.url, directory=ref.directory, subgraph=ref.subgraph)
+                                url=plan.url, directory=ref.directory, subgraph=ref.subgraph, download=plan.download)
                 models[sub.key] = sub
                 descs[sub.key] = _describe(sub, part_infos, ref.folder)
             del models[key]
@@ -222,7 +243,37 @@ def plan_workflow(graph: dict, find_file: Callable[[str, str], str | None], card
                   "files": len(models), "files_loaded": sum(m.runs for m in models.values()),
                   "samplers": len(facts.samplers),
                   "samplers_not_run": [{k: v for k, v in x.items() if k != "ref"} for x in facts.idle_samplers]}
-    return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes, graph_read)
+    downloads = remote.downloads() if remote is not None else []
+    got = [d for d in downloads if d["bytes"] is not None]
+    if got:
+        notes.append(f"planned from the headers of {len(got)} file(s) not downloaded yet: "
+                     f"{download_size(sum(d['bytes'] for d in got))} to download")
+    return WorkflowPlan(card_obj.to_dict(), list(models.values()), run, ram, notes, graph_read, downloads)
+
+
+def _find(find_file: Callable[[str, str], str | None], ref: LoaderRef) -> str | None:
+    path = find_file(ref.folder, ref.name)
+    if path is None and ref.folder == "text_encoders":
+        path = find_file("clip", ref.name)
+    return path
+
+
+def _remote(plan: ModelPlan, ref: LoaderRef, remote: "RemoteHeaders | None") -> "RemoteModel | None":
+    """A missing file's header read from its URL (`remote`), as a local file's; None (with a note) without."""
+    got = remote.lookup(ref.folder, ref.name) if remote is not None else None
+    if got is None or got.infos is None:
+        url = got.url if got is not None else ref.url
+        plan.url = url or plan.url
+        plan.notes.append(f"{ref.name} not found in {ref.folder}" + (f" (the workflow's download link: {url})"
+                                                                      if url else "") +
+                          ": named, not priced (its figures need the file's header)")
+        if got is not None:
+            plan.notes.append(f"header not read: {got.error}" if got.error else
+                              "plan it from its header: --fetch-headers, or the panel's 'Plan the download'")
+        return None
+    plan.url, plan.path, plan.found = got.url, got.url, True
+    plan.download = {"url": got.url, "bytes": got.download_bytes, "source": got.source}
+    return got
 
 
 def _whole_file(plan: ModelPlan, path: str, card: Card) -> None:
@@ -234,6 +285,10 @@ def _whole_file(plan: ModelPlan, path: str, card: Card) -> None:
         plan.found = False
         plan.notes.append(f"{path}: {exc.strerror or exc}")
         return
+    _whole_size(plan, size, card)
+
+
+def _whole_size(plan: ModelPlan, size: int, card: Card) -> None:
     plan.file_bytes, plan.preset, plan.calls = size, "comfyui", 1
     room = card.vram_bytes - CONTEXT_BYTES
     plan.presets = {"comfyui": {"fits": size <= room, "vram_bytes": size, "activation_bytes": 0, "host_bytes": size,
@@ -424,7 +479,7 @@ def _ram(models: dict[str, ModelPlan], descs: dict[str, ModelDesc], ram_bytes: i
     needed = sum(m.chosen.get("host_bytes") or 0 for m in models.values())
     spill = max(0, needed - ram_bytes)
     streamable = sum(m.chosen.get("host_bytes") or 0 for m in models.values()
-                     if m.role == "diffusion" and m.path and m.path.endswith(".safetensors"))
+                     if m.role == "diffusion" and m.path and m.name.endswith(".safetensors"))
     return {"free_bytes": ram_bytes, "needed_bytes": needed, "fits": spill == 0, "disk_bytes": min(spill, streamable),
             "short_bytes": max(0, spill - streamable)}
 

@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..store.header_check import open_regular, read_at, read_json_file
+from .header_cache import HeaderCache, default_dir
+from .header_source import RemoteHeaders, download_size
+from .model_links import workflow_links
+from .remote_headers import TIMEOUT_S
 from .workflow import WorkflowPlan, plan_workflow
 
 GIB = 1 << 30
@@ -149,6 +153,7 @@ def format_plan(plan: WorkflowPlan) -> str:
     lines.append(f"host RAM: {_gib(ram['needed_bytes'])} GiB for everything loaded at once, {_gib(ram['free_bytes'])} "
                  f"GiB free" + (f"; {_gib(ram['disk_bytes'])} GiB to the disk tier" if ram["disk_bytes"] else "")
                  + (f"; {_gib(ram['short_bytes'])} GiB short" if ram["short_bytes"] else ""))
+    lines += download_lines(d.get("downloads") or [])
     lines += [f"note: {n}" for n in d["notes"]]
     g = d.get("graph") or {}
     if g.get("read_whole"):
@@ -159,13 +164,51 @@ def format_plan(plan: WorkflowPlan) -> str:
     return "\n".join(lines)
 
 
+def download_lines(downloads: list[dict[str, Any]]) -> list[str]:
+    """What a download would bring, beside the plan: each missing file's size from its header, or why not read."""
+    read = [d for d in downloads if d.get("bytes") is not None]
+    if not downloads or not (read or any(d.get("error") for d in downloads)):
+        return []
+    lines = [f"to download (sizes from the headers; nothing else was downloaded): {len(read)} file(s), "
+             f"{download_size(sum(d['bytes'] for d in read))}"]
+    for d in downloads:
+        if d.get("bytes") is not None:
+            lines.append(f"  {d['name']}: {download_size(d['bytes'])} ({d['url']}; header from "
+                         f"{'the cache' if d['source'] == 'cache' else 'the network'})")
+        elif d.get("error"):
+            lines.append(f"  {d['name']}: header not read ({d['error_kind']}): {d['error']}")
+    return lines
+
+
+def add_workflow_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags only a workflow takes: reading missing models' headers from the links the workflow carries."""
+    parser.add_argument("--fetch-headers", action="store_true",
+                        help="workflows: read each missing model's header from the download link the workflow names "
+                             "(HTTP range requests: the header only, never the weights; kept in --header-cache) and "
+                             "plan it as if it were on disk; prints what the download would be")
+    parser.add_argument("--header-timeout", type=float, default=TIMEOUT_S,
+                        help=f"seconds to wait for any byte of a header (default {TIMEOUT_S:g})")
+    parser.add_argument("--header-cache", default=None,
+                        help=f"the folder headers read from URLs are kept in (default {default_dir()})")
+
+
 def run(args: argparse.Namespace, card: Any, ram: int | None, out: Callable[[str], None] = print) -> int:
     """Plan the workflow file `args.model` and print the table (or JSON)."""
     path = Path(args.model)
     graph = read_workflow(path)
     roots = [Path(d).expanduser() for d in (args.models_dir or [])] or [path.parent / "models", Path("models")]
     presets = [p.strip() for p in args.presets.split(",") if p.strip()] if args.presets else None
-    plan = plan_workflow(graph, models_dir_finder(roots), card, ram, presets=presets)
+    fetch = bool(getattr(args, "fetch_headers", False))
+    timeout = getattr(args, "header_timeout", TIMEOUT_S)
+    if not 0 < timeout <= 600:
+        raise ValueError(f"--header-timeout must be more than 0 and at most 600 seconds, got {timeout:g}")
+    remote = RemoteHeaders(workflow_links(graph), "fetch" if fetch else "links",
+                           HeaderCache(getattr(args, "header_cache", None)), timeout=timeout)
+    plan = plan_workflow(graph, models_dir_finder(roots), card, ram, presets=presets, remote=remote)
+    linked = [m for m in plan.models if m.runs and not m.found and m.url]
+    if linked and not fetch:
+        plan.notes.append(f"{len(linked)} missing model(s) have a download link in the workflow: --fetch-headers "
+                          f"plans them from their headers (a few kB each, read by range requests)")
     if any(m.runs and not m.found for m in plan.models):
         plan.notes.append(f"model files were looked for under {', '.join(str(r) for r in roots)} (ComfyUI's layout); "
                           f"pass --models-dir with your ComfyUI models folder")
