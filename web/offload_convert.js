@@ -200,7 +200,7 @@ export async function applyEdits(edits) {
   if (tracker) tracker.beforeChange();
   else root.beforeChange?.();
   const handles = new Map();
-  const before = root.serialize();
+  const before = JSON.parse(JSON.stringify(root.serialize())); // a copy the edits cannot reach, as the tracker keeps one
   try {
     for (const edit of edits) {
       const op = OPS[edit.op];

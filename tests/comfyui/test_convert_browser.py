@@ -67,7 +67,10 @@ def load(driver, wf) -> None:
 
 
 def serialized(driver) -> dict:
-    return driver.execute_script("const a = window.app; return (a.rootGraph || a.graph).serialize();")
+    """The workflow as ComfyUI saves it (JSON.stringify of serialize(): a field left undefined is left out; handed
+    over by WebDriver as it is, it would come back as null, and a frontend 1.58 load stops at `floatingLinks: null`)."""
+    return driver.execute_script("const a = window.app;"
+                                 "return JSON.parse(JSON.stringify((a.rootGraph || a.graph).serialize()));")
 
 
 def prompt_of(driver) -> dict:
