@@ -168,13 +168,25 @@ function capture(tracker) {
   else tracker?.checkState?.();
 }
 
+function linkIds(graph) {
+  const links = graph.links;
+  if (links instanceof Map) return [...links.keys()];
+  return Object.keys(links ?? {});
+}
+
 // node and link ids are unique across the workflow: every subgraph's id counters at least the highest in use anywhere
-// (newer frontends share one state; older ones (1.27) keep a subgraph's own, which would fall behind the new ids)
+// (newer frontends share one state; older ones (1.27) keep a subgraph's own, behind the ids the root's Convert to
+// Subgraph gave out, so a node added inside would take an id in use: the route's fresh ids are the rule)
 function syncCounters(root) {
-  const states = [root.state, ...[...(root.subgraphs?.values?.() ?? [])].map((g) => g.state)]
-    .filter((st) => st && typeof st === "object");
+  const graphs = [root, ...(root.subgraphs?.values?.() ?? [])];
+  const states = graphs.map((g) => g.state).filter((st) => st && typeof st === "object");
+  const inUse = {
+    lastNodeId: graphs.flatMap((g) => (g.nodes ?? g._nodes ?? []).map((n) => Number(n.id))),
+    lastLinkId: graphs.flatMap((g) => linkIds(g).map(Number)),
+  };
   for (const key of ["lastNodeId", "lastLinkId"]) {
-    const top = Math.max(...states.map((st) => Number(st[key]) || 0));
+    const top = Math.max(0, ...states.map((st) => Number(st[key]) || 0),
+      ...inUse[key].filter((id) => Number.isSafeInteger(id) && id > 0));
     for (const st of states) if ((Number(st[key]) || 0) < top) st[key] = top;
   }
 }
@@ -202,6 +214,7 @@ export async function applyEdits(edits) {
   const handles = new Map();
   const before = JSON.parse(JSON.stringify(root.serialize())); // a copy the edits cannot reach, as the tracker keeps one
   try {
+    syncCounters(root);
     for (const edit of edits) {
       const op = OPS[edit.op];
       if (!op) throw new Error(`unknown edit ${edit.op}`);
