@@ -175,8 +175,9 @@ function linkIds(graph) {
 }
 
 // node and link ids are unique across the workflow: every subgraph's id counters at least the highest in use anywhere
-// (newer frontends share one state; older ones (1.27) keep a subgraph's own, behind the ids the root's Convert to
-// Subgraph gave out, so a node added inside would take an id in use: the route's fresh ids are the rule)
+// (newer frontends share one state; older ones (1.27) keep one per graph, each counting on its own and behind the ids
+// the root's Convert to Subgraph gave out, so a node added inside would take an id in use: the route's fresh ids are
+// the rule)
 function syncCounters(root) {
   const graphs = [root, ...(root.subgraphs?.values?.() ?? [])];
   const states = graphs.map((g) => g.state).filter((st) => st && typeof st === "object");
@@ -214,10 +215,10 @@ export async function applyEdits(edits) {
   const handles = new Map();
   const before = JSON.parse(JSON.stringify(root.serialize())); // a copy the edits cannot reach, as the tracker keeps one
   try {
-    syncCounters(root);
     for (const edit of edits) {
       const op = OPS[edit.op];
       if (!op) throw new Error(`unknown edit ${edit.op}`);
+      syncCounters(root); // each edit changes one graph; with a state per graph (1.27) the next counts from the top
       op(graphOf(root, edit.graph), edit, handles);
     }
     syncCounters(root);
