@@ -280,17 +280,22 @@ import(arguments[1]).then((m) => {
 """
 
 
-def test_a_conversion_that_fails_halfway_leaves_the_graph_as_it_was(page):
+@pytest.mark.parametrize("name", [cr.TEMPLATES[-1], NESTED])
+def test_a_conversion_that_fails_halfway_leaves_the_graph_as_it_was(page, name):
     """The panel's edits with one at the end that cannot be carried out (a node that is not there): the error names
-    it, the graph is the original (the subgraph's nodes too), and there is no undo step to take."""
+    it, the graph is the original (the subgraphs' nodes too, nested ones included), and there is no undo step to
+    take."""
     server, driver = page
-    wf = cr.template("video_wan2_2_14B_t2v")
+    wf = cr.template(name.split("+")[0])
     if wf is None:
         pytest.skip("ComfyUI's templates are not installed ({})".format(cr.PINNED))
     missing = sorted(set(cr.node_types(wf)) - set(server.info))
     if missing:
         pytest.skip("this ComfyUI lacks the template's nodes {}".format(missing))
     load(driver, copy.deepcopy(wf))
+    if name == NESTED:
+        assert driver.execute_script(MAKE_NESTED) == 2
+        load(driver, serialized(driver))
     original = serialized(driver)
     api_original = prompt_of(driver)
     answer = server.post_json("/layer_offload/convert", {"workflow": original}, timeout=60)
