@@ -1,4 +1,5 @@
-"""The ComfyUI face of Layer Offload: the V3 node classes and their extension, the tts folder, the panel's routes."""
+"""The ComfyUI face of Layer Offload: the V3 node classes and their extension, the tts folder, the panel's routes,
+and the record of the files ComfyUI's loaders read (so Offload Model / CLIP / Any know a model's file)."""
 from __future__ import annotations
 
 from typing import List
@@ -8,6 +9,7 @@ from comfy_api.latest import ComfyExtension, io
 from .apply import OffloadAny, OffloadCLIP, OffloadModel
 from .budget import OffloadVramBudget
 from .loaders import OffloadCheckpointLoader, OffloadDiffusionModelLoader
+from .model_files import install as record_model_files
 from .report import OffloadReport
 from .routes import register_routes
 from .tts import OffloadTTSGenerate, OffloadTTSLoader, register_tts_folder
@@ -36,3 +38,4 @@ def comfy_entrypoint() -> LayerOffloadExtension:
 
 register_tts_folder()
 register_routes()
+record_model_files()  # the files ComfyUI's loaders read, so Offload Model / CLIP / Any get the disk tier

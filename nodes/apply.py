@@ -14,7 +14,7 @@ from comfy.model_patcher import ModelPatcher
 from comfy_api.latest import io
 
 from ..offload import offload_module
-from . import dynamic, patches, status
+from . import dynamic, model_files, patches, status
 from .comfy_patcher import add_report_wrapper, as_offload_patcher
 from .common import (ANY, CATEGORY, devices_input, engine_device, host_compression_input, host_compression_override,
                      io_type, log_once, make_config, optional_inputs, preset_input, resolve_budget, resolve_devices)
@@ -221,12 +221,27 @@ def offload_patcher(patcher: ModelPatcher, preset: str, budget: Any = None, prio
     root = inner if kind == "model" and isinstance(inner, torch.nn.Module) else model
     if name is None:
         name = "{}:{}".format(kind, type(root).__name__)
-    managed = attach_engine(root, preset, budget, priority, name, kind, disk_path=disk_path, devices=devices,
-                            host_compression=host_compression)
+    found = model_files.find_file(model, root, kind) if shared and disk_path is None else None
+    managed = attach_engine(root, preset, budget, priority, name, kind, disk_path=found.path if found else disk_path,
+                            devices=devices, host_compression=host_compression)
+    note_file(managed, found)
     if managed is not None:
         track_patcher(n, managed)
         add_report_wrapper(n, status.publish)
     return n
+
+
+def note_file(managed: Optional[Managed], found: Optional[model_files.FileFound]) -> None:
+    """Say which file a model from another node streams from when RAM runs short, or in its report why none."""
+    if managed is None or found is None:
+        return
+    if found.path:
+        log.info("Layer Offload: %s: blocks may stream from %s when RAM runs short (the file %s)", managed.name,
+                 found.path, "its loader read" if found.how == "recorded" else "whose tensors match the model's")
+    if found.reason:
+        managed.handle.notice("disk_file", found.reason)
+        log_once("disk-file:" + managed.name, "Layer Offload: %s: %s", managed.name, found.reason,
+                 level=logging.INFO)
 
 
 def _reoffload(patcher: ModelPatcher, src: Managed) -> ModelPatcher:
@@ -303,8 +318,9 @@ def offload_anything(anything: Any, preset: str, budget: Any = None, priority: i
             continue
         if not any(True for _ in obj.parameters()):
             continue
-        attach_engine(obj, preset, budget, priority, "any:" + path, kind="module", devices=devices,
-                      host_compression=host_compression)
+        found = model_files.find_file(obj, obj, "any")
+        note_file(attach_engine(obj, preset, budget, priority, "any:" + path, kind="module", disk_path=found.path,
+                                devices=devices, host_compression=host_compression), found)
     return anything
 
 

@@ -13,6 +13,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from .apply import offload_clip, offload_patcher
+from .model_files import STREAMABLE
 from .common import (CATEGORY, WEIGHT_DTYPES_FALLBACK, devices_input, host_compression_input,
                      host_compression_override, optional_inputs, preset_input, resolve_devices)
 
@@ -50,9 +51,10 @@ def unet_model_options(weight_dtype: str) -> Dict[str, Any]:
 
 
 def _streamable_file(path: str) -> Optional[str]:
-    """The model's file, when the disk tier can stream blocks from it (a safetensors file; the engine checks that
-    it holds each block's bytes exactly, and keeps any other block in RAM)."""
-    return path if path.lower().endswith(".safetensors") else None
+    """The model's file, when the disk tier can stream blocks from it (a safetensors or GGUF file, the latter where
+    this ComfyUI's loader reads one; the engine checks that it holds each block's bytes exactly, and keeps any other
+    block in RAM)."""
+    return path if path.lower().endswith(STREAMABLE) else None
 
 
 def _non_dynamic_kwargs(fn: Any) -> Dict[str, Any]:

@@ -92,7 +92,7 @@ class OffloadConfig:
     vram_budget_bytes: int | None = None  # device bytes this model may hold (resident units + slot ring)
     prefetch: int = 2  # lookahead in streamed units
     pin_memory: bool = True
-    disk_path: str | None = None  # safetensors file with the model's weights, for the disk tier
+    disk_path: str | None = None  # the model's weights for the disk tier: a safetensors or GGUF file, or a packed folder
     disk_optional: bool = False  # True: blocks the file does not hold exactly stay in RAM instead of raising
     profile: bool = False
     ram_budget_bytes: int | None = None  # ceiling on this model's host RAM (blocks, non-block weights, bounce

@@ -2,10 +2,10 @@
 
 1. config: the device's backend; a vram_budget_bytes larger than the device is refused.
 2. facts: the model's units (offload/model/blocks.py) and their layouts with what the model's file can stream
-   (`staging.lay_out_model`), the devices' budgets (sized from free memory minus an activation reserve when they
+   (`model_layout.lay_out_model`), the devices' budgets (sized from free memory minus an activation reserve when they
    have no total yet, and checked against their devices), and the host memory the model may use.
 3. plan: `planner.make_plan` from those facts; the units it puts on the disk tier are checked against the file
-   byte for byte (`staging.verify_for_disk`), and any the file does not hold make the plan again without them.
+   byte for byte (`model_layout.verify_for_disk`), and any the file does not hold make the plan again without them.
 4. stage: `staging.stage_model` puts every unit's master where the plan says, one unit at a time.
 5. stream: `ModelStreamer` installs the hooks; a model on several devices gets its activation hops. Under a RAM
    ceiling, blocks held compressed were planned at their estimated encoded size: where they came out larger and
@@ -41,8 +41,11 @@ from .store.compressed import estimate_layout_size, unit_compression, unit_host_
 from .store import shared_host
 from .store.packed import open_weights
 from .store.file_keys import stored_units
+from .store.leaf_match import planned_casts
+from .store.sources import cast_scratch_bytes
 from .store.stage_reads import SetupTimes
-from .store.staging import ModelLayout, lay_out_model, stage_model, verify_for_disk
+from .store.model_layout import ModelLayout, lay_out_model, verify_for_disk
+from .store.staging import stage_model
 from .stream.background_encode import BackgroundEncoder
 from .stream.devices import SecondaryDevices
 from .stream.streamer import ModelStreamer, PassListener
@@ -130,9 +133,13 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
         facts = _facts(config, name, backend, device_name, vbudget, laid, in_ram, file_path, encoded)
         # 3. plan
         plan = _make_plan(facts, laid)
-        refused = verify_for_disk(laid, plan.disk_units)  # the file must hold the very bytes it streams
-        if refused:
-            facts = replace(facts, disk_ok=tuple(ok and i not in refused for i, ok in enumerate(facts.disk_ok)))
+        for _ in range(len(laid.layouts) + 1):  # the file must hold the very bytes it streams
+            refused = verify_for_disk(laid, plan.disk_units)
+            checked = replace(facts, disk_ok=tuple(ok and i not in refused for i, ok in enumerate(facts.disk_ok)),
+                              disk_refusals=tuple(laid.refusals), **_cast_facts(laid))
+            if checked == facts:
+                break
+            facts = checked  # units the file does not hold stay in RAM; casts known exactly: plan again
             plan = planner.make_plan(facts)
         for level, message in plan.messages:
             log.log(level, "%s", message)
@@ -166,7 +173,8 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
     if "disk" in tiers:
         notices["disk_tier"] = f"{tiers.count('disk')} block(s) stream from {file_path}: host RAM is short"
     return SetUp(backend, device_name, vbudget, secondaries, ReserveMeter(reserve, config.reserve_bytes is not None),
-                 replace(facts, host=None, host_tiers=tiers, host_forms=forms), plan, streamer, file_path, notices,
+                 replace(facts, host=None, host_tiers=tiers, host_forms=forms, host_notes=tuple(
+                     plan.host_plan.notes.get(i, "") for i in range(len(tiers)))), plan, streamer, file_path, notices,
                  times)
 
 
@@ -203,6 +211,15 @@ def _make_plan(facts: PlanFacts, laid: ModelLayout) -> Plan:
                               f"'lossless' keeps this ceiling)") from None
 
 
+def _cast_facts(laid: ModelLayout) -> dict[str, Any]:
+    """`file_casts` and `cast_scratch` for the plan: per unit the casts its leaves take on read (exact for units
+    whose bytes were checked, from the header for the others) and the read-ahead thread's scratch for them."""
+    found = [planned_casts(laid.file, layout, laid.candidates.get(i), laid.casts.get(i))
+             for i, layout in enumerate(laid.layouts)] if laid.file is not None else []
+    return {"file_casts": tuple(c for c, _ in found),
+            "cast_scratch": cast_scratch_bytes(max((n for c, n in found if c), default=0))}
+
+
 def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str, budget: VramBudget,
            laid: ModelLayout, in_ram: int, file_path: str | None, encoded: dict[int, int]) -> PlanFacts:
     """What the plan is made from at setup; the compute device's share is the whole budget until the model is
@@ -228,7 +245,7 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
                        for i, (s, layout) in enumerate(zip(stored, laid.layouts)))
     forms = tuple(CODEC if s is not None else "none" for s in stored)
     scratch = packed or CODEC in forms
-    return PlanFacts(
+    return PlanFacts(disk_refusals=tuple(laid.refusals), **_cast_facts(laid),
         host_compression=config.host_compression, packed_sizes=packed, file_forms=forms,
         decode_scratch=max(scratch_estimate(layout.leaves) for layout in laid.layouts) if scratch else 0,
         name=name, sizes=sizes, names=tuple(u.name for u in laid.units), rest_bytes=laid.rest_bytes,

@@ -358,9 +358,11 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
 
 
 def test_ram_given_back_frees_the_copy_only_when_nobody_else_maps_it(tmp_path):
-    """Under RAM pressure (ComfyUI's partially_unload_ram) blocks move to the disk tier. A block of the shared copy
-    frees RAM only when no other process maps the copy: then its pages in the segment go (and a later process stages
-    it on its own); while another one maps it, nothing is moved (nothing would be freed)."""
+    """Under RAM pressure (ComfyUI's partially_unload_ram, free_pins) blocks move to the disk tier. A block of the
+    shared copy frees RAM only when no other process maps the copy: then its pages in the segment go (and a later
+    process stages it on its own); while another process maps it, nothing is moved (nothing would be freed). Two
+    models of this process (issue 42: two loader nodes of one file, a cached earlier output) share one lock: each
+    moves its blocks when asked, and a block's pages go when the last of them has let it go."""
     from offload import OffloadConfig, VramBudget, offload_module
 
     first, second, path = _twin_models(tmp_path)
@@ -369,17 +371,29 @@ def test_ram_given_back_frees_the_copy_only_when_nobody_else_maps_it(tmp_path):
         want = first(x)
     cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path))
     h1 = offload_module(first, cfg, budget=VramBudget(256 << 20))
-    h2 = offload_module(second, cfg, budget=VramBudget(256 << 20))  # maps the copy (as another process would)
-    segment = h1.streamer.staged.shared.path
-    held = os.stat(segment).st_blocks * 512
-    assert held >= MODEL_BYTES
-    assert h1.release_host_memory(1 << 40) == 0 and all(b.shared for b in h1.report().blocks)
-    h2.detach()
-    freed = h1.release_host_memory(1 << 40)  # alone now
-    assert freed > MODEL_BYTES // 2
-    assert os.stat(segment).st_blocks * 512 <= held - freed
+    other = Worker(path, load="ram")  # another process maps the copy
+    try:
+        other.ask("offload", "out")
+        assert all(other.report()["shared"])
+        segment = h1.streamer.staged.shared.path
+        held = os.stat(segment).st_blocks * 512
+        assert held >= MODEL_BYTES
+        assert h1.release_host_memory(1 << 40) == 0 and all(b.shared for b in h1.report().blocks)
+    finally:
+        other.quit()
+    h2 = offload_module(second, cfg, budget=VramBudget(256 << 20))  # another model of this process maps it too
+    assert all(b.shared for b in h2.report().blocks)
+    assert h1.release_host_memory(1 << 40) == 0, "the blocks' pages stay while the other model holds them"
+    assert [b.tier for b in h1.report().blocks] == ["disk"] * worker.BLOCKS
+    assert os.stat(segment).st_blocks * 512 == held
     with torch.no_grad():
-        assert torch.equal(first(x), want)  # streamed from the file now
+        assert torch.equal(first(x), want) and torch.equal(second(x), want)
+    freed = h2.release_host_memory(1 << 40)  # the last one lets them go: their pages go
+    assert freed > MODEL_BYTES // 2
+    assert os.stat(segment).st_blocks * 512 <= held - MODEL_BYTES
+    with torch.no_grad():
+        assert torch.equal(first(x), want) and torch.equal(second(x), want)  # streamed from the file now
+    h2.detach()
     third = worker.build("meta")
     h3 = offload_module(third, cfg, budget=VramBudget(256 << 20))  # the blocks given back are its own now
     with torch.no_grad():

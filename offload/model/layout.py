@@ -286,13 +286,35 @@ def _leaf_on(leaf: Callable[[int, torch.device], torch.Tensor], device: torch.de
 
 
 def repoint(obj: torch.Tensor, recipe: Any, leaf: Callable[[int], torch.Tensor]) -> None:
-    """Point a tensor subclass's inner tensors at `leaf(i)` (recursively), keeping the object itself."""
-    _, _, inner, _, _ = recipe
+    """Point a tensor subclass's inner tensors at `leaf(i)` (recursively), keeping the object itself.
+
+    The attributes `__tensor_flatten__` names need not be where the subclass's kernels read its tensors:
+    comfy_kitchen's `QuantizedTensor` flattens its scales as `_param_scale` copies of `_params.scale`, which the
+    kernels read. So the object also takes the state of one `__tensor_unflatten__` builds from the new inner
+    tensors (its `__dict__` entries), and every kernel reads the scales that moved with the payload."""
+    cls, ctx, inner, outer_size, outer_stride = recipe
+    values: dict[str, torch.Tensor] = {}
     for name, r in inner.items():
         if isinstance(r, int):
-            setattr(obj, name, leaf(r))
+            values[name] = leaf(r)
+            setattr(obj, name, values[name])
         else:
-            repoint(getattr(obj, name), r, leaf)
+            values[name] = getattr(obj, name)
+            repoint(values[name], r, leaf)
+    _take_state(obj, cls.__tensor_unflatten__(values, ctx, outer_size, outer_stride))
+
+
+def _take_state(obj: torch.Tensor, fresh: Any) -> None:
+    """`obj` takes the instance attributes of `fresh` (the same subclass rebuilt over new inner tensors) that differ."""
+    state, new = getattr(obj, "__dict__", None), getattr(fresh, "__dict__", None)
+    if type(fresh) is not type(obj) or state is None or not new:
+        return
+    for key, value in new.items():
+        if state.get(key, _MISSING) is not value:
+            state[key] = value
+
+
+_MISSING = object()
 
 
 @dataclass

@@ -2,7 +2,7 @@
 read-ahead thread's bounce buffers, under the RAM the model may use. Called only by `planner.make_plan`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -26,6 +26,7 @@ class HostPlan:
     host_sizes: list[int] | None = None  # each unit's host bytes (its encoded size where compressed)
     rest_spilled: bool = False  # the weights outside the blocks keep no RAM copy (their master: the spill map)
     shared: frozenset[int] = frozenset()  # units whose RAM master is the host copy shared between processes
+    notes: dict[int, str] = field(default_factory=dict)  # per unit: what its reason adds about its host tier
     # units held compressed that staging may keep raw and have encoded on a thread after setup (RAM holds the raw
     # plan and no ceiling binds: setup then takes what a raw one does; `stream/background_encode.py`)
     encode_later: frozenset[int] = frozenset()

@@ -29,6 +29,7 @@ from .plan_device import (DeviceMemoryError, PlanError, UnitPlan, across_devices
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
                         bounce_buffers, host_ram_bytes, in_shared_copy, plan_host, plan_host_capped, shared_units)
 from ..store.codec import CODEC
+from .facts import HostFacts, PlanFacts  # noqa: F401  (the facts a plan is made from: importable from here)
 from .plan_compress import choose_compressed, encoded_later
 from .ring_sim import UnitCosts, simulate_pass
 
@@ -36,59 +37,6 @@ log = logging.getLogger(__name__)
 
 STALL_MARGIN_MS = 1.0  # passes that stall more than their plan predicted by more than this per pass (and by more
 STALL_MARGIN_FRACTION = 0.25  # than this fraction of the predicted stall) feed the measured stalls to the next plan
-
-
-@dataclass(frozen=True)
-class HostFacts:
-    """What the host offers one model: the RAM it may hold (a hard ceiling or what is available), pinning, the file."""
-
-    ram_budget: int  # bytes of host RAM for the blocks (hard: everything the engine holds for the model)
-    hard: bool  # ram_budget_bytes was given: a ceiling that must hold (else: what the machine has available)
-    pin_limit: int  # bytes that may be pinned (0: none)
-    pin: bool  # pin the masters (asked for, and the device has pinned memory)
-    allow_disk: bool  # the preset allows the disk tier and a file was given
-    bounces_pageable: bool  # the device has pinned memory: pageable masters are copied through a bounce buffer
-    disk_optional: bool  # blocks the file cannot stream stay in RAM instead of failing
-    file_path: str | None = None
-    share: bool = False  # the RAM masters may be one host copy shared with other processes (OffloadConfig.share_host)
-    # per unit, its form in the shared host copy another process filled already: "" (not there), "none" (raw) or
-    # the codec's name (encoded; `PlanFacts.packed_sizes` holds its size there). Facts: such a unit keeps that form
-    shared_forms: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class PlanFacts:
-    """Everything a plan is made from (see `make_plan`); a re-plan is the same call with some facts changed."""
-
-    name: str  # the model's name, for messages
-    sizes: tuple[int, ...]  # bytes of each unit as it moves (aligned layout)
-    names: tuple[str, ...]
-    rest_bytes: int  # the weights outside the units (always resident on the compute device)
-    prefetch: int  # the lookahead asked for, in streamed units
-    stream_all: bool  # the preset keeps no unit resident (vram_fraction 0)
-    device: str  # the compute device
-    allowance: int  # device bytes the compute device's budget lets this model hold now
-    remote_allowances: tuple[tuple[str, int], ...] = ()  # the same on each secondary device, in order
-    dtypes: tuple[tuple[str, ...], ...] = ()  # each unit's tensor dtypes (what its bytes are)
-    disk_ok: tuple[bool, ...] = ()  # per unit: the model's file can stream it (empty: none can)
-    from_file: tuple[bool, ...] = ()  # per unit: setup reads its bytes from the model's file (built on meta)
-    host: HostFacts | None = None  # None: the host side is staged already (its tiers are kept)
-    host_tiers: tuple[str, ...] = ()  # the host tiers in place when `host` is None
-    costs: UnitCosts | None = None  # measured per-unit compute and copy times (None: nothing measured yet)
-    excess_ms: tuple[float, ...] | None = None  # per unit: stall measured beyond the prediction under `current`
-    order: tuple[int, ...] | None = None  # the call order (None: index order)
-    current: "Plan | None" = None  # the plan in place: kept unless a new one clearly saves stall
-    host_compression: str = "off"  # auto | lossless | off: which units' host masters may be held compressed
-    packed_sizes: tuple[int, ...] = ()  # per unit: its encoded size (measured or estimated; empty: unknown)
-    host_forms: tuple[str, ...] = ()  # the forms in place when `host` is None ("none" or the codec's name)
-    decode_scratch: int = 0  # device bytes a compressed unit's decode holds beside the slot
-    file_forms: tuple[str, ...] = ()  # per unit: the form its file stores it in (a packed folder's `pack --compress`
-    # units: the codec's name), which it streams in from the disk tier (empty: every unit stored raw)
-
-    @property
-    def scratch_bytes(self) -> int:
-        """The decode's scratch where a staged unit is held compressed (0 otherwise): held beside the rest."""
-        return self.decode_scratch if any(f != "none" for f in self.host_forms) else 0
 
 
 @dataclass(frozen=True)
@@ -235,7 +183,9 @@ def make_plan(facts: PlanFacts) -> Plan:
             placed, tier, reason, stall = facts.device, "vram", reasons[i], 0.0
         else:
             placed, tier, reason, stall = None, tiers[i], reasons[i], stalls[i]
-        units.append(UnitPlacement(facts.names[i], placed, tier, tiers[i], stall, reason, forms[i]))
+        note = host.notes.get(i) if host is not None else (facts.host_notes[i] if facts.host_notes else None)
+        units.append(UnitPlacement(facts.names[i], placed, tier, tiers[i], stall,
+                                   f"{reason}; {note}" if note else reason, forms[i]))
     step = None
     if facts.costs is not None:
         streamed_on_ring = device.resident | set(remote)
@@ -254,8 +204,10 @@ def settled_plan(facts: PlanFacts, costs_of: Callable[[list[str]], UnitCosts]) -
     first = make_plan(facts)
     tiers = [first.host_tiers.get(i, "pinned") for i in range(len(facts.sizes))]
     forms = tuple(u.compression for u in first.units)
-    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), host_forms=forms, costs=costs_of(tiers),
-                                current=first))
+    held = first.host_plan.notes if first.host_plan is not None else {}
+    notes = tuple(held.get(i, "") for i in range(len(facts.sizes)))
+    settled = make_plan(replace(facts, host=None, host_tiers=tuple(tiers), host_forms=forms, host_notes=notes,
+                                costs=costs_of(tiers), current=first))
     settled.host_plan = first.host_plan
     return settled
 
@@ -344,12 +296,14 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     """
     h = facts.host
     pin_limit = h.pin_limit if h.pin else 0
+    # the read-ahead thread's cast scratch, held while a unit read with a cast is on the disk tier
+    cast_scratch = facts.cast_scratch if h.allow_disk and any(facts.file_casts) else 0
     # the units the shared host copy holds already come first (RAM does not fill them from the disk tier's end);
     # under no hard ceiling they take nothing from the RAM available: their pages are in RAM already
     fixed = in_shared_copy(h.shared_forms, h.share, facts.host_compression)
     order = sorted(fixed) + [i for i in range(len(sizes)) if i not in fixed] if fixed else None
     if h.hard:
-        plan = plan_host_capped(sizes, rest_bytes, h.ram_budget, pin_limit, h.allow_disk, h.pin,
+        plan = plan_host_capped(sizes, rest_bytes, h.ram_budget - cast_scratch, pin_limit, h.allow_disk, h.pin,
                                 facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0), order,
                                 file_given=h.file_path is not None)
     else:
@@ -361,27 +315,51 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
                                               f"disk_path (its safetensors file) to stream the rest from disk"))
     disk_ok = facts.disk_ok or (False,) * len(sizes)
     tiers = {i: t if t != "disk" or disk_ok[i] else "pageable" for i, t in plan.tiers.items()}
+    refused = {i: _refusal(facts, i) for i, t in plan.tiers.items() if t == "disk" and not disk_ok[i]}
+    casts = facts.file_casts or ("",) * len(sizes)
+    notes = {i: f"kept in RAM, off the disk tier: {why}" for i, why in refused.items()}
+    notes.update({i: f"read from {h.file_path} with a cast ({casts[i]})" for i, t in tiers.items()
+                  if t == "disk" and casts[i]})
     plan = HostPlan(tiers, plan.ram_bytes, plan.pinned_bytes, plan.bounce_bytes,
-                    shared=shared_units(tiers, h.share))
+                    shared=shared_units(tiers, h.share), notes=notes)
     disk = sum(1 for t in tiers.values() if t == "disk")
     if disk:
         messages.append((logging.INFO, f"{facts.name}: {disk} unit(s) stream from {h.file_path} (RAM budget "
                                        f"{h.ram_budget / MIB:.1f} MB)"))
+    if refused:
+        first = min(refused)
+        messages.append((logging.WARNING, f"{facts.name}: {len(refused)} block(s) stay in RAM although RAM is short, "
+                                          f"since the file cannot stream them: {facts.names[first]}: "
+                                          f"{refused[first]}" + (" (and more)" if len(refused) > 1 else "")))
     if h.hard:
         held = [facts.sizes[i] if tiers.get(i) == "disk" else s for i, s in enumerate(sizes)]  # disk: read raw
         ram = host_ram_bytes(held, rest_bytes, tiers, plan.bounce_bytes, facts.prefetch, h.bounces_pageable)
+        ram += cast_scratch if any(tiers.get(i) == "disk" and casts[i] for i in range(len(sizes))) else 0
         if ram > h.ram_budget:
-            kept = sum(1 for t in tiers.values() if t != "disk")
+            kept = [i for i in range(len(sizes)) if tiers.get(i) != "disk"]
+            names = ", ".join(f"{facts.names[i]} ({_refusal(facts, i)})" for i in kept[:3]) + \
+                (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
             if not h.disk_optional:
                 raise RamCeilingError(
-                    f"{facts.name}: ram_budget_bytes={h.ram_budget} cannot be kept: {kept} block(s) cannot stream "
-                    f"from disk (tensor subclasses, misaligned tensors, or bytes {h.file_path} does not hold) and "
-                    f"need {ram} bytes of host RAM; raise ram_budget_bytes to at least {ram}")
+                    f"{facts.name}: ram_budget_bytes={h.ram_budget} cannot be kept: {len(kept)} block(s) cannot "
+                    f"stream from disk ({names}) and need {ram} bytes of host RAM; raise ram_budget_bytes to at "
+                    f"least {ram}")
             # asked for: blocks the file does not hold stay in RAM rather than fail
             messages.append((logging.WARNING, f"{facts.name}: host RAM is {ram} bytes, over ram_budget_bytes="
-                                              f"{h.ram_budget}: {kept} block(s) could not go to the disk tier "
-                                              f"(disk_optional=True keeps them in RAM)"))
+                                              f"{h.ram_budget}: {len(kept)} block(s) could not go to the disk tier "
+                                              f"({names}; disk_optional=True keeps them in RAM)"))
     return plan
+
+
+def _refusal(facts: PlanFacts, i: int) -> str:
+    """Why unit i cannot stream from the model's file (named by the facts, else the general causes)."""
+    why = facts.disk_refusals[i] if i < len(facts.disk_refusals) else ""
+    if why:
+        return why
+    if facts.disk_ok and i < len(facts.disk_ok) and facts.disk_ok[i]:
+        return "RAM held it within the budget"
+    return (f"bytes {facts.host.file_path} does not hold, misaligned tensors or tensors computed at load"
+            if facts.host is not None and facts.host.file_path else "no model file (disk_path) to stream it from")
 
 
 # Facts the machine offers ---------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ def _block_ops(block: Block, tok: Tokens, width: int) -> tuple[list[tuple[str, f
     mm_flops = mm_bytes = 0.0
     ffn = width
     for name, info in block.tensors.items():
+        if info.scale:  # a quantized layer's scales: read by its matmul, no FLOPs of their own
+            mm_bytes += info.nbytes
+            continue
         if len(info.shape) < 2 or not name.endswith("weight"):
             continue
         stream = _stream(name, block.kind)
@@ -86,6 +89,9 @@ def _unet_ops(desc: ModelDesc, tok: Tokens) -> tuple[list[list[tuple[str, float,
         flops = nbytes = attn = 0.0
         width = 0
         for name, info in block.tensors.items():
+            if info.scale:
+                nbytes += info.nbytes
+                continue
             if not name.endswith("weight") or len(info.shape) < 2:
                 continue
             elems = math.prod(info.shape)
@@ -119,7 +125,9 @@ def diffusion_analysis(desc: ModelDesc, tok: Tokens) -> MetaAnalysis:
             peak = max(peak, p)
     rest_flops = rest_bytes = 0.0
     for name, info in desc.rest.items():
-        if len(info.shape) >= 2:
+        if info.scale:
+            rest_bytes += info.nbytes
+        elif len(info.shape) >= 2:
             seen = 1 if _ONCE.search(name) else tok.text if re.search(r"(txt|text|context|cap)", name) else tok.image
             rest_flops += 2.0 * tok.batch * seen * math.prod(info.shape)
             rest_bytes += info.nbytes
@@ -187,4 +195,4 @@ def vae_decode_cost(kind: str, width: int, height: int, frames: int, batch: int 
 
 def weights_2d(tensors: dict[str, TensorInfo]) -> int:
     """Elements of the matrices among `tensors` (what 2 x tokens x elements FLOPs are counted over)."""
-    return sum(math.prod(i.shape) for i in tensors.values() if len(i.shape) >= 2)
+    return sum(math.prod(i.shape) for i in tensors.values() if len(i.shape) >= 2 and not i.scale)

@@ -2,40 +2,26 @@
 `store.storage.SafetensorsFile`, whose checks apply) and GGUF (the header parsed here, per the GGUF spec: magic,
 version, counts, metadata key/values skipped, then each tensor's name, dims, ggml type and offset).
 
-Nothing past the header is read: a 30 GB model file costs a few kilobytes to megabytes of reading. Used by the
-workflow plan (`workflow.py`) and the single-model command (`plan_cli.py`); a header read from a URL (`header_source`)
-goes through the same checks (`safetensors_infos_from_header`, `parse_gguf` on its bytes).
+Nothing past the header is read but the few bytes of JSON each quantized layer's `comfy_quant` tensor holds (its
+format: a packed 4-bit payload computes as twice its stored last dimension), so a 30 GB model file costs kilobytes
+to megabytes of reading. Shapes are what the model computes with, bytes what the file stores. Used by the workflow
+plan (`workflow.py`) and the single-model command (`plan_cli.py`); a header read from a URL (`header_source`) goes
+through the same checks (`safetensors_infos_from_header`, `parse_gguf` on its bytes).
 """
 from __future__ import annotations
 
 import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import struct
 from typing import BinaryIO
 
-from ..store.header_check import (MAX_BYTES, CorruptFileError, FileTensor, check_no_overlap,
-                                  check_safetensors_header, open_regular, parse_json)
+import torch
 
-# safetensors dtype -> bytes per element
-ST_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-            "I8": 1, "U8": 1, "BOOL": 1, "C64": 8, "U16": 2, "U32": 4, "U64": 8}
-# torch dtype name (as SafetensorsFile gives it) -> safetensors dtype name
-ST_NAMES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
-            "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-            "bool": "BOOL", "complex64": "C64", "uint16": "U16", "uint32": "U32", "uint64": "U64"}
-# ggml type id -> (name, elements per block, bytes per block): ggml/include/ggml.h's enum ggml_type and ggml.c's
-# type_traits table (blck_size, type_size)
-GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84),
-              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-              15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-              19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
-              23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
-              28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
-              35: ("TQ2_0", 256, 66)}
-GGUF_MAGIC = b"GGUF"
+from ..store.header_check import MAX_BYTES, FileTensor, check_no_overlap, check_safetensors_header
 _MAX_TENSORS = 1 << 20  # more tensors than any model has: a corrupt count, refused before looping on it
 _MAX_KV = 1 << 20
 _MAX_STRING = 64 << 20  # one metadata string (a tokenizer's merges list is one array of many short strings)
@@ -43,14 +29,26 @@ _MAX_DIMS = 8
 _MAX_ARRAY = 1 << 24  # items of one metadata array (a tokenizer's vocabulary is ~260k)
 _MAX_NESTING = 8  # arrays of arrays in the metadata (the spec allows them; real files nest at most 2)
 
+from ..store.gguf_file import GGML_TYPES, GGUF_MAGIC, read_gguf_header  # noqa: F401  (re-exported)
+from ..store.header_check import DTYPES, SAFETENSORS_DTYPES, CorruptFileError, open_regular, parse_json
 
+# safetensors dtype -> bytes per element (a packed kind's: a fraction), and the torch dtype's name (as
+# SafetensorsFile gives it) -> safetensors dtype name: the engine's one table (store/header_check.py)
+ST_BYTES = {name: bits / 8 for name, (bits, _) in SAFETENSORS_DTYPES.items()}
+ST_NAMES = {str(dtype).replace("torch.", ""): name for name, dtype in DTYPES.items()}
+# ComfyUI's quantized formats whose payload packs two 4-bit weights per stored byte (comfy/quant_ops.py QUANT_ALGOS:
+# a layer's `comfy_quant` names its format): the weight's logical last dimension is twice the stored one
+PACKED_FORMATS = {"nvfp4": 2, "convrot_w4a4": 2, "asym_w4a8_int8": 2}
+_MAX_QUANT_CONF = 4096  # a comfy_quant tensor is a few dozen bytes of JSON
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor as the file stores it: its logical shape (torch order), stored dtype and stored bytes."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as the model computes with it (a packed 4-bit payload's logical shape)
     dtype: str
-    nbytes: int
+    nbytes: int  # as stored
+    quant: str = ""  # its layer's quantized format (ComfyUI's comfy_quant), "" when plain
+    scale: bool = False  # a quantized layer's scale or format tensor, not a weight the model computes with
 
 
 class ModelFileError(CorruptFileError):
@@ -77,9 +75,44 @@ def read_safetensors_infos(path: Path) -> dict[str, TensorInfo]:
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read: {exc}") from None
     try:
-        return infos_of(f.tensors)
+        formats = quant_formats(f)
+        out = {}
+        for name, t in f.tensors.items():
+            layer, _, leaf = name.rpartition(".")
+            per = PACKED_FORMATS.get(formats.get(layer, ""), 1) if leaf == "weight" else 1
+            shape = t.shape[:-1] + (t.shape[-1] * per,) if per > 1 and t.shape else t.shape
+            quant = formats.get(layer, "")
+            out[name] = TensorInfo(shape, str(t.dtype).replace("torch.", ""), t.end - t.start, quant,
+                                   bool(quant) and leaf not in ("weight", "bias"))
+        return out
     finally:
         f.close()
+
+
+def quant_formats(f: Any) -> dict[str, str]:
+    """Each quantized layer's format (ComfyUI's: its `<layer>.comfy_quant` tensor, a few bytes of JSON read from
+    the file, or the header's `_quantization_metadata`); a malformed entry is left out (the layer is priced as
+    stored)."""
+    out: dict[str, str] = {}
+    meta = f.metadata.get("_quantization_metadata") if isinstance(f.metadata, dict) else None
+    confs: list[tuple[str, Any]] = []
+    if isinstance(meta, str):
+        try:
+            layers = parse_json(meta.encode("utf-8"), f.path, "quantization metadata").get("layers", {})
+            confs += list(layers.items()) if isinstance(layers, dict) else []
+        except (CorruptFileError, AttributeError):
+            pass
+    for key, t in f.tensors.items():
+        if key.endswith(".comfy_quant") and t.dtype == torch.uint8 and t.end - t.start <= _MAX_QUANT_CONF:
+            try:
+                confs.append((key[:-len(".comfy_quant")],
+                              parse_json(bytes(f.read_tensor(key).tolist()), f.path, f"{key} (a layer's format)")))
+            except CorruptFileError:
+                continue
+    for layer, conf in confs:
+        if isinstance(conf, dict) and isinstance(conf.get("format"), str):
+            out[layer] = conf["format"]
+    return out
 
 
 def infos_of(tensors: dict[str, FileTensor]) -> dict[str, TensorInfo]:
@@ -154,13 +187,19 @@ class GgufHeader:
 
 def read_gguf_infos(path: Path) -> dict[str, TensorInfo]:
     """The tensor table of a GGUF file (v2/v3): names, shapes (reversed from ggml's order to torch's), ggml types and
-    stored bytes; the metadata key/values are skipped over."""
+    stored bytes, read and checked by `store.gguf_file` (the disk tier's reader)."""
     fd = open_regular(path, "GGUF file")  # a FIFO, device or folder is refused before it is opened
     try:
-        with os.fdopen(fd, "rb") as fh:
-            return parse_gguf(fh, os.fstat(fh.fileno()).st_size, path).infos
+        tensors = read_gguf_header(fd, path, os.fstat(fd).st_size)
+    except ModelFileError:
+        raise
+    except CorruptFileError as exc:
+        raise ModelFileError(str(exc)) from None
     except OSError as exc:
         raise ModelFileError(f"{path}: cannot read: {exc}") from None
+    finally:
+        os.close(fd)
+    return {t.name: TensorInfo(t.shape, t.type, t.nbytes) for t in tensors}
 
 
 def parse_gguf(fh: BinaryIO, size: int, path: "Path | str") -> GgufHeader:
@@ -207,8 +246,9 @@ def file_dtype(infos: dict[str, TensorInfo]) -> str:
     """The dtype most of the file's matrix weights are stored in ('bf16', 'fp16', 'fp8_e4m3fn', 'Q4_K', ...)."""
     counts: dict[str, int] = {}
     for info in infos.values():
-        if len(info.shape) == 2:
-            counts[info.dtype] = counts.get(info.dtype, 0) + math.prod(info.shape)
+        if len(info.shape) == 2 and not info.scale:
+            kind = info.quant or info.dtype  # a quantized layer counts as its format (nvfp4, mxfp8, int8_tensorwise)
+            counts[kind] = counts.get(kind, 0) + math.prod(info.shape)
     top = max(counts, key=counts.__getitem__) if counts else "bfloat16"
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8_e4m3fn",
             "float8_e5m2": "fp8_e5m2", "BF16": "bf16", "F16": "fp16", "F32": "fp32"}.get(top, top)

@@ -194,7 +194,7 @@ def _hidden(blocks: list[Block], keys: dict[str, TensorInfo]) -> int:
     counts: dict[int, int] = {}
     for block in blocks[:2] or [Block("", 0, keys, "")]:
         for info in block.tensors.values():
-            if len(info.shape) == 2:
+            if len(info.shape) == 2 and not info.scale:  # a quantized layer's scales are no matrix
                 counts[info.shape[1]] = counts.get(info.shape[1], 0) + 1
     return max(counts, key=counts.__getitem__) if counts else 0
 

@@ -14,6 +14,7 @@ gives, per preset, the plan, the memory it takes and the predicted step time on 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
@@ -33,8 +34,6 @@ GIB = 1 << 30
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.", "transformer.")
 # HunyuanVideo's block lists in the order diffusers registers them (the token refiner's blocks come first)
 _HUNYUAN_LISTS = ("txt_in.individual_token_refiner.blocks", "double_blocks", "single_blocks")
-_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-           "I8": 1, "U8": 1, "BOOL": 1}
 
 
 @dataclass
@@ -53,11 +52,12 @@ class ModelSpec:
 
 # ------------------------------------------------------------------------------------------------ reading a file
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
-    """The header of a .safetensors file (names, dtypes, shapes), read without its data through
-    `store.storage.SafetensorsFile` (its checks apply)."""
+    """The header of a .safetensors file (names, dtypes, shapes as computed with, bytes as stored, quantized
+    formats), read without its data through `store.storage.SafetensorsFile` (its checks apply)."""
     from .model_files import ST_NAMES, read_safetensors_infos
 
-    return {name: {"dtype": ST_NAMES.get(info.dtype, info.dtype), "shape": list(info.shape)}
+    return {name: {"dtype": ST_NAMES.get(info.dtype, info.dtype), "shape": list(info.shape), "nbytes": info.nbytes,
+                   "quant": info.quant}
             for name, info in read_safetensors_infos(Path(path)).items()}
 
 
@@ -87,14 +87,14 @@ def _block_bytes(keys: dict[str, Any], lists: tuple[str, ...]) -> tuple[list[int
     blocks: dict[tuple[int, int], int] = {}
     rest = 0
     for name, info in keys.items():
-        nbytes = _DTYPES.get(info["dtype"], 2) * math.prod(info["shape"])
+        nbytes = align(info["nbytes"])  # as stored: a quantized weight's payload and its scales
         for li, lst in enumerate(lists):
             m = re.match(re.escape(lst) + r"\.(\d+)\.", name)
             if m:
-                blocks[(li, int(m.group(1)))] = blocks.get((li, int(m.group(1))), 0) + align(nbytes)
+                blocks[(li, int(m.group(1)))] = blocks.get((li, int(m.group(1))), 0) + nbytes
                 break
         else:
-            rest += align(nbytes)
+            rest += nbytes
     return [blocks[k] for k in sorted(blocks)], rest
 
 
@@ -102,9 +102,10 @@ def _file_dtype(keys: dict[str, Any]) -> str:
     counts: dict[str, int] = {}
     for info in keys.values():
         if len(info["shape"]) == 2:
-            counts[info["dtype"]] = counts.get(info["dtype"], 0) + math.prod(info["shape"])
+            kind = info.get("quant") or info["dtype"]  # a quantized layer counts as its format (ComfyUI's name)
+            counts[kind] = counts.get(kind, 0) + math.prod(info["shape"])
     top = max(counts, key=counts.get) if counts else "BF16"
-    return {"F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8_e4m3fn", "F8_E5M2": "fp8_e5m2"}.get(top, "bf16")
+    return {"F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8_e4m3fn", "F8_E5M2": "fp8_e5m2", "BF16": "bf16"}.get(top, top)
 
 
 def spec_from_comfy_file(path: Path) -> ModelSpec:
@@ -366,6 +367,10 @@ def run(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         if Path(args.model).suffix.lower() not in (".safetensors", ".gguf") or not Path(args.model).exists():
             raise
         spec = None  # a family the meta-device path cannot build: its header's costs instead
+    lib = spec is not None and ("transformers" if spec.family == "transformers" else "diffusers")
+    if lib and Path(args.model).suffix.lower() == ".safetensors" and importlib.util.find_spec(lib) is None:
+        log.info("%s is not installed (ComfyUI's python): %s is priced from its header", lib, args.model)
+        spec = None  # the library that builds it on the meta device is missing
     if spec is None:
         from .file_plan import predict_file
 

@@ -42,7 +42,7 @@ from ..plan.planner import (MIB, HostFacts, Plan, PlanError, PlanFacts, RamCeili
                             estimate_reserve, read_host_memory, settled_plan, want_bytes)
 from ..plan.ring_sim import UnitCosts, simulate_pass
 from ..store.compressed import DEFAULT_DECODE_GBPS, estimated_packed_sizes, measure_decode_gbps
-from ..store.staging import shared_tensor_ids
+from ..store.model_layout import shared_tensor_ids
 from .cards import Card, get_card
 from .cost_profile import Profile
 from .device_timing import measure_on_device
@@ -227,7 +227,7 @@ def profile_model(model: nn.Module, args: Any = (), kwargs: dict[str, Any] | Non
 def unit_sizes(model: nn.Module, units: Sequence[Unit]) -> tuple[list[int], int]:
     """Each unit's bytes as the engine lays it out (aligned) and the bytes of the weights outside the units, without
     touching a weight (works on the meta device); tensors shared between units, and trainable ones inside them, stay
-    with the rest, as `staging.lay_out_model` does."""
+    with the rest, as `model_layout.lay_out_model` does."""
     shared = shared_tensor_ids(model, list(units))
     shared |= {id(p) for p in trainable_in_blocks([u.module for u in units], shared)}  # stay with the rest
     sizes, in_units = [], set()

@@ -153,10 +153,12 @@ def decode_scratch(backend: Any) -> codec.DecodeScratch:
 
 
 def disk_source(file: Any, keys: list[str], leaves: list[Leaf], nbytes: int, reader: BounceReader,
-                backend: Any) -> Any:
+                backend: Any, casts: tuple | None = None) -> Any:
     """The source of a disk-tier unit: its encoded bytes decoded on the device where the file stores it compressed
     laid out as the unit is (`StoredDiskSource`), else its bytes as stored (`DiskSource`; a unit stored compressed
-    but laid out otherwise is then decoded on the CPU, said once per file)."""
+    but laid out otherwise is then decoded on the CPU, said once per file; leaves cast on read: `casts`)."""
+    if casts is not None and any(c is not None for c in casts):
+        return DiskSource(file, keys, leaves, nbytes, reader, casts)
     pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
     stored_unit = getattr(file, "stored_unit", None)
     unit = stored_unit(pieces, nbytes) if stored_unit is not None else None

@@ -90,32 +90,6 @@ def non_persistent_buffer(layout: TensorLayout) -> str | None:
     return None
 
 
-def file_keys_holding(file: SafetensorsFile, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
-                      strict: bool = False, refused: list[str] | None = None) -> list[str] | None:
-    """The file keys of a unit whose current tensors the file holds byte for byte. When it does not (another dtype,
-    keys, or values: ComfyUI may cast or convert weights when it loads a file): CorruptFileError when `strict`,
-    else None (logged), and the unit stays in RAM. A unit holding a non-persistent buffer (in no checkpoint, so not
-    in the file) stays in RAM without complaint."""
-    buffer = non_persistent_buffer(layout)
-    if buffer is not None:
-        log.debug("a block with the non-persistent buffer %r stays in RAM (no checkpoint holds it)", buffer)
-        return None
-    try:
-        keys = file_keys(file, layout, key_of)
-        for key, src in zip(keys, layout.sources()):
-            if not torch.equal(src.reshape(-1).view(torch.uint8), file.read_tensor(key).reshape(-1).view(torch.uint8)):
-                raise CorruptFileError(f"{file.path}: {key!r} holds other values than the model's weight")
-    except CorruptFileError as exc:
-        if strict:
-            raise
-        if refused is not None:
-            refused.append(str(exc))  # the caller logs one line for all of them
-        else:
-            log.warning("not streaming a block from disk: %s; it stays in RAM", exc)
-        return None
-    return keys
-
-
 def stored_unit_of(file: Any, keys: list[Any] | None, layout: TensorLayout) -> Any:
     """The unit a packed folder stores compressed exactly as `layout` lays it out (index_check.StoredUnit), or
     None (no such file, keys not all known, laid out otherwise)."""

@@ -35,12 +35,41 @@ MAX_JSON_ITEMS = 1_000_000  # keys + values: ~110k tensors in one header (real f
 MAX_BYTES = 1 << 62  # no span, shape product or file size past this is real (int64 arithmetic stays exact)
 READ_CHUNK = 1 << 20  # a header is read in chunks of this size: memory grows with what arrives, not what is claimed
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+# Every dtype the safetensors format stores (the safetensors crate's `Dtype`): bits per element and the name of the
+# torch dtype that holds it. Packed kinds count elements in the header (F4: two 4-bit elements per byte, which torch
+# holds as one float4_e2m1fn_x2 element: the last dimension halves); a dtype this torch lacks is refused by name.
+SAFETENSORS_DTYPES: dict[str, tuple[int, str | None]] = {
+    "BOOL": (8, "bool"), "U8": (8, "uint8"), "I8": (8, "int8"), "F8_E5M2": (8, "float8_e5m2"),
+    "F8_E4M3": (8, "float8_e4m3fn"), "F8_E4M3FNUZ": (8, "float8_e4m3fnuz"), "F8_E5M2FNUZ": (8, "float8_e5m2fnuz"),
+    "F8_E8M0": (8, "float8_e8m0fnu"), "F4": (4, "float4_e2m1fn_x2"), "F6_E2M3": (6, None), "F6_E3M2": (6, None),
+    "I16": (16, "int16"), "U16": (16, "uint16"), "F16": (16, "float16"), "BF16": (16, "bfloat16"),
+    "I32": (32, "int32"), "U32": (32, "uint32"), "F32": (32, "float32"),
+    "C64": (64, "complex64"), "F64": (64, "float64"), "I64": (64, "int64"), "U64": (64, "uint64"),
 }
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, attr) for name, (_, attr) in SAFETENSORS_DTYPES.items()
+                                  if attr is not None and isinstance(getattr(torch, attr, None), torch.dtype)}
+PACKED = {"F4": 2}  # elements per torch element of the packed kinds (the header counts the small ones)
+
+
+def dtype_bits(name: str) -> int | None:
+    """Bits per element of a safetensors dtype name (None: not a safetensors dtype)."""
+    entry = SAFETENSORS_DTYPES.get(name)
+    return entry[0] if entry is not None else None
+
+
+def torch_shape(name: str, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape torch gives a tensor the header stores as `dims` (a packed kind's last dimension divides)."""
+    per = PACKED.get(name, 1)
+    return dims if per == 1 else dims[:-1] + (dims[-1] // per,)
+
+
+def file_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> list[int]:
+    """The shape a safetensors header stores for a torch tensor of `dtype` and `shape` (inverse of torch_shape)."""
+    per = PACKED.get(name_of(dtype), 1)
+    dims = list(shape)
+    if per != 1 and dims:
+        dims[-1] *= per
+    return dims
 
 
 class CorruptFileError(ValueError):
@@ -219,7 +248,12 @@ def _show(value: Any) -> str:
 
 
 def check_dtype(name: Any, path: str | os.PathLike, where: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name; CorruptFileError for an unknown one."""
+    """The torch dtype of a safetensors dtype name; CorruptFileError for an unknown one, or one this torch lacks."""
+    if isinstance(name, str) and name in SAFETENSORS_DTYPES and name not in DTYPES:
+        bits, attr = SAFETENSORS_DTYPES[name]
+        raise CorruptFileError(f"{path}: {where}: dtype {name} ({bits}-bit elements) has no torch dtype in torch "
+                               f"{torch.__version__}{f' (torch.{attr})' if attr else ''}; a torch that has it can "
+                               f"read this file, or convert the tensor to a dtype torch has")
     if not isinstance(name, str) or name not in DTYPES:
         raise CorruptFileError(f"{path}: {where}: dtype {_show(name)} is not one the engine reads "
                                f"({', '.join(DTYPES)})")
@@ -249,14 +283,19 @@ def check_tensor(path: str | os.PathLike, where: str, dtype_name: Any, shape: An
     numel = 1
     for d in dims:
         numel *= d
-    need = numel * dtype.itemsize
+    bits = SAFETENSORS_DTYPES[dtype_name][0]
+    per = PACKED.get(dtype_name, 1)
+    if per != 1 and (not dims or dims[-1] % per):
+        raise CorruptFileError(f"{path}: {where}: a {dtype_name} tensor packs {per} elements per byte, so its last "
+                               f"dimension must be a multiple of {per}; shape {list(dims)} is not")
+    need = numel * bits // 8
     if hi - lo != need:
         raise CorruptFileError(f"{path}: {where}: spans {hi - lo} bytes [{lo}, {hi}) but {list(dims)} x {dtype_name} "
                                f"needs {need}")
     if hi > limit:
         raise CorruptFileError(f"{path}: {where}: ends at byte {hi}, past the end of the data ({limit} bytes; "
                                f"truncated?)")
-    return FileTensor(dtype, dims, lo, hi)
+    return FileTensor(dtype, torch_shape(dtype_name, dims), lo, hi)
 
 
 def check_no_overlap(path: str | os.PathLike, spans: list[tuple[int, int, str]]) -> None:

@@ -20,7 +20,8 @@ from ..model.blocks import KNOWN_BLOCK_LISTS
 from ..model.layout import ALIGN, SMALL_LEAF, Leaf, align
 from . import codec
 from .packed import FORMAT, INDEX, UNIT_ALIGN, PackedWeights
-from .header_check import CorruptFileError, name_of
+from .header_check import CorruptFileError, file_shape, name_of
+from .sources import read_cast
 from .storage import SafetensorsFile, _writable_bytes
 
 DEFAULT_SHARD_BYTES = 4 << 30
@@ -120,7 +121,7 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 def _entry(t: PackTensor, offset: int, scale: str | None) -> dict[str, Any]:
     return {"name": t.name, "offset": offset, "nbytes": t.nbytes, "dtype": name_of(t.dtype),
-            "shape": list(t.shape), "scale": scale}
+            "shape": file_shape(t.dtype, t.shape), "scale": scale}
 
 
 class _ShardWriter:
@@ -323,12 +324,12 @@ def pack_handle(handle: Any, out_dir: str | os.PathLike, shard_bytes: int = DEFA
         for i in order:
             su = staged.units[i]
             layout = su.layout
-            if not layout.plain:
-                raise ValueError(f"{su.name}: holds tensor subclasses or non-contiguous tensors, which the packed "
-                                 f"format (plain tensors) cannot hold")
-            tensors = [PackTensor(key_of(*e.locations[0][:2]), layout.leaves[e.recipe].offset,
-                                  layout.leaves[e.recipe].dtype, tuple(layout.leaves[e.recipe].shape))
-                       for e in layout.entries if not _non_persistent(e)]
+            if not all(leaf.row_major for leaf in layout.leaves):
+                raise ValueError(f"{su.name}: holds non-contiguous tensors, which the packed format (row-major "
+                                 f"tensors) cannot hold")
+            tensors = [PackTensor(name, layout.leaves[k].offset, layout.leaves[k].dtype, tuple(layout.leaves[k].shape))
+                       for e in layout.entries if not _non_persistent(e)
+                       for k, name in _leaf_names(key_of(*e.locations[0][:2]), e.recipe)]
             plan.append(PackUnit(su.name, layout.nbytes, tensors, _unit_filler(su.master)))
         rest = staged.rest
         if not rest.layout.plain:
@@ -348,12 +349,39 @@ def _non_persistent(entry: Any) -> bool:
     return kind == "buffer" and attr in mod._non_persistent_buffers_set
 
 
+def _leaf_names(name: str, recipe: Any, path: str = "") -> list[tuple[int, str]]:
+    """(leaf index, stored name) of one tensor's leaves: a plain tensor under its own name; a tensor subclass's
+    payload under its name and its other inner tensors beside it (`<name>_<inner>`, as ComfyUI stores a quantized
+    weight's scales as `<layer>.weight_scale`), where reading the folder back finds them by their bytes."""
+    if isinstance(recipe, int):
+        return [(recipe, name + ("_" + path if path else ""))]
+    out: list[tuple[int, str]] = []
+    for inner, r in recipe[2].items():
+        out += _leaf_names(name, r, f"{path}_{inner.strip('_')}".strip("_") if out or path else path)
+    return out
+
+
 def _unit_filler(master: Any) -> Callable[[torch.Tensor], None]:
     if master.host is not None:
         host = master.host
         return lambda buf: buf.copy_(host[:buf.numel()])
-    pieces = [(k, leaf.offset) for k, leaf in zip(master.keys, master.layout.leaves)]
-    return lambda buf: master.file.read_into(buf, pieces)
+    casts = master.casts or (None,) * len(master.keys)
+    pieces = [(k, leaf.offset) for k, leaf, c in zip(master.keys, master.layout.leaves, casts) if c is None]
+    cast = [(k, leaf, c) for k, leaf, c in zip(master.keys, master.layout.leaves, casts) if c is not None]
+
+    def fill(buf: torch.Tensor) -> None:  # a unit read with a cast is stored as the model holds it (cast)
+        master.file.read_into(buf, pieces)
+        scratch = torch.empty(0, dtype=torch.uint8)
+
+        def grow(n: int) -> torch.Tensor:
+            nonlocal scratch
+            scratch = scratch if scratch.numel() >= n else torch.empty(n, dtype=torch.uint8)
+            return scratch[:n]
+
+        for key, leaf, c in cast:
+            read_cast(master.file, key, leaf, c, buf, 0, buf.numel(), grow)
+
+    return fill
 
 
 def _learned_order(streamer: Any) -> list[int]:

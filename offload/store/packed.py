@@ -46,6 +46,7 @@ import torch
 from . import codec
 from .header_check import MAX_HEADER_BYTES, CorruptFileError, FileTensor, read_json_object
 from .index_check import PACKED_FORMAT, PACKED_VERSION, StoredUnit, check_inside, check_packed_index
+from .gguf_file import GgufFile, is_gguf
 from .spill import SpillFile
 from .storage import SafetensorsFile, _writable_bytes
 
@@ -82,6 +83,7 @@ class PackedWeights:
     """A packed folder, read with the interface the engine uses on a SafetensorsFile."""
 
     match = SafetensorsFile.match
+    keys_for = SafetensorsFile.keys_for
     _prefixes = SafetensorsFile._prefixes
     aligned = SafetensorsFile.aligned
 
@@ -296,10 +298,13 @@ def is_packed(path: str | os.PathLike) -> bool:
 
 
 def open_weights(path: str | os.PathLike) -> SafetensorsFile | PackedWeights:
-    """A model's weights for the disk tier: a packed folder (see the module docstring) or a safetensors file."""
+    """A model's weights for the disk tier: a packed folder (see the module docstring), a GGUF file
+    (`gguf_file.GgufFile`) or a safetensors file."""
     p = Path(path)
     if p.is_dir() or p.name == INDEX:
         if not os.path.lexists(p / INDEX if p.is_dir() else p):  # present but not a file: refused when it is read
             raise CorruptFileError(f"{p}: a folder without {INDEX} is not a packed model (python -m offload pack)")
         return PackedWeights(p)
+    if is_gguf(p):
+        return GgufFile(p)
     return SafetensorsFile(p)

@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from ..model.layout import TensorLayout
-from . import codec
+from . import codec, shared_local
 from .shared_forms import chunk_room, header_json, parse_header
 from .shm_segment import (PAGE, PREFIX, SEGMENT_DIR, STALE_AFTER_S, ForeignSegment, available,  # noqa: F401
                           fcntl, file_identity, is_ours, map_segment, open_own, private_pages, punch_hole, release,
@@ -113,6 +113,7 @@ class SharedHostCopy:
         self.file_leaves: dict[int, list[int]] = {}  # filled units -> leaves read from the file (the header's)
         self.encoded: dict[int, tuple[int, tuple[codec.Chunk, ...]]] = {}  # units filled encoded: (size, chunks)
         self.placed: list[int] = []
+        self.let_go: set[int] = set()  # placed units this model no longer holds in RAM (disk tier, a private copy)
         self.refused = 0
         self._fill: mmap.mmap | None = map_segment(path, self.stat, total, mmap.ACCESS_WRITE) if filler else None
         self._private: mmap.mmap | None = map_segment(path, self.stat, total, mmap.ACCESS_COPY)
@@ -121,6 +122,7 @@ class SharedHostCopy:
         self._pinned: dict[int, torch.Tensor] = {}  # unit -> its registered view in the shared mapping
         # a model dropped without detach() lets go too (device registrations first, while the mappings exist)
         self._closer = weakref.finalize(self, release, fd, str(path), self.stat, self._unregisters)
+        shared_local.add(self)  # another model of this process maps it through our lock (shared_local.py)
 
     # opening ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -191,12 +193,13 @@ class SharedHostCopy:
     @classmethod
     def _join(cls, path: Path, key: str, offsets: dict[int, int], sizes: dict[int, int],
               total: int) -> "SharedHostCopy | None":
+        fd = shared_local.lock_descriptor(path)  # another model of this process maps it: share its lock
         try:
-            fd = open_own(path, os.O_RDONLY)  # ForeignSegment: not ours, never opened
+            fd = open_own(path, os.O_RDONLY) if fd is None else fd  # ForeignSegment: not ours, never opened
         except FileNotFoundError:
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the filler still fills it
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while the filler still fills it (held already through a duplicate)
             st = os.fstat(fd)
             try:
                 here = os.lstat(path)
@@ -409,8 +412,14 @@ class SharedHostCopy:
             warnings.simplefilter("ignore", UserWarning)  # the read-only mapping: torch warns it is not writable
             return torch.frombuffer(m, dtype=torch.uint8, count=n, offset=off)
 
+    def open_here(self) -> bool:
+        return self._closer.alive
+
+    def filler_busy(self) -> bool:
+        return self._fill is not None
+
     def alone(self) -> bool:
-        """Whether no other process (nor another model of this one) maps the copy now."""
+        """Whether no other process maps the copy now (other models of this one share this process's lock)."""
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
@@ -420,8 +429,12 @@ class SharedHostCopy:
             fcntl.flock(self.fd, fcntl.LOCK_SH)  # back to shared (a failed conversion gave it up)
 
     def give_back(self, i: int) -> bool:
-        """Free unit i's pages in the segment, when no other process maps it (the unit left this process's RAM for
-        the disk tier under RAM pressure); False where another process still maps the copy (nothing is freed)."""
+        """Free unit i's pages in the segment (it left this process's RAM for the disk tier); False where another
+        process maps the copy or another model of this one holds the unit (the last to let it go frees them)."""
+        self.let_go.add(i)
+        if shared_local.holds_elsewhere(self, i):
+            self.drop_private_pages(i)
+            return False
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted only when no other process holds it
         except OSError:

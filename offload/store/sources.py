@@ -115,6 +115,7 @@ class BounceReader:
             buf, pinned = backend.alloc_host(bounce_bytes, True)
             self.pinned &= pinned
             self._free.put((buf, None))
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # the read-ahead thread's: casts read into it
         self._jobs: queue.Queue = queue.Queue()
         thread = threading.Thread(target=_read_ahead, args=(self._jobs, self._free, backend, self.counters),
                                   name="offload-read-ahead", daemon=True)
@@ -136,6 +137,16 @@ class BounceReader:
         self.clock.hand_off(job._done.wait)  # the wall clock lets it run ahead; a simulated one waits for it
         return job
 
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of scratch for the read-ahead thread (grown when asked for more; only that thread uses it)."""
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes]
+
+    @property
+    def scratch_bytes(self) -> int:
+        return int(self._scratch.numel())
+
     def drain(self) -> None:
         """Wait until every submitted read has been done and its copy queued."""
         self._jobs.join()
@@ -143,6 +154,35 @@ class BounceReader:
     def close(self) -> None:
         """Finish queued reads and stop the thread (nothing may read a file after it is closed)."""
         self._stop()
+
+
+CAST_CHUNK = 1 << 20  # file bytes a cast reads at a time (the read-ahead thread's scratch holds this much)
+
+
+def cast_scratch_bytes(file_bytes: int) -> int:
+    """Host bytes of the read-ahead thread's cast scratch for a largest cast tensor of `file_bytes` in the file."""
+    return min(CAST_CHUNK, file_bytes)
+
+
+def read_cast(file: Any, key: str, leaf: Leaf, cast: torch.dtype, buf: torch.Tensor, start: int, end: int,
+              scratch: Callable[[int], torch.Tensor]) -> int:
+    """The part of a cast leaf that lies in the unit's bytes [start, end), read from the file's `key` (stored as
+    `cast`) and cast into `buf` (which holds those bytes); returns the bytes read from the file. At most
+    CAST_CHUNK file bytes are read at a time, into `scratch(n)`."""
+    out_size, in_size = leaf.dtype.itemsize, cast.itemsize
+    lo, hi = max(start, leaf.offset), min(end, leaf.offset + leaf.nbytes)
+    if lo >= hi:
+        return 0
+    first, last = (lo - leaf.offset) // out_size, (hi - leaf.offset) // out_size
+    step = max(1, CAST_CHUNK // in_size)
+    done = 0
+    for e0 in range(first, last, step):
+        e1 = min(last, e0 + step)
+        raw = scratch((e1 - e0) * in_size)
+        done += file.read_range(raw, [(key, 0)], e0 * in_size, e1 * in_size)
+        at = leaf.offset + e0 * out_size - start
+        buf[at:at + (e1 - e0) * out_size].view(leaf.dtype).copy_(raw.view(cast))
+    return done
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,28 +240,46 @@ class BouncedSource:
 
 
 class DiskSource:
-    """A disk-tier unit: its tensors read from the safetensors file on each streamed use."""
+    """A disk-tier unit: its tensors read from the safetensors file on each streamed use; a leaf that is a cast of
+    the file's tensor (`casts`: the file's dtype) is read in pieces into the read-ahead thread's scratch and cast
+    into the bounce buffer there, where its bytes arrive (`read_cast`)."""
 
     tier = "disk"
 
     def __init__(self, file: SafetensorsFile, keys: list[str], leaves: list[Leaf], nbytes: int,
-                 reader: BounceReader) -> None:
+                 reader: BounceReader, casts: tuple | None = None) -> None:
         self.file = file
         self.reader = reader
         self.nbytes = nbytes
-        self.pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
+        casts = casts or (None,) * len(keys)
+        self.pieces = [(k, leaf.offset) for k, leaf, c in zip(keys, leaves, casts) if c is None]
+        self.cast_pieces = [(k, leaf, c) for k, leaf, c in zip(keys, leaves, casts) if c is not None]
         self.reads = 0
         self.read_ms = 0.0  # time the read-ahead thread spent reading this unit's bytes from the file
 
     def _fill(self, buf: torch.Tensor, start: int, end: int) -> int:
         def read() -> int:
             if start == 0 and end == self.nbytes:
-                return self.file.read_into(buf, self.pieces)
-            return self.file.read_range(buf, self.pieces, start, end)
+                n = self.file.read_into(buf, self.pieces)
+            else:
+                n = self.file.read_range(buf, self.pieces, start, end)
+            for key, leaf, cast in self.cast_pieces:
+                n += read_cast(self.file, key, leaf, cast, buf, start, end, self.reader.scratch)
+            return n
 
-        n, ms = self.reader.clock.timed("disk", end - start, read)
+        n, ms = self.reader.clock.timed("disk", self._file_bytes(start, end), read)
         self.read_ms += ms
         return n
+
+    def _file_bytes(self, start: int, end: int) -> int:
+        """The file bytes a read of the unit's bytes [start, end) takes: a cast leaf's part at its file dtype's
+        size (a bf16 file read for fp8 weights: twice the bytes)."""
+        extra = 0
+        for _, leaf, cast in self.cast_pieces:
+            lo, hi = max(start, leaf.offset), min(end, leaf.offset + leaf.nbytes)
+            if lo < hi:
+                extra += (hi - lo) // leaf.dtype.itemsize * cast.itemsize - (hi - lo)
+        return max(0, end - start + extra)
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
         self.reads += 1

@@ -1,8 +1,8 @@
 """Host staging: every unit's tensors become views of one flat host buffer (or of the model's file), once.
 
-Setup of a model's host side, in the order the handle calls it: `lay_out_model` lays out each unit and reads what
+Setup of a model's host side, in the order the handle calls it: `model_layout.lay_out_model` lays out each unit and reads what
 the file can hold (names, dtypes, alignment; nothing changes yet), the planner puts each unit in a host tier from
-those facts, `verify_for_disk` checks that the file holds the very bytes of the units planned for the disk tier,
+those facts, `model_layout.verify_for_disk` checks that the file holds the very bytes of the units planned for the disk tier,
 and `stage_model` applies the plan: it stages the units ONE AT A TIME, releasing each unit's original storage as
 soon as its flat buffer holds the bytes. Peak host memory while offloading is therefore the model plus about one
 unit, not two copies of the model. A failure half way gives the staged units back as ordinary tensors, so the
@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
-from ..model.blocks import Unit
-from ..model.layout import Binding, TensorLayout, plan_layout, unit_tensors
-from ..model.meta_buffers import materialize_non_persistent_buffers, materialize_tensor_attributes, tie_meta_weights
-from ..model.trainable import trainable_in_blocks
+from ..model.layout import Binding, TensorLayout
 from .compressed import CompressedSource, bind_master, disk_source, stage_unit_compressed
 from .shared_host import SharedHostCopy, SharedSource, SharedUnit
-from .file_keys import (file_keys, file_keys_holding, in_stored_order, key_namer, meta_file_keys,
-                        non_persistent_buffer, persistent_buffers_from_file, stored_unit_of)
+from .file_keys import stored_unit_of
+from .leaf_match import as_leaf, leaf_from_file
+from .model_layout import ModelLayout
 from .sources import BouncedSource, BounceReader, HostSource, UnitSource
 from .spill import SpillFile, release_free_heap
 from .stage_reads import (ReadAhead, SetupTimes, decode_stored, drop_transients, encode_unit, fill_from, ram_unit,
@@ -62,6 +60,7 @@ class StagingBuffer:
     encoded: Any = None  # held compressed (codec.Encoded): `host` is then a map of the spill file (compressed.py)
     spilled: bool = False  # `host` maps the spill file (no RAM of its own until read)
     segment: SharedHostCopy | None = None  # the encoded blob lies in this host copy shared between processes
+    casts: tuple | None = None  # disk tier: per leaf, the file dtype it is cast from on read (None: as stored)
 
     @classmethod
     def compressed(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
@@ -136,25 +135,34 @@ class StagingBuffer:
         return cls(layout, host, False, binding, shared=copy.unit(index, host, layout))
 
     @classmethod
-    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str],
-                apply: bool = True) -> "StagingBuffer":
-        """A disk-tier master: the module views the file's private map between forwards; no RAM copy.
+    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str], casts: tuple | None = None,
+                spill: SpillFile | None = None, apply: bool = True,
+                values: list[torch.Tensor] | None = None) -> "StagingBuffer":
+        """A disk-tier master: the module views the file's private map between forwards; no RAM copy. A leaf read
+        with a cast views its cast bytes written once to the spill file instead (`values`: the leaves' bytes now,
+        by default the modules' tensors), as a compressed unit's do (spill.py).
 
         `apply=False` for a unit resident on the device now: its views are swapped in when it is evicted.
         """
-        views = [leaf.restride(file.view(k)) for k, leaf in zip(keys, layout.leaves)]
+        casts = tuple(casts) if casts is not None else (None,) * len(keys)
+        current = values if values is not None or not any(casts) else list(layout.sources())
+        views = [leaf.restride(_spilled(spill, current[k], leaf) if casts[k] is not None else
+                               as_leaf(file.view(key), leaf)) for k, (key, leaf) in enumerate(zip(keys, layout.leaves))]
+        del current
         if apply:
             layout.rebind_fresh(views)
         binding = layout.bind(views, None, master=True)
         if apply:
             binding.apply()
             layout.adopt_params()
-        return cls(layout, None, False, binding, file, keys)
+        return cls(layout, None, False, binding, file, keys, casts=casts)
 
     def leaf_copy(self, i: int, device: torch.device) -> torch.Tensor:
         """Leaf i as an ordinary, independent tensor (from the file by positioned read for the disk tier)."""
         if self.host is None:
-            return self.layout.leaves[i].restride(self.file.read_tensor(self.keys[i])).to(device)
+            cast = self.casts[i] if self.casts else None
+            leaf = self.layout.leaves[i]
+            return leaf.restride(leaf_from_file(self.file, self.keys[i], leaf, cast)).to(device)
         return self.layout.leaf_views(self.host)[i].to(device=device, copy=True)
 
     def restore_ordinary(self) -> None:
@@ -211,114 +219,6 @@ class StagedModel:
             self.shared = None
 
 
-def shared_tensor_ids(model: nn.Module, units: list[Unit]) -> set[int]:
-    """Tensors used by more than one unit, or by a unit and the rest: kept resident with the rest."""
-    owner: dict[int, int] = {}
-    shared: set[int] = set()
-    for i, unit in enumerate(units):
-        for _, _, _, t in unit_tensors(unit.module):
-            if owner.setdefault(id(t), i) != i:
-                shared.add(id(t))
-    unit_mods = {id(m) for u in units for m in u.module.modules()}
-    for sub in model.modules():
-        if id(sub) in unit_mods:
-            continue
-        for t in list(sub._parameters.values()) + list(sub._buffers.values()):
-            if t is not None and id(t) in owner:
-                shared.add(id(t))
-    if shared:
-        log.info("%d tensor(s) are shared between units or with the rest of the model; kept resident", len(shared))
-    return shared
-
-
-@dataclass
-class ModelLayout:
-    """A model laid out for staging, nothing changed yet: each unit's layout, the rest's, and what the file holds."""
-
-    units: list[Unit]
-    layouts: list[TensorLayout]
-    rest: TensorLayout
-    file: SafetensorsFile | None
-    key_of: Callable[[nn.Module, str], str]
-    file_optional: bool
-    keys: dict[int, list[Any]] = field(default_factory=dict)  # file key per leaf: meta units, disk-verified units
-    rest_keys: list[Any] | None = None
-    disk_ok: list[bool] = field(default_factory=list)  # the unit may stream from the file (before its bytes are checked)
-
-    @property
-    def sizes(self) -> list[int]:
-        return [layout.nbytes for layout in self.layouts]
-
-    @property
-    def rest_bytes(self) -> int:
-        return self.rest.nbytes if self.rest.entries else 0
-
-
-def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | None,
-                  file_optional: bool = False) -> ModelLayout:
-    """Lay out every unit and the rest, and read from the file's header which units it can stream; raises before
-    touching the model's weights on bad input (meta tensors no file can fill, a header that does not match)."""
-    # 0. non-persistent buffers on the meta device are computed as the model computes them, never read from a file;
-    # weights the model declares tied and a meta init untied are tied again (a checkpoint holds them once)
-    tie_meta_weights(model, file)
-    materialize_non_persistent_buffers(model)
-    materialize_tensor_attributes(model)  # plain tensor attributes on meta (rotary tables): rebuilt, or refused by name
-    shared = shared_tensor_ids(model, units)
-    # trainable parameters inside the blocks (a training setup) stay with the rest: on the device, never streamed
-    shared |= {id(p) for p in trainable_in_blocks([u.module for u in units], shared)}
-    layouts: list[TensorLayout] = []
-    in_units: set[tuple[int, str, str]] = set()
-    key_of = key_namer(model)
-    for unit in units:
-        tensors, stored = in_stored_order([t for t in unit_tensors(unit.module) if id(t[3]) not in shared], file,
-                                          key_of)
-        in_units.update((id(sub), name, kind) for sub, name, kind, _ in tensors)
-        layouts.append(plan_layout(tensors, group_dtypes=not stored))
-        del tensors
-    rest_layout = plan_layout([(sub, name, kind, t) for sub, name, kind, t in unit_tensors(model)
-                               if (id(sub), name, kind) not in in_units])
-    laid = ModelLayout(units, layouts, rest_layout, file, key_of, file_optional)
-    if file is not None and any(leaf.meta for layout in layouts + [rest_layout] for leaf in layout.leaves):
-        persistent_buffers_from_file(file, layouts + [rest_layout], laid.key_of)
-    for i, layout in enumerate(layouts):
-        ok = layout.plain and file is not None
-        if any(leaf.meta for leaf in layout.leaves):
-            if file is None or not _fillable(layout):
-                _refuse_meta(units[i].name, layout, file)
-            laid.keys[i] = meta_file_keys(file, layout, laid.key_of)  # the file is the only source: a mismatch is an error
-            # part of the unit is in RAM already (recomputed buffers): no file view; a misaligned tensor neither
-            ok = ok and all(k is not None for k in laid.keys[i]) and all(file.aligned(k) for k in laid.keys[i])
-        elif (file is not None and not file_optional and layout.plain and non_persistent_buffer(layout) is None):
-            file_keys(file, layout, laid.key_of)  # the header must match now (names, dtypes, shapes), not when RAM runs short
-        laid.disk_ok.append(ok)
-    if any(leaf.meta for leaf in rest_layout.leaves):
-        if file is None or not _fillable(rest_layout):
-            _refuse_meta("the weights outside the blocks", rest_layout, file)
-        laid.rest_keys = meta_file_keys(file, rest_layout, laid.key_of)
-    return laid
-
-
-def verify_for_disk(laid: ModelLayout, planned: list[int]) -> list[int]:
-    """Check that the file holds the very bytes of the units `planned` for the disk tier whose weights are in RAM
-    now (ComfyUI may cast or convert weights when it loads a file); returns the units it does not hold (they stay in
-    RAM: the plan is made again without them on disk). Strict (CorruptFileError) unless the file is optional."""
-    file = laid.file
-    refused: list[str] = []  # blocks the file does not hold exactly (disk_optional): one log line for all
-    out = []
-    for i in planned:
-        if i in laid.keys:
-            continue  # a meta unit: its keys were matched against the file already
-        keys = file_keys_holding(file, laid.layouts[i], laid.key_of, strict=not laid.file_optional, refused=refused)
-        if keys is None or not all(file.aligned(k) for k in keys):
-            out.append(i)  # a misaligned tensor cannot be viewed in place either
-            continue
-        laid.keys[i] = keys
-    if refused:
-        log.warning("not streaming %d block(s) from disk: %s%s; each stays in RAM", len(refused), refused[0],
-                    f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
-    return out
-
-
 def _jobs(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, shared: frozenset[int],
           compressed: frozenset[int] | set[int], spill: SpillFile | None, copy: Any,
           times: SetupTimes) -> list[Callable[[], Any] | None]:
@@ -368,7 +268,8 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
     total = len(units) + 1
     notice = logging.WARNING if backend.supports_pinned_host else logging.INFO  # quiet where pinning cannot exist
     reader = rest = ahead = None
-    spill = SpillFile() if spill_rest or any(tiers.get(i) != "disk" for i in compressed) else None
+    casting = {i for i, c in laid.casts.items() if tiers.get(i) == "disk" and any(x is not None for x in c)}
+    spill = SpillFile() if spill_rest or casting or any(tiers.get(i) != "disk" for i in compressed) else None
     copy = (SharedHostCopy.open(file.path, layouts, [u.name for u in units], shared)
             if shared and file is not None else None)
     try:
@@ -377,7 +278,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
         for i, layout in enumerate(layouts):
             prepared = ahead.take(i)
             if tiers.get(i) == "disk":
-                masters.append(StagingBuffer.on_disk(layout, file, keys[i]))
+                masters.append(StagingBuffer.on_disk(layout, file, keys[i], laid.casts.get(i), spill))
             elif i in compressed:
                 if prepared is not None:
                     unit_pin = pin and tiers.get(i) != "pageable"
@@ -440,8 +341,9 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             release_free_heap()  # the encoder's and the workers' transient buffers: freed, handed back to the OS
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
-        source: UnitSource = (disk_source(file, keys[i], master.layout.leaves, master.layout.nbytes, reader, backend)
-                              if master.host is None else make_ram_source(master, backend, reader))
+        source: UnitSource = (disk_source(file, keys[i], master.layout.leaves, master.layout.nbytes, reader, backend,
+                                          master.casts) if master.host is None else
+                              make_ram_source(master, backend, reader))
         staged.append(StagedUnit(i, unit.name, unit.module, master, source))
     if progress:
         progress(total, total)
@@ -479,16 +381,7 @@ def make_ram_source(master: StagingBuffer, backend: Any, reader: BounceReader | 
     return HostSource(master.host, master.pinned, backend)
 
 
-def _fillable(layout: TensorLayout) -> bool:
-    """Every tensor is a plain one: its meta leaves can be read from a safetensors file, whatever their strides (a
-    transposed or channels_last weight is read in row-major order and copied into its strided place)."""
-    return all(isinstance(e.recipe, int) for e in layout.entries)
-
-
-def _refuse_meta(what: str, layout: TensorLayout, file: SafetensorsFile | None) -> None:
-    leaf = next(leaf for leaf in layout.leaves if leaf.meta)
-    if file is None:
-        raise ValueError(f"{what}: a {tuple(leaf.shape)} {leaf.dtype} tensor is on the meta device and no "
-                         f"disk_path was given to read it from")
-    raise ValueError(f"{what}: holds meta tensors that {file.path} cannot fill (a tensor subclass cannot be read from a "
-                     f"safetensors file); build those modules with real weights, or quantize after loading")
+def _spilled(spill: SpillFile, value: torch.Tensor, leaf: Any) -> torch.Tensor:
+    """A leaf's bytes written to the spill file, viewed back as the leaf (a cast leaf's master between passes)."""
+    raw = value.detach().contiguous().reshape(-1).view(torch.uint8)
+    return spill.put(raw).view(leaf.dtype).view(leaf.shape)

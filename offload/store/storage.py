@@ -83,6 +83,19 @@ def _close_fds(*fds: int) -> None:
                 pass
 
 
+def strippable(names: list[str]) -> int:
+    """How many leading name parts every name shares, up to the part before its first index (a number: the block's
+    container and index stay, `layers.0`) and never its last two parts: the parts `keys_for` may strip."""
+    split = [n.split(".") for n in names]
+    shortest = min(len(parts) for parts in split)
+    k = 0
+    while k < shortest - 2 and all(parts[k] == split[0][k] for parts in split):
+        if split[0][k].isdigit():
+            return max(0, k - 1)
+        k += 1
+    return k
+
+
 def _writable_bytes(t: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes (no numpy needed)."""
     n = t.numel() * t.element_size()
@@ -146,19 +159,14 @@ class SafetensorsFile:
 
     # matching -------------------------------------------------------------------
     def match(self, names: list[str], leaves: list[Leaf]) -> list[str]:
-        """The file keys for the model's tensor names (a common key prefix is detected); checks dtype/shape."""
+        """The file keys for the model's tensor names (see `keys_for`); checks dtype/shape."""
         if not names:
             return []
-        prefix = None
-        for cand in self._prefixes(names[0]):
-            if all(cand + n in self.tensors for n in names):
-                prefix = cand
-                break
-        if prefix is None:
+        keys = self.keys_for(names)
+        if keys is None:
             missing = [n for n in names if not any(p + n in self.tensors for p in self._prefixes(names[0]))]
             raise CorruptFileError(f"{self.path}: does not hold the model's weights; missing e.g. "
                                    f"{missing[:3]} (file has e.g. {list(self.tensors)[:3]})")
-        keys = [prefix + n for n in names]
         for key, leaf in zip(keys, leaves):
             ft = self.tensors[key]
             if ft.dtype != leaf.dtype or tuple(ft.shape) != tuple(leaf.shape):
@@ -166,6 +174,26 @@ class SafetensorsFile:
                                        f"{tuple(leaf.shape)} {leaf.dtype} in the model; bytes stream as stored, so "
                                        f"the file must match the model's dtype")
         return keys
+
+    def keys_for(self, names: list[str]) -> list[str] | None:
+        """The file keys of the model's tensor names, or None: the names under a common key prefix of the file (a
+        checkpoint's `model.diffusion_model.`), else without leading parts all the names share up to their first
+        index (a text encoder `t5xxl.transformer.encoder.block.0...` read from a file of the encoder alone, whose keys
+        are `encoder.block.0...`), where exactly one prefix of the file then holds them all."""
+        if not names:
+            return []
+        for cand in self._prefixes(names[0]):
+            if all(cand + n in self.tensors for n in names):
+                return [cand + n for n in names]
+        for k in range(1, strippable(names) + 1):
+            tails = [n.split(".", k)[k] for n in names]
+            found = {cand for cand in self._prefixes(tails[0]) if all(cand + t in self.tensors for t in tails)}
+            if len(found) == 1:
+                cand = found.pop()
+                return [cand + t for t in tails]
+            if found:
+                return None  # held under several prefixes: which one is the model's cannot be told by name
+        return None
 
     def _prefixes(self, name: str) -> list[str]:
         found = [""]

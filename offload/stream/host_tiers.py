@@ -15,7 +15,9 @@ from ..backends.base import Backend
 from ..plan.planner import bounce_buffers
 from ..store.compressed import disk_source, unit_host_bytes, unit_segment, unit_shared
 from ..store.sources import BounceReader
-from ..store.staging import StagedModel, StagingBuffer, file_keys_holding, make_ram_source
+from ..store.leaf_match import FileMap, holding_map, leaf_from_file
+from ..store.spill import SpillFile
+from ..store.staging import StagedModel, StagingBuffer, make_ram_source
 from .placement import UnitState, quiesce
 from .prefetch import PrefetchWorker
 
@@ -39,10 +41,14 @@ class HostTiers:
         """Whether a disk-tier unit's views hold other bytes than its file (a write through `.data`)."""
         master = u.master
         master.file.check_unchanged()  # reading the map of a truncated file would be fatal
-        for entry, key in zip(master.layout.entries, master.keys):  # disk layouts are plain: one leaf per entry
-            t = entry.current()
-            if t is None or not torch.equal(t.detach().reshape(-1).view(torch.uint8),
-                                            master.file.read_tensor(key).reshape(-1).view(torch.uint8)):
+        casts = master.casts or (None,) * len(master.keys)
+        layout = master.layout
+        if any(e.current() is None for e in layout.entries):
+            return True
+        for leaf, t, key, cast in zip(layout.leaves, layout.sources(), master.keys, casts):
+            want = leaf_from_file(master.file, key, leaf, cast)
+            if not torch.equal(t.detach().contiguous().reshape(-1).view(torch.uint8),
+                               want.reshape(-1).view(torch.uint8)):
                 return True
         return False
 
@@ -58,8 +64,8 @@ class HostTiers:
                 host.copy_(device_copy)
             else:
                 old.file.check_unchanged()
-                for view, entry in zip(layout.leaf_views(host), layout.entries):
-                    view.copy_(entry.current().detach())
+                for view, src in zip(layout.leaf_views(host), layout.sources()):
+                    view.copy_(src.detach())
         binding = layout.build(host, master=True)
         master = StagingBuffer(layout, host, pinned, binding)
         if u.resident_buf is None:
@@ -87,6 +93,7 @@ class HostTiers:
         u.mark = layout.version()
         quiesce(self.staged, self.backend)  # no read or copy may still use the pages about to be given back
         old.shared.drop_private_pages()
+        old.shared.copy.let_go.add(old.shared.index)  # this model no longer holds the unit in the shared copy
         log.info("%s was written in this process: it keeps a private copy; the other processes sharing its host copy "
                  "keep the original bytes", u.staged.name)
 
@@ -129,7 +136,7 @@ class HostTiers:
         ram += 0 if self.staged.rest.spilled else self.staged.rest.layout.nbytes
         reader = self.staged.reader
         if reader is not None:
-            ram += reader.bounce_bytes * reader.count
+            ram += reader.bounce_bytes * reader.count + reader.scratch_bytes
             pinned += reader.bounce_bytes * reader.count if reader.pinned else 0
         return {"ram": ram, "pinned": pinned, "disk": disk, "shared": shared, "blocks_raw": raw}
 
@@ -137,13 +144,14 @@ class HostTiers:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
         model's file holds their exact bytes (checked; a block of the host copy shared between processes only while
         no other process maps the copy: otherwise letting go of it frees nothing); returns the bytes freed, net of
-        any bounce buffers the disk tier needed (0 without a file). The caller holds the pass lock."""
+        any bounce buffers the disk tier needed (0 without a file). A block another model of this process still holds
+        in the shared copy is freed when that one lets it go too: it counts towards `nbytes` here but not in the bytes
+        returned (asked the same, that model frees it). The caller holds the pass lock."""
         staged = self.staged
         file = staged.file
         if file is None or nbytes <= 0:
             return 0
-        candidates = [self.units[i] for i in order
-                      if self.units[i].master.host is not None and self.units[i].staged.layout.plain]
+        candidates = [self.units[i] for i in order if self.units[i].master.host is not None]
         biggest = max((x.nbytes for x in self.units), default=0)
         reader = staged.reader
         if reader is None or reader.bounce_bytes < biggest:  # the disk tier would need new bounce buffers
@@ -151,34 +159,47 @@ class HostTiers:
                                                                reader.bounce_bytes * reader.count)
             if sum(u.nbytes for u in candidates) <= extra:
                 return 0  # moving every block could not even pay for the bounce buffers
-        freed = cost = 0
+        freed = cost = pending = 0
         refused: list[str] = []
         for u in candidates:
-            if freed - cost >= nbytes:
+            if freed + pending - cost >= nbytes:
                 break
             shared = unit_segment(u.staged)  # (copy, index): raw or encoded in the copy shared between processes
             if shared is not None and not shared[0].alone():
                 continue
-            keys = file_keys_holding(file, u.staged.layout, staged.key_of, refused=refused)
-            if keys is None or not all(file.aligned(k) for k in keys):
+            found = holding_map(file, u.staged.layout, staged.key_of, refused=refused)
+            if found is None:
                 continue
             quiesce(staged, self.backend)  # no read or copy may still use the RAM master about to go
             if staged.reader is None or staged.reader.bounce_bytes < u.nbytes:
                 cost += self._replace_reader(biggest)
             held = unit_host_bytes(u.staged)  # a compressed unit frees its encoded blob
-            u.staged.master = StagingBuffer.on_disk(u.staged.layout, file, keys, apply=u.resident_buf is None)
-            u.staged.source = self.sources[u.index] = disk_source(file, keys, u.staged.layout.leaves, u.nbytes,
-                                                                  staged.reader, self.backend)
+            layout = u.staged.layout
+            values = layout.leaf_views(u.master.host) if found.cast else None  # cast leaves: their bytes spilled
+            u.staged.master = StagingBuffer.on_disk(layout, file, found.keys, found.casts, self._spill(found),
+                                                    apply=u.resident_buf is None, values=values)
+            del values
+            u.staged.source = self.sources[u.index] = disk_source(file, found.keys, layout.leaves, u.nbytes,
+                                                                  staged.reader, self.backend, found.casts)
             u.mark = u.staged.layout.version()
             if shared is None or shared[0].give_back(shared[1]):
                 freed += held
+            else:
+                pending += held  # another model of this process still holds it: freed when that one lets it go
         if refused:
             log.warning("not moving %d block(s) to the disk tier: %s%s; each stays in RAM", len(refused), refused[0],
                         f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
-        if freed:
+        if freed or pending:
             self.worker.restart()  # copies queued from the old masters are replaced by reads of the file
-            log.info("moved %.1f MB of blocks to the disk tier (%s) to give RAM back", freed / 2 ** 20, file.path)
+            log.info("moved %.1f MB of blocks to the disk tier (%s) to give RAM back%s", (freed + pending) / 2 ** 20,
+                     file.path, f" ({pending / 2 ** 20:.1f} MB of them once the other models of this process holding "
+                                f"them in the shared copy let them go)" if pending else "")
         return max(0, freed - cost)
+
+    @staticmethod
+    def _spill(found: FileMap) -> SpillFile | None:
+        """A spill file for a unit whose leaves are cast on read (its maps outlive the file object)."""
+        return SpillFile() if found.cast else None
 
     def _replace_reader(self, bounce_bytes: int) -> int:
         """A read-ahead thread with bounce buffers of `bounce_bytes`; returns the host bytes it added."""

@@ -71,6 +71,7 @@ class ComfyServer:
         self.proc: Optional[subprocess.Popen] = None
         self.client_id = uuid.uuid4().hex
         self.extra_env: Dict[str, str] = {}  # set before start(): this server's own environment variables
+        self.extra_args: List[str] = []  # set before start(): more command-line arguments (e.g. --cache-ram)
 
     def __enter__(self) -> "ComfyServer":
         self.start()
@@ -89,7 +90,7 @@ class ComfyServer:
     def start(self) -> None:
         cmd = self.entry_point() + ["--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                "--base-directory", self.base_dir, "--disable-auto-launch", "--disable-metadata",
-               "--database-url", "sqlite:///" + os.path.join(self.base_dir, "user", "comfyui.db")]
+               "--database-url", "sqlite:///" + os.path.join(self.base_dir, "user", "comfyui.db")] + self.extra_args
         env = dict(os.environ)
         env.pop("COMFYUI_PATH", None)
         env["PYTHONUNBUFFERED"] = "1"

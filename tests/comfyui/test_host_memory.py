@@ -71,6 +71,8 @@ def comfy_memory(env, monkeypatch):
     yield calls
     hm.uninstall()
     gate.set_pin_gate(*saved_gate)
+    monkeypatch.undo()  # ComfyUI's own functions back, then the pack's hooks over them again, as the pack left them
+    hm.install()  # (uninstall also took the pack's wrapper off 0.12's RAMPressureCache.poll, which later tests use)
 
 
 def sample(env, model, start=0, end=3, steps=6, seed=3):

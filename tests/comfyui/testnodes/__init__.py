@@ -1,7 +1,8 @@
 """Test-only ComfyUI nodes, copied into the test server's custom_nodes (never shipped with the pack).
 
 LOTestConditioning stands in for a text encoder (a seeded [1, tokens, 4096] tensor); LOTestLatentHash
-is an output node that reports a SHA-256 of a LATENT so two prompts can be compared bitwise.
+is an output node that reports a SHA-256 of a LATENT so two prompts can be compared bitwise; LOTestModelRam reports a
+MODEL's host RAM between two nodes.
 """
 import hashlib
 
@@ -85,5 +86,25 @@ class LOTestWavAudio:
         return ({"waveform": data.reshape(-1, channels).t().unsqueeze(0).contiguous(), "sample_rate": rate},)
 
 
+class LOTestModelRam:
+    """A MODEL's host RAM as ComfyUI reads it (`model_mmap_residency`: bytes in RAM, bytes in all); passes a LATENT
+    through, so a prompt can read it between two samplers."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "samples": ("LATENT",)}}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "read"
+    OUTPUT_NODE = True
+    CATEGORY = "testing"
+
+    def read(self, model, samples):
+        fn = getattr(model, "model_mmap_residency", None)
+        resident, total = fn() if callable(fn) else (-1, -1)
+        return {"ui": {"text": ["ram={} total={}".format(int(resident), int(total))]}, "result": (samples,)}
+
+
 NODE_CLASS_MAPPINGS = {"LOTestConditioning": LOTestConditioning, "LOTestLatentHash": LOTestLatentHash,
-                       "LOTestAudioHash": LOTestAudioHash, "LOTestWavAudio": LOTestWavAudio}
+                       "LOTestAudioHash": LOTestAudioHash, "LOTestWavAudio": LOTestWavAudio,
+                       "LOTestModelRam": LOTestModelRam}
