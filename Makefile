@@ -134,11 +134,13 @@ bench-gpu: env
 clean:
 	rm -rf .make .pytest_cache build *.egg-info
 
-# The Layer Offload sidebar panel (and the download plan, the node help) in a real ComfyUI frontend, in headless
-# Chromium (selenium, the system chromium and chromedriver; the test skips with the reason when one is missing):
+# The Layer Offload sidebar panel (and the download plan, the node help, "Offload this workflow") in a real
+# ComfyUI frontend, in headless Chromium (selenium, the system chromium and chromedriver; the tests skip with the
+# reason when one is missing):
 #   COMFYUI_PATH=/path/to/ComfyUI PY=/path/to/comfy/venv/bin/python make test-browser
 .PHONY: test-browser
 test-browser:
 	@if [ -z "$$COMFYUI_PATH" ]; then \
 	  echo "[make] set COMFYUI_PATH to a ComfyUI checkout (and PY to a python that runs it)" >&2; exit 2; fi
-	$(PY) -m pytest tests/comfyui/test_panel_browser.py tests/comfyui/test_plan_download_browser.py $(PYTEST_ARGS)
+	$(PY) -m pytest tests/comfyui/test_panel_browser.py tests/comfyui/test_plan_download_browser.py \
+		tests/comfyui/test_convert_browser.py $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
-"""HTTP routes for the panel (web/layer_offload.js): the report, and the priority and budget controls.
+"""HTTP routes for the panel (web/layer_offload.js): the report, the priority and budget controls, the workflow plan
+and "Offload this workflow".
 
 GET  /layer_offload/report                      the report JSON (nodes/status.py)
 POST /layer_offload/priority {"model", "priority"}  a model's priority; takes effect at its next forward
@@ -8,6 +9,8 @@ POST /layer_offload/plan     {"prompt": API graph} or {"workflow": UI graph}, op
                              the workflow plan before the graph is queued (nodes/workflow_plan.py; nothing loads);
                              "fetch_headers": true also plans missing models from the headers of the download links
                              the workflow carries (nodes/plan_headers.py), "cached_headers": true from those read before
+POST /layer_offload/convert  {"workflow": UI graph}, optional "card": the edits that put the pack's nodes into the
+                             open workflow, presets planned for the card (nodes/workflow_convert.py; nothing loads)
 
 A change answers with the new report and publishes it; a bad value answers 400 (an unknown model 404) with
 {"error": "..."} and changes nothing. No route ever answers with a traceback.
@@ -22,6 +25,7 @@ from ..offload import default_budget
 from .budget import GIB, check_total
 from .registry import find_managed
 from .status import _prompt_server, build_report, publish
+from .workflow_convert import convert_graph
 from .workflow_plan import plan_graph
 
 log = logging.getLogger("layer_offload")
@@ -30,6 +34,7 @@ ROUTE = "/layer_offload/report"
 PRIORITY_ROUTE = "/layer_offload/priority"
 BUDGET_ROUTE = "/layer_offload/budget"
 PLAN_ROUTE = "/layer_offload/plan"
+CONVERT_ROUTE = "/layer_offload/convert"
 PRIORITY_RANGE = (-100, 100)
 PANEL_ORIGIN = "set from the Layer Offload panel"
 _registered = False
@@ -107,6 +112,8 @@ def handle_post(kind: str, body: Any) -> Tuple[int, Dict[str, Any]]:
             return 200, {"ok": True, "report": set_budget(body)}
         if kind == "plan":
             return 200, dict(plan_graph(body), ok=True)
+        if kind == "convert":
+            return 200, dict(convert_graph(body), ok=True)
         raise RouteError(404, "unknown control {!r}".format(kind))
     except RouteError as e:
         return e.status, {"ok": False, "error": str(e)}
@@ -140,7 +147,7 @@ def register_routes() -> bool:
             body = await request.json()
         except Exception:  # noqa: BLE001 - not JSON
             return web.json_response({"ok": False, "error": "the request body must be JSON"}, status=400)
-        if kind == "plan":  # reads file headers and runs a meta-device forward: off the server's event loop
+        if kind in ("plan", "convert"):  # read file headers and run a meta-device forward: off the event loop
             import asyncio
 
             status, data = await asyncio.get_running_loop().run_in_executor(None, handle_post, kind, body)
@@ -159,6 +166,10 @@ def register_routes() -> bool:
     @ps.routes.post(PLAN_ROUTE)
     async def _plan(request: Any) -> Any:
         return await _post(request, "plan")
+
+    @ps.routes.post(CONVERT_ROUTE)
+    async def _convert(request: Any) -> Any:
+        return await _post(request, "convert")
 
     from .node_help import register_help_route
 

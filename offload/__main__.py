@@ -1,6 +1,7 @@
 """Command line: `python -m offload demo [...]` (see `python -m offload demo --help`),
-`python -m offload pack SRC.safetensors OUT_DIR` (the packed disk format, offload/store/packed.py) and
-`python -m offload plan MODEL [--card ...]` (will it fit, and how slow: offload/predict/plan_cli.py)."""
+`python -m offload pack SRC.safetensors OUT_DIR` (the packed disk format, offload/store/packed.py),
+`python -m offload plan MODEL [--card ...]` (will it fit, and how slow: offload/predict/plan_cli.py) and
+`python -m offload convert WORKFLOW.json -o OUT.json` (the pack's nodes put into a ComfyUI workflow: offload/convert/)."""
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     from .predict import plan_cli
 
     plan_cli.add_arguments(plan)
+    convert = sub.add_parser("convert", help="put the pack's nodes into a ComfyUI workflow (subgraphs too): Offload "
+                                             "Loaders, Offload CLIP / Model after other loaders, one VRAM Budget, "
+                                             "presets planned for the card")
+    from .convert import cli as convert_cli
+
+    convert_cli.add_arguments(convert)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    run = {"demo": demo_mod.main, "pack": _pack, "plan": plan_cli.main}[args.command]
+    run = {"demo": demo_mod.main, "pack": _pack, "plan": plan_cli.main, "convert": convert_cli.main}[args.command]
     try:
         return run(args)
     except (ValueError, OSError, OverflowError) as exc:  # bad device / preset / size / file: a message, no traceback

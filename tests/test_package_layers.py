@@ -19,7 +19,8 @@ ENGINE = ROOT / "offload"
 # The layers, highest first: a module may import its own package and anything on a lower rank, never a higher one.
 # config.py is the vocabulary every layer speaks (OffloadConfig, the presets, byte checks): it imports nothing.
 RANKS = {
-    "offload": 9, "offload.__main__": 9,
+    "offload": 10, "offload.__main__": 10,
+    "offload.convert": 9,  # "offload this workflow": an application of the workflow plan
     "offload.predict": 8, "offload.tts": 8, "offload.demo": 8,
     "offload.handle": 7, "offload.setup": 7, "offload.arguments": 7, "offload.reporting": 7,  # one floor
     "offload.stream": 6, "offload.generate": 6,
@@ -108,8 +109,8 @@ def test_top_level_holds_only_the_entry_points():
     top = sorted(p.name for p in ENGINE.glob("*.py"))
     assert len(top) <= 8, top
     packages = sorted(p.parent.name for p in ENGINE.glob("*/__init__.py"))
-    assert packages == ["backends", "budget", "demo", "generate", "model", "plan", "predict", "report", "store",
-                        "stream", "tts"]
+    assert packages == ["backends", "budget", "convert", "demo", "generate", "model", "plan", "predict", "report",
+                        "store", "stream", "tts"]
 
 
 @pytest.mark.parametrize("package", sorted(p.parent.name for p in ENGINE.glob("*/__init__.py")))

@@ -34,6 +34,7 @@
 //     [data-lo-plan-run="fits|total|peak_vram|ram|ram_free|disk"]  the run's figures (data-lo-value: raw number)
 //     [data-lo-plan-model="<key>"]      one row per model, [data-lo-plan-cell="fits|preset|vram|ram|disk|time"]
 //     [data-lo-download-plan]           models the workflow links but this machine lacks (web/download_plan.js)
+//   [data-lo-convert]                   "Offload this workflow": its hooks are listed in web/offload_convert.js
 //   [data-lo-workflow]                  after an Offload Report node ran: the plan beside the run,
 //     [data-lo-workflow-figure="time|peak_vram|host|disk"] (data-lo-planned / data-lo-measured: raw numbers),
 //     [data-lo-workflow-model="<name>"] per offloaded model, [data-lo-workflow-note="times"] why the plan's times
@@ -41,6 +42,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { downloadSection, planRequestExtras } from "./download_plan.js";
+import { convertSection } from "./offload_convert.js";
 
 const EVENT = "layer_offload.report";
 const ROUTE = "/layer_offload/report";
@@ -313,6 +315,7 @@ function panel(data) {
     el("span", {}, state.error),
     state.error ? el("button", { class: "lo-close", title: "Dismiss", "aria-label": "Dismiss",
       onclick: () => setError("") }, "×") : null));
+  out.push(convertSection(() => plan.card)); // "Offload this workflow" (web/offload_convert.js), on the panel's card
   if (!data) {
     out.push(el("div", { class: "lo-muted" }, "Loading the report…"));
     return out;
