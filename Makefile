@@ -3,7 +3,7 @@
 #   make demo     python -m offload demo   (CUDA when present, the simulated device otherwise)
 #   make test     python -m pytest -q      (tests/)
 #   make test-comfy  the ComfyUI tests against COMFYUI_PATH (skipped by make test without it)
-#   make test-stress the timing-adjacent test files 20 times in a row with a core kept busy (not in CI; README,
+#   make test-stress the timing-adjacent test files 20 times in a row with a core kept busy (not in CI; docs/development.md,
 #                 "Tests that cannot flake"; STRESS_RUNS, STRESS_BUSY, STRESS_FILES= for the whole suite)
 #   make bench    benchmarks/bench_offload.py on the scaled-down shapes (BENCH_ARGS="..." to change)
 #   make bench-hooks  benchmarks/bench_hooks.py: hook CPU cost per unit vs accelerate/diffusers (BENCH_HOOKS_ARGS)
@@ -98,7 +98,7 @@ STRESS_FILES ?= tests/test_cost_placement.py tests/test_plan_believes_measuremen
 test-stress: env
 	$(PY) tests/stress.py --runs $(STRESS_RUNS) --busy $(STRESS_BUSY) $(STRESS_ARGS) $(STRESS_FILES)
 
-# The ComfyUI tests need a ComfyUI checkout and a Python that can run it (see README, "Running the ComfyUI
+# The ComfyUI tests need a ComfyUI checkout and a Python that can run it (see docs/development.md, "Running the ComfyUI
 # tests"): COMFYUI_PATH=/path/to/ComfyUI PY=/path/to/comfy/venv/bin/python make test-comfy
 test-comfy:
 	@if [ -z "$$COMFYUI_PATH" ]; then \

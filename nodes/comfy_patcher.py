@@ -14,17 +14,18 @@ or made by moving a base clone's state into a new instance. Nothing assigns `__c
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-import comfy.hooks
 import comfy.model_management
 import comfy.model_patcher
 import comfy.utils
 from comfy.model_patcher import ModelPatcher
 
 from . import host_memory, patches
+from . import patcher_accounting as pa
+from . import patcher_baking as pb
 from .common import log_once
 from .registry import Managed, managed_root, track_patcher
 
@@ -36,142 +37,6 @@ except ImportError:  # pragma: no cover - very old ComfyUI
     CallbacksMP = WrappersMP = None
 
 REPORT_WRAPPER_KEY = "layer_offload_report"
-
-
-def _accounting(p: Any) -> Any:
-    """Where this ComfyUI keeps a patcher's load accounting: `_memory_measurements` (0.12 to about 0.21) or the
-    model (before 0.12, and again since)."""
-    return getattr(p, "_memory_measurements", None) or p.model
-
-
-def _set_loaded(p: Any, loaded: int, lowvram: bool, patch_counter: int, uuid: Any,
-                device: Optional[torch.device]) -> None:
-    acc = _accounting(p)
-    acc.model_loaded_weight_memory = loaded
-    acc.model_lowvram = lowvram
-    acc.lowvram_patch_counter = patch_counter
-    acc.current_weight_patches_uuid = uuid
-    acc.model_offload_buffer_memory = 0
-    if device is not None:
-        try:
-            if hasattr(type(p), "model_device"):
-                p.model_device = device
-            else:
-                p.model.device = device
-        except AttributeError:  # a transformers model's `device` is a read-only property (from its weights)
-            pass
-
-
-def _move_own_tensors(module: torch.nn.Module, device: Any) -> None:
-    """Move a module's own parameters and buffers (not its children: those may be the engine's)."""
-    for name, p in module._parameters.items():
-        if p is not None and p.device != torch.device(device):
-            p.data = p.data.to(device)
-    for name, b in module._buffers.items():
-        if b is not None and b.device != torch.device(device):
-            module._buffers[name] = b.to(device)
-
-
-def _outside_modules(patcher: Any, root: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
-    """Modules of the patcher's model that hold tensors but are outside the offloaded root."""
-    inside = {id(m) for m in root.modules()}
-    out = []
-    for name, m in patcher.model.named_modules():
-        if id(m) in inside:
-            continue
-        if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
-            out.append((name, m))
-    return out
-
-
-def _outside_device_bytes(patcher: Any, root: torch.nn.Module) -> int:
-    load = patcher.load_device
-    if comfy.model_management.is_device_cpu(load):
-        return 0
-    total = 0
-    for _, m in _outside_modules(patcher, root):
-        for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
-            if t.device == load:
-                total += t.nelement() * t.element_size()
-    return total
-
-
-def _bake(patcher: Any, st: Managed, prefix: str) -> None:
-    """Write the patches into the host weights (a forced load), keeping the originals to restore."""
-    st.handle.unload()  # every weight on its host master
-    with torch.no_grad():
-        for key in patcher.patches:
-            if not key.startswith(prefix):
-                continue
-            weight = comfy.utils.get_attr(patcher.model, key)
-            value = patches.patched_weight(patcher.model, key, patcher.patches, weight.device)
-            st.baked[key] = (weight, weight.detach().clone())  # the engine keeps parameter identity
-            weight.data.copy_(value)
-
-
-def _restore_baked(st: Managed) -> None:
-    """Undo a forced load's baking: the host weights are the originals again."""
-    if not st.baked:
-        return
-    st.handle.unload()
-    with torch.no_grad():
-        for weight, original in st.baked.values():
-            weight.data.copy_(original)
-    st.baked.clear()
-
-
-def _restore_shared_backups(patcher: Any) -> None:
-    """Put back weights a plain clone of the same model baked a patch into: ComfyUI's clones share one backup dict,
-    and ComfyUI's own unpatch restores it before another clone uses the model; the offload patcher does the same
-    (the engine then takes its parameters back at the next pass)."""
-    backup = getattr(patcher, "backup", None)
-    if not backup:
-        return
-    for key, bk in list(backup.items()):
-        if bk.inplace_update:
-            comfy.utils.copy_to_param(patcher.model, key, bk.weight)
-        else:
-            comfy.utils.set_attr_param(patcher.model, key, bk.weight)
-    backup.clear()
-    for m in patcher.model.modules():
-        m.__dict__.pop("comfy_patched_weights", None)
-
-
-def _patch_hooks_outside(patcher: Any, hooks: Any, combined: Dict[str, list]) -> None:
-    """Weight hooks on weights outside the offloaded root (ComfyUI keeps those on the device): patched in place, with
-    ComfyUI's backups, exactly as ComfyUI patches them on a plain model."""
-    counter = None
-    counter_cls = getattr(comfy.model_patcher, "MemoryCounter", None)
-    max_speed = getattr(getattr(comfy.hooks, "EnumHookMode", None), "MaxSpeed", None)
-    if max_speed is not None and getattr(patcher, "hook_mode", None) == max_speed:
-        if counter_cls is None:
-            log_once("no-memory-counter", "Layer Offload: comfy.model_patcher.MemoryCounter is not in this ComfyUI; "
-                     "weight hooks outside the offloaded blocks are patched without caching.", level=logging.INFO)
-        else:
-            counter = counter_cls(initial=comfy.model_management.get_free_memory(patcher.load_device),
-                                  minimum=comfy.model_management.minimum_inference_memory() * 2)
-    originals = patcher.get_key_patches()
-    keys = set(patcher.model_state_dict().keys())
-    for key in combined:
-        if key in keys:
-            patcher.patch_hook_weight_to_device(hooks=hooks, combined_patches=combined, key=key,
-                                                original_weights=originals, memory_counter=counter)
-
-
-def _mark_active(patcher: Any, st: Managed) -> None:
-    """ComfyUI loads this model for a node's work: it leads its priority in the budget (idle models of the same
-    priority give it their bytes now, least recently used first), and it carries its patcher's `fast_disk`."""
-    st.fast_disk = bool(getattr(patcher, "fast_disk", False))  # host_memory: releases RAM first under pressure
-    mark = getattr(st.handle, "mark_active", None)
-    if callable(mark):
-        mark()
-
-
-def _reassert_budget(st: Managed) -> None:
-    """A model wired to a VRAM Budget node re-applies that budget when it loads (the latest loaded wins)."""
-    apply = getattr(st.budget, "apply", None)
-    if callable(apply):
-        apply()
 
 
 class OffloadPatcherMethods:
@@ -220,7 +85,7 @@ class OffloadPatcherMethods:
         root, _, st = self._lo()
         if st is None:
             return self._lo_base.loaded_size(self)
-        return int(st.handle.device_bytes()) + int(st.handle.kv_device_bytes()) + _outside_device_bytes(self, root)
+        return int(st.handle.device_bytes()) + int(st.handle.kv_device_bytes()) + pa.outside_device_bytes(self, root)
 
     def model_size(self) -> int:
         """What this model wants on the device at most: its planned resident set + slot ring, not its full size."""
@@ -237,7 +102,7 @@ class OffloadPatcherMethods:
         if st is None:
             return self._lo_base.get_ram_usage(self)
         host = st.handle.host_memory()
-        outside = sum(t.nelement() * t.element_size() for _, m in _outside_modules(self, root)
+        outside = sum(t.nelement() * t.element_size() for _, m in pa.outside_modules(self, root)
                       for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)))
         return int(host["ram"]) + outside
 
@@ -292,21 +157,21 @@ class OffloadPatcherMethods:
             device_to = self.load_device
         with self.use_ejected():
             self.unpatch_hooks()
-            _restore_baked(st)
-            _restore_shared_backups(self)
-            _reassert_budget(st)
+            pb.restore_baked(st)
+            pb.restore_shared_backups(self)
+            pa.reassert_budget(st)
             if force_patch_weights:
-                _bake(self, st, prefix)
+                pb.bake(self, st, prefix)
                 patch_counter = 0
                 patches.clear(self, root)
             else:
                 patch_counter = patches.install(self, root, prefix)
             st.handle.reset_stats()  # the report describes the run this load serves, not every run since setup
-            _mark_active(self, st)
+            pa.mark_active(self, st)
             st.handle.load()
-            for _, m in _outside_modules(self, root):
-                _move_own_tensors(m, device_to)
-            _set_loaded(self, self.loaded_size(), True, patch_counter, self.patches_uuid, device_to)
+            for _, m in pa.outside_modules(self, root):
+                pa.move_own_tensors(m, device_to)
+            pa.set_loaded(self, self.loaded_size(), True, patch_counter, self.patches_uuid, device_to)
             if CallbacksMP is not None:
                 for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):
                     callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
@@ -345,7 +210,7 @@ class OffloadPatcherMethods:
             freed += int(st.handle.unload() or 0)
         after = self.loaded_size()
         freed = max(freed, before - after)
-        _accounting(self).model_loaded_weight_memory = after
+        pa.accounting(self).model_loaded_weight_memory = after
         log.debug("Layer Offload: %s freed %.1f MB (asked %.1f MB), %.1f MB remain", st.name, freed / 2 ** 20,
                   memory_to_free / 2 ** 20, after / 2 ** 20)
         return freed
@@ -367,7 +232,7 @@ class OffloadPatcherMethods:
                 inside = {k: v for k, v in combined.items() if k.startswith(prefix)}
                 outside = {k: v for k, v in combined.items() if not k.startswith(prefix)}
                 if outside:
-                    _patch_hooks_outside(self, hooks, outside)
+                    pb.patch_hooks_outside(self, hooks, outside)
                 if inside:
                     originals = self.get_key_patches() if patches.needs_original_weights(inside) else None
                     patches.set_hook_patches(self, inside, originals)
@@ -396,14 +261,14 @@ class OffloadPatcherMethods:
         if unpatch_weights:
             self.unpatch_hooks()
             st.handle.unload()
-            _restore_baked(st)
-            _restore_shared_backups(self)
+            pb.restore_baked(st)
+            pb.restore_shared_backups(self)
             patches.clear(self, root)
             self.backup.clear()
             if device_to is not None:
-                for _, m in _outside_modules(self, root):
-                    _move_own_tensors(m, device_to)
-            _set_loaded(self, 0, False, 0, None, device_to)
+                for _, m in pa.outside_modules(self, root):
+                    pa.move_own_tensors(m, device_to)
+            pa.set_loaded(self, 0, False, 0, None, device_to)
         for k in list(self.object_patches_backup.keys()):
             comfy.utils.set_attr(self.model, k, self.object_patches_backup[k])
         self.object_patches_backup.clear()

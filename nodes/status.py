@@ -142,6 +142,8 @@ def workflow_lines(w: Optional[Dict[str, Any]]) -> List[str]:
         lines.append("  {}: planned {}, measured {}{}".format(label, _fmt(pair.get("planned"), unit),
                                                           _fmt(pair.get("measured"), unit),
                                                           "" if off is None else " ({:+.0%})".format(off)))
+    if w.get("times_note"):
+        lines.append("  times: {} (not this run's to compare; the memory figures are)".format(w["times_note"]))
     run = w.get("run") or {}
     lines.append("  whole run as planned: {}, peak VRAM {}, RAM {} of {} free{}".format(
         _fmt(run.get("total_ms"), "ms"), _fmt(run.get("peak_vram_bytes"), "b"), _fmt(run.get("ram_needed_bytes"), "b"),

@@ -90,6 +90,9 @@ def card_names() -> List[str]:
         return []
 
 
+SIM_SOURCE = "the simulated device (--cpu) with "  # how a sim card's `source` starts (times_note reads it)
+
+
 def this_card() -> Tuple[Any, str]:
     """(the card to plan on, how it was chosen): the named card matching ComfyUI's CUDA device; the same card with
     this device's memory when the name is not in the table; under --cpu the simulated device's capacity on a
@@ -123,7 +126,7 @@ def this_card() -> Tuple[Any, str]:
     total = int(device_memory("sim")[1])
     ref = _nearest_by_memory(cards, total)
     card = dataclasses.replace(ref, name="sim ({:.2f} GiB)".format(total / GIB), vram_bytes=total,
-                               source="the simulated device (--cpu) with {}'s speeds".format(ref.name))
+                               source="{}{}'s speeds".format(SIM_SOURCE, ref.name))
     return card, "simulated device (--cpu): {:.2f} GiB with {}'s speeds; choose a card in the panel to plan for " \
                  "a GPU".format(total / GIB, ref.name)
 
@@ -314,6 +317,9 @@ def workflow_check(plan: Optional[Dict[str, Any]], models: List[Dict[str, Any]])
     return {
         "card": (plan.get("card") or {}).get("name"),
         "card_note": _last.get("card_note"),
+        # under --cpu the plan's card is the simulated device's memory with a table card's speeds while the CPU
+        # computes: its times are not this run's to compare (the memory figures are)
+        "times_note": times_note(plan),
         # the offloaded models the plan names, together: what both sides know
         "time_ms": _pair(planned_ms if measured_keys else None, measured_ms if measured_keys else None),
         "peak_vram_bytes": _pair(total("vram_bytes", "planned", max), total("vram_bytes", "measured", max)),
@@ -327,6 +333,16 @@ def workflow_check(plan: Optional[Dict[str, Any]], models: List[Dict[str, Any]])
                                      ph.get("model") not in measured_keys)},
         "models": rows,
     }
+
+
+def times_note(plan: Optional[Dict[str, Any]]) -> Optional[str]:
+    """Why the plan's times cannot be set beside the measured ones, or None when they can: a plan for the simulated
+    device (--cpu) prices its compute at a table card's speeds, and the CPU computes."""
+    source = str(((plan or {}).get("card") or {}).get("source") or "")
+    if not source.startswith(SIM_SOURCE):
+        return None
+    return "the simulated device computes on the CPU; the plan's times are {}'s".format(source[len(SIM_SOURCE):]
+                                                                                        .split("'s speeds")[0])
 
 
 def last_plan() -> Optional[Dict[str, Any]]:

@@ -87,7 +87,7 @@ class OffloadHandle(BudgetMembership):
 
     @property
     def plan(self) -> Any:
-        """The plan in place (`offload.planner.Plan`): where every unit lives and why."""
+        """The plan in place (`offload.plan.planner.Plan`): where every unit lives and why."""
         return self.keeper.plan
 
     def _check_attached(self, what: str) -> None:

@@ -1,6 +1,7 @@
 """The engine's folders show its architecture: offload/ keeps the entry points, each job is a sub-package that says
-what it is, imports only run down the layers, no import circle, no module over 500 lines, and code written for the
-flat layout (offload.streamer, offload.kv_cache, ...) still imports the very same modules."""
+what it is, imports only run down the layers, no import circle, no module of the engine or the nodes over 500 lines,
+and the flat layout's module names (offload.streamer, offload.kv_cache, ...) are gone: importing the engine installs
+no import machinery (no finder on sys.meta_path), and those names no longer import."""
 from __future__ import annotations
 
 import ast
@@ -31,7 +32,7 @@ RANKS = {
     "offload.config": 0,
 }
 
-# The flat layout before the sub-packages: old name -> the module it is now.
+# The flat layout before the sub-packages: old name -> the module it is now (the old names no longer import).
 MOVED = {
     "pin_gate": "backends.pin_gate",
     "blocks": "model.blocks", "layout": "model.layout", "meta_buffers": "model.meta_buffers", "fp8": "model.fp8",
@@ -154,9 +155,9 @@ def test_no_import_circle():
     assert not circles, circles
 
 
-def test_no_engine_module_over_500_lines():
-    long = {str(p.relative_to(ROOT)): n for p in ENGINE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 500}
+def test_no_engine_or_nodes_module_over_500_lines():
+    modules = [*ENGINE.rglob("*.py"), *(ROOT / "nodes").rglob("*.py"), ROOT / "__init__.py"]
+    long = {str(p.relative_to(ROOT)): n for p in modules if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
 
 
@@ -167,29 +168,28 @@ def test_public_names_unchanged():
         assert getattr(offload, name) is not None
 
 
-def test_flat_layout_names_import_the_same_modules():
-    """Run in a fresh interpreter, old names first: `import offload.streamer` must not load a second copy."""
-    lines = ["import importlib, sys"]
-    for old, new in MOVED.items():
-        lines.append(f"a = importlib.import_module('offload.{old}'); b = importlib.import_module('offload.{new}')")
-        lines.append(f"assert a is b and sys.modules['offload.{old}'] is b, '{old}'")
-        lines.append(f"assert b.__spec__.name == 'offload.{new}', b.__spec__.name")
-    for old, parts in SPLIT.items():
-        for part in parts:
-            lines.append(f"m = importlib.import_module('offload.{part}'); o = importlib.import_module('offload.{old}')")
-            lines.append("names = [n for n in vars(m) if not n.startswith('__')]")
-            lines.append(f"assert names and all(getattr(o, n) is getattr(m, n) for n in names), '{old}'")
-    lines += ["from offload.budget import VramBudget, default_budget, BudgetError",
-              "from offload.predict import predict, Prediction, unit_sizes, analyse_on_meta, predict_profile",
-              "from offload.storage import SafetensorsFile, CorruptFileError, HostSource, DiskSource",
-              "from offload.packed import open_weights, pack_file, PackedWeights",
-              "from offload.kv_cache import KVPager, paged_generation",
-              "from offload.blocks import expert_units",
-              "import pickle, offload",
-              "r = offload.OffloadReport.__module__",
-              "assert pickle.loads(pickle.dumps(offload.BlockReport('b', 'vram', 1))).name == 'b'"]
-    out = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, cwd=ROOT,
-                         timeout=900)
+def test_flat_layout_names_no_longer_import_and_no_finder_is_installed():
+    """Run in a fresh interpreter: importing the engine (and the public names) leaves sys.meta_path as it was, and
+    every module name of the flat layout (offload.streamer, offload.storage, ...) is a ModuleNotFoundError."""
+    old_names = [*MOVED, *SPLIT]
+    code = "\n".join([
+        "import importlib, sys",
+        "before = list(sys.meta_path)",
+        "import offload",
+        "from offload import *",
+        "import offload.predict, offload.tts, offload.demo, offload.generate",
+        "assert sys.meta_path == before, [type(f).__name__ for f in sys.meta_path if f not in before]",
+        f"for old in {old_names!r}:",
+        "    try:",
+        "        importlib.import_module('offload.' + old)",
+        "    except ModuleNotFoundError as e:",
+        "        assert e.name == 'offload.' + old, (old, e.name)",
+        "    else:",
+        "        raise AssertionError('offload.' + old + ' still imports')",
+        "    assert 'offload.' + old not in sys.modules, old",
+        "assert importlib.import_module('offload.stream.streamer').__name__ == 'offload.stream.streamer'",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offload import OffloadConfig, VramBudget, offload_module
-from offload import pin_gate
+from offload.backends import pin_gate
 from offload.backends import get_backend
 from offload.demo.reference_models import TransformerStack
 

@@ -116,7 +116,7 @@ for path in sys.argv[1:]:
 
 
 def test_header_reads_are_bounded_in_memory(tmp_path):
-    """The bound the README states: reading a header grows peak RSS by at most ~4x the header's size (its bytes,
+    """The bound docs/troubleshooting.md states: reading a header grows peak RSS by at most ~4x the header's size (its bytes,
     their text, the parsed values); a header claiming more than the 100 MB cap is refused before it is read (a
     sparse file claiming 1 GiB costs nothing)."""
     big = _header_file(tmp_path / "big.safetensors", json.dumps({"__metadata__": {"x": "a" * (40 << 20)}}).encode())

@@ -37,7 +37,8 @@
 //   [data-lo-convert]                   "Offload this workflow": its hooks are listed in web/offload_convert.js
 //   [data-lo-workflow]                  after an Offload Report node ran: the plan beside the run,
 //     [data-lo-workflow-figure="time|peak_vram|host|disk"] (data-lo-planned / data-lo-measured: raw numbers),
-//     [data-lo-workflow-model="<name>"] per offloaded model
+//     [data-lo-workflow-model="<name>"] per offloaded model, [data-lo-workflow-note="times"] why the plan's times
+//                                       are not this run's to compare (the simulated device, --cpu)
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { downloadSection, planRequestExtras } from "./download_plan.js";
@@ -499,25 +500,30 @@ function workflowCheck(w) {
     if (off >= 2) return ` (${(off + 1).toFixed(off >= 99 ? 0 : 1)}x the plan)`;
     return ` (${off >= 0 ? "+" : ""}${(100 * off).toFixed(0)}%)`;
   };
-  const line = (key, label, pair, fmt) => {
+  // under --cpu the plan prices the simulated device at a table card's speeds while the CPU computes: its times
+  // are shown, never flagged as a plan that was wrong (w.times_note says why)
+  const line = (key, label, pair, fmt, comparable = true) => {
     pair = pair || {};
     return el("div", { class: "lo-line", "data-lo-workflow-figure": key, "data-lo-planned": pair.planned ?? "",
       "data-lo-measured": pair.measured ?? "" },
     el("span", { class: "lo-wrap" }, `${label}: planned ${fmt(pair.planned)} · measured ${fmt(pair.measured)}`,
-      el("span", { class: Math.abs(num(pair.off_by)) > 0.3 ? "lo-stall" : "lo-muted" }, pct(pair.off_by))));
+      el("span", { class: comparable && Math.abs(num(pair.off_by)) > 0.3 ? "lo-stall" : "lo-muted" },
+        comparable ? pct(pair.off_by) : "")));
   };
+  const times = !w.times_note;
   const run = w.run || {};
   return el("div", { class: "lo-section lo-workflow", "data-lo-workflow": "" },
     el("div", { class: "lo-line" }, el("b", {}, "Plan beside the last run"),
       el("span", { class: "lo-muted" }, w.card ? `on ${w.card}` : "")),
-    line("time", "time", w.time_ms, seconds),
+    line("time", "time", w.time_ms, seconds, times),
+    times ? null : el("div", { class: "lo-muted", "data-lo-workflow-note": "times" }, `(${w.times_note})`),
     line("peak_vram", "peak VRAM", w.peak_vram_bytes, maybeBytes),
     line("host", "host RAM", w.host_bytes, maybeBytes),
     line("disk", "disk", w.disk_bytes, maybeBytes),
     (w.models || []).map((r) => el("div", { class: "lo-muted", "data-lo-workflow-model": r.name },
       `${r.name}: ${(r.calls || {}).measured ?? "-"} of ${(r.calls || {}).planned ?? "-"} calls · ` +
       `${seconds((r.ms_per_call || {}).measured)} per call, planned ${seconds((r.ms_per_call || {}).planned)}` +
-      pct((r.ms_per_call || {}).off_by))),
+      (times ? pct((r.ms_per_call || {}).off_by) : ""))),
     el("div", { class: "lo-muted" }, `whole run as planned: ${seconds(run.total_ms)}, peak VRAM ` +
       `${maybeBytes(run.peak_vram_bytes)} (not measured here: ${seconds(run.unmeasured_ms)} of phases run by ` +
       "models ComfyUI keeps)"));

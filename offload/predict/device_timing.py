@@ -42,7 +42,7 @@ def measure_on_device(model: nn.Module, units: Sequence[Unit], args: tuple, kwar
     unit's bytes as it moves, the size of the copies timed beside the compute on the simulated device)."""
     if any(t.is_meta for _, _, _, t in unit_tensors(model)):
         raise ValueError("card='measure' times the model on its device, but its weights are on the meta device; "
-                         "name a card instead (offload.cards.CARDS, e.g. card='rtx4090') or pass an offload.Card")
+                         "name a card instead (offload.predict.cards.CARDS, e.g. card='rtx4090') or pass an offload.Card")
     backend = get_backend(config)
     device = backend.device
     on_device = all(t.device == device for _, _, _, t in unit_tensors(model))

@@ -8,7 +8,7 @@ Two ways to cost a model's blocks:
   the pinned host-to-device speed measured on CUDA). On the simulated device, whose compute and copy thread share
   the host's CPUs, the blocks are also timed while copies run beside them and the engine's own CPU cost per
   forward is measured (`engine_cpu_ms`): both add to a step there.
-- a named card (`offload.cards.CARDS`) or an `offload.Card`: the forward runs on the meta device (a model with real
+- a named card (`offload.predict.cards.CARDS`) or an `offload.Card`: the forward runs on the meta device (a model with real
   weights is viewed on the meta device for the run and given back untouched), so nothing is allocated. FLOPs per
   block come from `torch.utils.flop_counter.FlopCounterMode`; each op is as slow as its FLOPs (matmuls, through the
   flop counter's formulas) or the bytes it moves make it on the card; attention is costed as a fused kernel (its

@@ -5,7 +5,7 @@ Plain PyTorch + transformers, no ComfyUI: the nodes (nodes/tts.py) and scripts u
 - `check_folder()` tells a transformers-layout folder from the original Microsoft release layout and from a
   missing, half-written or truncated one, with a message saying what is wrong and what to do.
 - `load()` reads a folder with the hub offline, in the dtype asked for; `fp8_e4m3fn` stores the backbone's linear
-  weights as float8 with per-channel scales (`offload.fp8`), and float8 checkpoints with scale tensors load as stored.
+  weights as float8 with per-channel scales (`offload.model.fp8`), and float8 checkpoints with scale tensors load as stored.
 - `stream_units()` lists the blocks worth streaming: every decoder layer, and the diffusion head's and the speech
   tokenizers' blocks of comparable size; smaller parts stay resident.
 - `generate()` seeds right before generating (the model draws its diffusion noise from the global RNG), passes

@@ -108,7 +108,7 @@ class ComfyServer:
                     import pytest
 
                     pytest.skip("{} cannot run ComfyUI at {}: no module named {!r} (install ComfyUI's requirements "
-                                "into it, see README 'Running the ComfyUI tests')".format(
+                                "into it, see docs/development.md, 'Running the ComfyUI tests')".format(
                                     self.python, self.comfy_path, missing.group(1)))
                 raise RuntimeError("ComfyUI exited during startup (rc={}):\n{}".format(self.proc.returncode, tail))
             try:

@@ -115,4 +115,4 @@ def pack() -> Any:
         return load_comfy_and_pack()
     except ImportError as e:  # COMFYUI_PATH is set, but this python lacks ComfyUI's requirements
         pytest.skip("COMFYUI_PATH={} is set but this python cannot import ComfyUI: {} (install ComfyUI's "
-                    "requirements into it, see README 'Running the ComfyUI tests')".format(COMFYUI_PATH, e))
+                    "requirements into it, see docs/development.md, 'Running the ComfyUI tests')".format(COMFYUI_PATH, e))

@@ -68,10 +68,14 @@ def prompt(seed: int = 3) -> dict:
 @pytest.fixture(scope="module")
 def page(tmp_path_factory):
     """(server, driver, console entries so far) with the page loaded and the frontend started."""
+    import torch
+
     base = str(tmp_path_factory.mktemp("comfy_browser"))
     paths = cs.prepare_base_dir(base)
-    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET))
-    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_HI))
+    # float32, the dtype ComfyUI computes in on the CPU: the plan (from the files' headers) and the run then hold the
+    # same bytes, as a GPU's float16 file and run do (the plan beside the run in the screenshot compares like for like)
+    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET), dtype=torch.float32)
+    tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_HI), dtype=torch.float32)
     tiny_wan.write_wan(os.path.join(paths["diffusion_models"], UNET_MD))
     example_models(base)
     server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=600)
@@ -453,11 +457,9 @@ def test_the_canvas_is_planned_in_the_panel(page, tmp_path):
                           "window.app.graph.setDirtyCanvas(true, true);")
     browser.wait_for(lambda: cells("2").get("time", "").endswith("x 20"), 60, "the plan of 20 steps")
 
-    shot = str(tmp_path / "panel_plan.png")  # LO_PANEL_PLAN_PNG=path writes a copy
+    shot = str(tmp_path / "panel_plan_card.png")
     driver.execute_script("const r = document.querySelector('[data-lo-plan]'); r && r.scrollIntoView();")
     assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
-    if os.environ.get("LO_PANEL_PLAN_PNG"):
-        shutil.copyfile(shot, os.environ["LO_PANEL_PLAN_PNG"])
     # nothing loaded: the report lists the same models as before
     assert [m["name"] for m in server.get_json("/layer_offload/report")["models"]] == before
     console += browser.console_entries(driver)
@@ -465,9 +467,14 @@ def test_the_canvas_is_planned_in_the_panel(page, tmp_path):
     assert not ours, "\n".join(ours)
 
 
-def test_after_a_run_the_panel_shows_the_plan_beside_the_measured_figures(page):
+def test_after_a_run_the_panel_shows_the_plan_beside_the_measured_figures(page, tmp_path):
     """A prompt with an Offload Report node: the report node plans the prompt it ran in and the panel shows the
-    workflow's planned and measured time, peak VRAM and host RAM side by side."""
+    workflow's planned and measured time, peak VRAM and host RAM side by side. Under --cpu the plan prices the
+    simulated device at a table card's speeds while the CPU computes: the times are shown with why they do not
+    compare, never flagged in red as a wrong plan. The screenshot (LO_PANEL_PLAN_PNG=path writes a copy, the
+    README's docs/images/panel_plan.png) has both sections planned for the device the run is on."""
+    import json
+
     server, driver = page
     browser.open_sidebar_tab(driver, TAB)
     entry = server.wait(server.queue(prompt(seed=8)), timeout=600)
@@ -489,3 +496,25 @@ def test_after_a_run_the_panel_shows_the_plan_beside_the_measured_figures(page):
         assert float(found[key][1]) > 0 and float(found[key][2]) > 0, (key, found[key])
         assert "planned" in found[key][0] and "measured" in found[key][0], found[key][0]
     assert float(found["time"][2]) == pytest.approx(w["time_ms"]["measured"])
+    assert w["times_note"] and "simulated device computes on the CPU" in w["times_note"], w
+    note = q(driver, '[data-lo-workflow] [data-lo-workflow-note="times"]')
+    assert note and "simulated device" in note[0].text, [n.text for n in note]
+    assert not q(driver, '[data-lo-workflow-figure="time"] .lo-stall')  # not flagged as a plan that was wrong
+    assert any("times: the simulated device" in t for t in texts), texts
+
+    # the canvas (the Wan 2.1 example) planned on this process's device, the run's: the screenshot
+    with open(EXAMPLE) as f:
+        workflow = json.load(f)
+    driver.execute_script("return Promise.resolve(window.app.loadGraphData(arguments[0])).then(() => true);", workflow)
+    driver.execute_script("const s = document.querySelector('select[data-lo-control=\"plan-card\"]');"
+                          "if (s) { s.value = ''; s.dispatchEvent(new Event('change')); }"
+                          "const b = document.querySelector('[data-lo-plan] button[data-lo-control=\"plan\"]');"
+                          "if (b) b.click();")
+    browser.wait_for(lambda: "on sim (" in driver.execute_script(
+        "const e = document.querySelector('[data-lo-plan][data-lo-plan-state=\"done\"]');"
+        "return e ? e.textContent : '';"), 60, "the canvas planned on the simulated device")
+    shot = str(tmp_path / "panel_plan.png")
+    driver.execute_script("const r = document.querySelector('[data-lo-plan]'); r && r.scrollIntoView();")
+    assert driver.save_screenshot(shot) and os.path.getsize(shot) > 10000
+    if os.environ.get("LO_PANEL_PLAN_PNG"):
+        shutil.copyfile(shot, os.environ["LO_PANEL_PLAN_PNG"])

@@ -159,6 +159,9 @@ def test_the_report_sets_the_plan_beside_the_run(env):
     assert w["run"]["total_ms"] >= w["time_ms"]["planned"]
     text = out["ui"]["text"][0]
     assert "Workflow plan on sim (" in text and "time: planned" in text and "peak VRAM: planned" in text, text
+    # the simulated device is priced at a table card's speeds while the CPU computes: said, not compared
+    assert w["times_note"] and "simulated device computes on the CPU" in w["times_note"], w
+    assert "times: the simulated device computes on the CPU" in text, text
     # the same figures reach the panel: GET /layer_offload/report's build_report
     assert env["status"].build_report()["workflow"]["models"][0]["name"] == UNET
     del model
