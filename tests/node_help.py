@@ -1,6 +1,6 @@
 """Reading the node help pages (web/docs/<node id>.md, served at /extensions/<pack>/docs/<node id>.md, where ComfyUI's
 frontend asks for a node's help after /docs/<node id>/<locale>.md): their title, the inputs they describe, their
-sections. Shared by tests/test_node_help.py (the recorded node definitions) and tests/comfyui/test_node_help.py (the
+sections. Shared by tests/test_node_help.py (the recorded node definitions) and tests/comfyui/test_node_help_live.py (the
 nodes' own schemas)."""
 from __future__ import annotations
 

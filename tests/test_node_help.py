@@ -1,7 +1,7 @@
 """Node help (issue 43 part 4): every node has a page in web/docs/ that ComfyUI's frontend shows in its node help,
 saying what the node does, describing each input and giving an example. Here against the recorded node definitions
 (tests/comfyui/node_defs_v1.json, and the inputs added since, which test_comfy_nodes.py lists); against the nodes'
-own schemas in tests/comfyui/test_node_help.py."""
+own schemas in tests/comfyui/test_node_help_live.py."""
 from __future__ import annotations
 
 import json

@@ -52,6 +52,9 @@ def load_comfy_and_pack() -> Any:
     global _pack
     if _pack is not None:
         return _pack
+    # This repository's tests/ is imported first: ComfyUI checkouts carry a regular `tests` package that would
+    # otherwise shadow it for every test module collected after this one (`make test` with COMFYUI_PATH set).
+    importlib.import_module("tests")
     if COMFYUI_PATH in sys.path:
         sys.path.remove(COMFYUI_PATH)
     sys.path.insert(0, COMFYUI_PATH)  # ComfyUI's `nodes.py` must win over this repository's `nodes/`
