@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .workflow_plan import PlanRequestError, _cards, _one_line, find_file, free_ram_bytes, this_card
+from .workflow_plan import PlanRequestError, _one_line, card_of, find_file, free_ram_bytes
 
 MAX_NODES = 20_000  # every graph of the workflow together (the converter's own limit)
 
@@ -21,17 +21,7 @@ def convert_graph(body: Any) -> Dict[str, Any]:
     workflow = body.get("workflow")
     if not isinstance(workflow, dict) or not isinstance(workflow.get("nodes"), list):
         raise PlanRequestError("give the open workflow as 'workflow' (UI form: the graph the frontend serializes)")
-    chosen = body.get("card")
-    if chosen is not None and not isinstance(chosen, str):
-        raise PlanRequestError("card must be a card's name, got {!r}".format(chosen))
-    if chosen and chosen.strip():
-        try:
-            card = _cards().get_card(chosen)
-        except ValueError as e:
-            raise PlanRequestError(str(e)) from None
-        note = "{} (chosen in the panel)".format(card.name)
-    else:
-        card, note = this_card()
+    card, note = card_of(body)
     try:
         from ..offload.convert import ConvertError, convert_workflow
     except ImportError:

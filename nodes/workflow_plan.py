@@ -93,6 +93,20 @@ def card_names() -> List[str]:
 SIM_SOURCE = "the simulated device (--cpu) with "  # how a sim card's `source` starts (times_note reads it)
 
 
+def card_of(body: Dict[str, Any]) -> Tuple[Any, str]:
+    """(the card a panel request plans on, how it was chosen): the card named in the request, or this device's."""
+    chosen = body.get("card")
+    if chosen is not None and not isinstance(chosen, str):
+        raise PlanRequestError("card must be a card's name, got {!r}".format(chosen))
+    if chosen and chosen.strip():
+        try:
+            card = _cards().get_card(chosen)
+        except ValueError as e:
+            raise PlanRequestError(str(e)) from None
+        return card, "{} (chosen in the panel)".format(card.name)
+    return this_card()
+
+
 def this_card() -> Tuple[Any, str]:
     """(the card to plan on, how it was chosen): the named card matching ComfyUI's CUDA device; the same card with
     this device's memory when the name is not in the table; under --cpu the simulated device's capacity on a
@@ -186,18 +200,8 @@ def plan_graph(body: Any) -> Dict[str, Any]:
     if not isinstance(body, dict):
         raise PlanRequestError("the request body must be a JSON object")
     graph = _graph_of(body)
-    chosen = body.get("card")
-    if chosen is not None and not isinstance(chosen, str):
-        raise PlanRequestError("card must be a card's name, got {!r}".format(chosen))
+    card, note = card_of(body)
     plan_workflow = _planner()
-    if chosen and chosen.strip():
-        try:
-            card = _cards().get_card(chosen)
-        except ValueError as e:
-            raise PlanRequestError(str(e)) from None
-        note = "{} (chosen in the panel)".format(card.name)
-    else:
-        card, note = this_card()
     ram = free_ram_bytes()
     from .plan_headers import HeaderRequestError, remote_for
 
