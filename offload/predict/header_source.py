@@ -67,7 +67,7 @@ def infos_from_prefix(fmt: str, prefix: bytes, total: int | None, where: str) ->
         infos, file_end = safetensors_infos_from_header(prefix[8:], total if total is not None else 1 << 62, where)
         return infos, total if total is not None else file_end
     header = parse_gguf(io.BytesIO(prefix), total if total is not None else 1 << 62, where)
-    return header.infos, total if total is not None else -(-header.header_end // 32) * 32 + header.data_bytes
+    return header.infos, total if total is not None else header.data_start + header.data_bytes
 
 
 class RemoteHeaders:

@@ -1,6 +1,6 @@
 """A model file's tensor names, shapes and stored bytes from its header alone: safetensors (through
-`store.storage.SafetensorsFile`, whose checks apply) and GGUF (the header parsed here, per the GGUF spec: magic,
-version, counts, metadata key/values skipped, then each tensor's name, dims, ggml type and offset).
+`store.storage.SafetensorsFile`, whose checks apply) and GGUF (the header parsed by the disk tier's reader,
+`store.gguf_file`, per the GGUF spec).
 
 Nothing past the header is read but the few bytes of JSON each quantized layer's `comfy_quant` tensor holds (its
 format: a packed 4-bit payload computes as twice its stored last dimension), so a 30 GB model file costs kilobytes
@@ -16,20 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import struct
 from typing import BinaryIO
 
 import torch
 
-from ..store.header_check import MAX_BYTES, FileTensor, check_no_overlap, check_safetensors_header
-_MAX_TENSORS = 1 << 20  # more tensors than any model has: a corrupt count, refused before looping on it
-_MAX_KV = 1 << 20
-_MAX_STRING = 64 << 20  # one metadata string (a tokenizer's merges list is one array of many short strings)
-_MAX_DIMS = 8
-_MAX_ARRAY = 1 << 24  # items of one metadata array (a tokenizer's vocabulary is ~260k)
-_MAX_NESTING = 8  # arrays of arrays in the metadata (the spec allows them; real files nest at most 2)
+from ..store.header_check import FileTensor, check_safetensors_header
 
-from ..store.gguf_file import GGML_TYPES, GGUF_MAGIC, read_gguf_header  # noqa: F401  (re-exported)
+from ..store.gguf_file import GGML_TYPES, GGUF_MAGIC, parse_gguf_table, read_gguf_header  # noqa: F401  (re-exported)
 from ..store.header_check import DTYPES, SAFETENSORS_DTYPES, CorruptFileError, open_regular, parse_json
 
 # safetensors dtype -> bytes per element (a packed kind's: a fraction), and the torch dtype's name (as
@@ -137,51 +130,13 @@ def safetensors_infos_from_header(raw: bytes, size: int, where: str) -> tuple[di
     return infos_of(tensors), max((t.end for t in tensors.values()), default=8 + len(raw))
 
 
-def _need(fh: BinaryIO, n: int, path: "Path | str") -> bytes:
-    raw = fh.read(n)
-    if len(raw) != n:
-        raise ModelFileError(f"{path}: truncated GGUF header")
-    return raw
-
-
-def _string(fh: BinaryIO, path: "Path | str") -> str:
-    (n,) = struct.unpack("<Q", _need(fh, 8, path))
-    if n > _MAX_STRING:
-        raise ModelFileError(f"{path}: GGUF string of {n} bytes: corrupt header")
-    return _need(fh, n, path).decode("utf-8", "replace")
-
-
-# GGUF metadata value types: uint8, int8, uint16, int16, uint32, int32, float32, bool, string, array, uint64, int64,
-# float64 (gguf spec: gguf_metadata_value_type)
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _skip_value(fh: BinaryIO, vtype: int, path: "Path | str", depth: int = 0) -> None:
-    if vtype in _SCALAR:
-        _need(fh, _SCALAR[vtype], path)
-    elif vtype == 8:
-        _string(fh, path)
-    elif vtype == 9:
-        etype, count = struct.unpack("<IQ", _need(fh, 12, path))
-        if count > _MAX_ARRAY:
-            raise ModelFileError(f"{path}: GGUF array of {count} items: corrupt header")
-        if depth >= _MAX_NESTING:
-            raise ModelFileError(f"{path}: GGUF arrays nested deeper than {_MAX_NESTING}: corrupt header")
-        if etype in _SCALAR:
-            fh.seek(_SCALAR[etype] * count, os.SEEK_CUR)
-        else:
-            for _ in range(count):
-                _skip_value(fh, etype, path, depth + 1)
-    else:
-        raise ModelFileError(f"{path}: unknown GGUF metadata type {vtype}")
-
-
 @dataclass(frozen=True)
 class GgufHeader:
     """A GGUF file's tensor table and where its header ends (`header_end`: the bytes a copy of the header needs)."""
 
     infos: dict[str, TensorInfo]
     header_end: int
+    data_start: int  # the header's end rounded up to the file's general.alignment
     data_bytes: int  # the end of the last tensor in the data section (relative to its start)
 
 
@@ -204,42 +159,20 @@ def read_gguf_infos(path: Path) -> dict[str, TensorInfo]:
 
 def parse_gguf(fh: BinaryIO, size: int, path: "Path | str") -> GgufHeader:
     """The GGUF header read from `fh` (a local file, a URL read by ranges, a cached copy of the header) of a
-    `size`-byte file, with every bound above."""
-    if _need(fh, 4, path) != GGUF_MAGIC:
-        raise ModelFileError(f"{path}: not a GGUF file (no GGUF magic)")
-    (version,) = struct.unpack("<I", _need(fh, 4, path))
-    if version not in (2, 3):
-        raise ModelFileError(f"{path}: GGUF version {version}; versions 2 and 3 are read")
-    n_tensors, n_kv = struct.unpack("<QQ", _need(fh, 16, path))
-    if n_tensors > _MAX_TENSORS or n_kv > _MAX_KV:
-        raise ModelFileError(f"{path}: GGUF header claims {n_tensors} tensors, {n_kv} keys: corrupt")
-    for _ in range(n_kv):
-        _string(fh, path)
-        (vtype,) = struct.unpack("<I", _need(fh, 4, path))
-        _skip_value(fh, vtype, path)
-    out: dict[str, TensorInfo] = {}
-    spans: list[tuple[int, int, str]] = []
-    for _ in range(n_tensors):
-        name = _string(fh, path)
-        (n_dims,) = struct.unpack("<I", _need(fh, 4, path))
-        if n_dims > _MAX_DIMS:
-            raise ModelFileError(f"{path}: tensor {name!r} has {n_dims} dims: corrupt header")
-        dims = struct.unpack(f"<{n_dims}Q", _need(fh, 8 * n_dims, path))
-        gtype, offset = struct.unpack("<IQ", _need(fh, 12, path))
-        if gtype not in GGML_TYPES:
-            raise ModelFileError(f"{path}: tensor {name!r} has ggml type {gtype}, unknown here")
-        tname, block, block_bytes = GGML_TYPES[gtype]
-        numel = math.prod(dims)
-        nbytes = -(-numel // block) * block_bytes
-        if name in out:
-            raise ModelFileError(f"{path}: tensor {name[:200]!r} is listed twice")
-        if numel > MAX_BYTES or offset + nbytes > size:  # the data section lies inside the file
-            raise ModelFileError(f"{path}: tensor {name[:200]!r} ({list(dims)} {tname}, {nbytes} bytes at "
-                                 f"data offset {offset}) does not fit the {size}-byte file: corrupt header")
-        out[name] = TensorInfo(tuple(int(d) for d in reversed(dims)), tname, nbytes)
-        spans.append((offset, offset + nbytes, f"tensor {name[:200]!r}"))
-    check_no_overlap(path, spans)  # offsets are relative to the one data section
-    return GgufHeader(out, fh.tell(), max((hi for _, hi, _ in spans), default=0))
+    `size`-byte file, checked by the disk tier's own parser (`store.gguf_file.parse_gguf_table`)."""
+    def read(pos: int, n: int) -> bytes:
+        fh.seek(pos)
+        return fh.read(n)
+
+    try:
+        tensors, header_end, data_start = parse_gguf_table(read, path, size)
+    except ModelFileError:
+        raise
+    except CorruptFileError as exc:
+        raise ModelFileError(str(exc)) from None
+    infos = {t.name: TensorInfo(t.shape, t.type, t.nbytes) for t in tensors}
+    return GgufHeader(infos, header_end, data_start,
+                      max((t.start + t.nbytes for t in tensors), default=data_start) - data_start)
 
 
 def file_dtype(infos: dict[str, TensorInfo]) -> str:

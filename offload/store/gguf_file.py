@@ -15,6 +15,7 @@ import math
 import os
 import struct
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -64,13 +65,15 @@ class GgufTensor:
 class _Cursor:
     """Sequential, bounded reads of the header through positioned reads."""
 
-    def __init__(self, fd: int, path: Path, size: int) -> None:
-        self.fd, self.path, self.size, self.pos = fd, path, size, 0
+    def __init__(self, read: Callable[[int, int], bytes], path: Path, size: int) -> None:
+        self.read, self.path, self.size, self.pos = read, path, size, 0
 
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > self.size:
             raise CorruptFileError(f"{self.path}: truncated or corrupt GGUF header")
-        raw = read_at(self.fd, self.pos, n, self.path, "GGUF header")
+        raw = self.read(self.pos, n)
+        if len(raw) != n:
+            raise CorruptFileError(f"{self.path}: truncated GGUF header")
         self.pos += n
         return raw
 
@@ -113,8 +116,15 @@ class _Cursor:
 
 def read_gguf_header(fd: int, path: str | os.PathLike, size: int) -> list[GgufTensor]:
     """The checked tensor table of a GGUF file open as `fd` (`size` bytes), spans absolute in the file."""
+    return parse_gguf_table(lambda pos, n: read_at(fd, pos, n, path, "GGUF header"), path, size)[0]
+
+
+def parse_gguf_table(read: Callable[[int, int], bytes], path: str | os.PathLike,
+                     size: int) -> tuple[list[GgufTensor], int, int]:
+    """(the checked tensor table, where the header ends, where the data section starts) of a `size`-byte GGUF file whose bytes `read(pos, n)` gives:
+    a local file, or a header read from a URL by ranges (one parser, one set of bounds, for both)."""
     path = Path(path)
-    cur = _Cursor(fd, path, size)
+    cur = _Cursor(read, path, size)
     if cur.take(4) != GGUF_MAGIC:
         raise CorruptFileError(f"{path}: not a GGUF file (no GGUF magic)")
     (version,) = cur.unpack("<I")
@@ -162,7 +172,7 @@ def read_gguf_header(fd: int, path: str | os.PathLike, size: int) -> list[GgufTe
                                    f"corrupt header")
         out.append(GgufTensor(name, dims, tname, nbytes, start))
     check_no_overlap(path, [(t.start, t.start + t.nbytes, f"tensor {t.name[:200]!r}") for t in out])
-    return out
+    return out, cur.pos, data
 
 
 def as_loaded(t: GgufTensor) -> FileTensor:
