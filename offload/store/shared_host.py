@@ -181,6 +181,8 @@ class SharedHostCopy:
             os.fchmod(fd, 0o600)  # whatever the umask: ours alone, readable and writable by us
             fcntl.flock(fd, fcntl.LOCK_EX)  # joiners wait until the header says it is complete
             os.ftruncate(fd, total)  # tmpfs: pages exist once written
+            # the header's pages now: written last through the mapping, where a full tmpfs would be a SIGBUS
+            os.posix_fallocate(fd, 0, min(offsets.values(), default=total))
             copy = cls(path, fd, True, key, offsets, sizes, total)
         except BaseException:
             unlink_own(path, os.fstat(fd))
