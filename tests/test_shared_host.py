@@ -394,6 +394,9 @@ def test_blocks_go_into_the_copy_after_setup_and_a_failure_there_leaves_the_rest
         setup = h.report().setup
         assert (setup["publish_units"], setup["published"], setup["publish_kept"]) == (worker.BLOCKS, 5,
                                                                                        worker.BLOCKS - 5)
+        from offload.report.metrics import summarize
+        assert f"after setup, on a thread: 5 of {worker.BLOCKS} block(s) into the host copy shared between " \
+               "processes" in summarize(h.report().to_dict())
         with torch.no_grad():
             assert torch.equal(model(x), want)
         rep = h.report()
