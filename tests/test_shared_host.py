@@ -642,6 +642,7 @@ def test_on_cuda_the_copy_is_pinned_read_only_and_a_write_stays_private(tmp_path
     h = offload_module(offloaded, OffloadConfig.from_preset("budget", device="cuda", disk_path=str(path)),
                        budget=VramBudget(256 << 20))
     try:
+        assert h.wait_encoded(60)  # this process fills the copy: its blocks move in after setup, pinned there
         assert h.host_memory()["pinned"] >= MODEL_BYTES and h.host_memory()["shared"] == MODEL_BYTES
         with torch.no_grad():
             assert torch.equal(offloaded(x.cuda()).cpu(), want)
