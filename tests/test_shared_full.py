@@ -87,7 +87,8 @@ def test_a_full_tmpfs_leaves_the_rest_private(small_model, tiny_tmpfs, load, cei
             assert torch.equal(second(worker.inputs()), want)
         shared = [b.shared for b in handle.report().blocks]
         assert 0 < sum(shared) < worker.BLOCKS, shared
-        assert shared == sorted(shared, reverse=True)  # the first blocks, until the room ran out
+        if not ceiling:  # moved in one at a time after setup: the first blocks, until the room ran out (while
+            assert shared == sorted(shared, reverse=True)  # staging two workers place blocks side by side)
         assert [b.shared for b in joined.report().blocks] == shared
         assert any("no room for the shared host copy" in r.getMessage() for r in caplog.records)
     finally:
