@@ -158,7 +158,7 @@ def encode_piece(raw: torch.Tensor, c: Any, out: torch.Tensor, sub: int = SUB_EL
     key = torch.empty(z0, dtype=torch.int32)
     both = torch.empty(z0, dtype=torch.uint8)
     codes = torch.empty(z0, dtype=torch.uint8)
-    acc32 = torch.empty(z0 // m, dtype=torch.int32) if ib == 2 else None
+    acc16 = torch.empty(z0 // m, dtype=torch.int16) if ib == 2 else None  # wraps: the low 16 bits are the index
     if c.n_esc:
         hit = torch.empty(z0, dtype=torch.bool)
         cnt = torch.empty(z0, dtype=torch.int64)
@@ -171,12 +171,12 @@ def encode_piece(raw: torch.Tensor, c: Any, out: torch.Tensor, sub: int = SUB_EL
         bo = torch.index_select(both_lut, 0, k, out=both[:z])
         cd = torch.bitwise_and(bo, 15, out=codes[:z])
         cv = cd.view(z // m, m)
-        acc = idx_out[a // m:(a + z) // m, 0] if ib == 1 else acc32[:z // m]
+        acc = idx_out[a // m:(a + z) // m, 0] if ib == 1 else acc16[:z // m]
         acc.copy_(cv[:, m - 1])
         for i in range(m - 2, -1, -1):
-            acc.mul_(nc).add_(cv[:, i])  # below n_codes ** m <= 2 ** bits at every step
+            acc.mul_(nc).add_(cv[:, i])  # modulo 2 ** bits, and the index is below it
         if ib == 2:
-            idx_out[a // m:(a + z) // m].copy_(acc.view(torch.uint8).view(-1, 4)[:, :2])  # little-endian
+            idx_out[a // m:(a + z) // m].copy_(acc.view(torch.uint8).view(-1, 2))  # little-endian
         r = bo.view(torch.int16)  # (c0 | r0 << 4) | (c1 | r1 << 4) << 8
         rider_out[a // 2:(a + z) // 2].copy_(((r >> 4) & 15) | ((r >> 8) & 0xF0))
         if c.n_esc:
