@@ -117,7 +117,15 @@ def default_real() -> str | None:
 
 
 def run(rows: int = 2048, repeat: int = 3, real: str | None = None) -> list[dict]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _rows(rows, repeat, real)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rows(rows: int, repeat: int, real: str | None) -> list[dict]:
     out = []
     x = torch.randn(rows, 2048, generator=torch.Generator().manual_seed(0)) * 0.02
     qs = quantizers()
