@@ -6,10 +6,10 @@ byte is one symbol, so an index of at most 14 bits holds two elements of at most
 Here each byte is split by a mask of 4 of its bits (`smask`: an fp8's exponent, an int8's top nibble; the encoder
 picks the mask whose bits are the most skewed): those 4 bits are the element's SYMBOL, the other 4 its RIDER, stored
 raw. The symbols are coded as one of `n_codes` codes: the `n_codes - 1` most frequent symbols (`S`, any set, held in
-`base` four bits each) and an escape; `m` codes make one index `bits` wide (8 or 16: mixed radix, `n_codes ** m <=
-2 ** bits`). An
-escaped element's symbol is stored in order in the escape stream, four bits each: the decode finds the escaped
-elements as those whose code is the escape and places the stream's symbols with a running count (no positions).
+`base` four bits each, ascending) and an escape; `m` codes make one index `bits` wide (8 or 16: mixed radix,
+`n_codes ** m <= 2 ** bits`). An escaped element's symbol is stored in order in the escape stream, four bits each:
+the decode finds the escaped elements as those whose code is the escape and places the stream's symbols with a
+running count (no positions).
 
 A piece's encoded bytes: [indices: n / m, of bits / 8 bytes each, little-endian][riders: two per byte, n / 2]
 [escapes: two per byte after one unused slot, ceil((n_esc + 1) / 2), none without escapes]; every index reads inside
@@ -71,7 +71,7 @@ _SYMBOLS = {mask: [_ext(v, mask) for v in range(256)] for mask in MASKS}
 
 
 def symbols_of(base: int, n_codes: int) -> list[int]:
-    """The coded symbols a chunk's `base` holds (four bits each, most frequent first)."""
+    """The coded symbols a chunk's `base` holds (four bits each)."""
     return [(base >> (4 * i)) & 15 for i in range(n_codes - 1)]
 
 
@@ -104,7 +104,8 @@ def choose(hist: list[int]) -> tuple[int, int, int, int, int, int] | None:
                 m = per_index(n_codes, bits)
                 size = n / m * bits / 8 + n / 2 + ((n - covered) * ESC_BITS / 8 if covered < n else 0)
                 if best is None or size < best[0]:
-                    base = sum(s << (4 * i) for i, s in enumerate(order[:n_codes - 1]))
+                    # the set in ascending order: units whose payloads code the same set share one table
+                    base = sum(s << (4 * i) for i, s in enumerate(sorted(order[:n_codes - 1])))
                     best = (size, (mask, n_codes, m, bits, base, n - covered))
     return None if best is None or best[0] >= n else best[1]
 
