@@ -394,6 +394,9 @@ def test_blocks_go_into_the_copy_after_setup_and_a_failure_there_leaves_the_rest
         setup = h.report().setup
         assert (setup["publish_units"], setup["published"], setup["publish_kept"]) == (worker.BLOCKS, 5,
                                                                                        worker.BLOCKS - 5)
+        from offload.report.metrics import summarize
+        assert f"after setup, on a thread: 5 of {worker.BLOCKS} block(s) into the host copy shared between " \
+               "processes" in summarize(h.report().to_dict())
         with torch.no_grad():
             assert torch.equal(model(x), want)
         rep = h.report()
@@ -639,6 +642,7 @@ def test_on_cuda_the_copy_is_pinned_read_only_and_a_write_stays_private(tmp_path
     h = offload_module(offloaded, OffloadConfig.from_preset("budget", device="cuda", disk_path=str(path)),
                        budget=VramBudget(256 << 20))
     try:
+        assert h.wait_encoded(60)  # this process fills the copy: its blocks move in after setup, pinned there
         assert h.host_memory()["pinned"] >= MODEL_BYTES and h.host_memory()["shared"] == MODEL_BYTES
         with torch.no_grad():
             assert torch.equal(offloaded(x.cuda()).cpu(), want)

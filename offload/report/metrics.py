@@ -163,7 +163,14 @@ def setup_line(t: dict[str, Any]) -> str:
         line += f"; reads and encodes on {t['workers']} workers, their times added up"
     if t.get("encoded_units") or t.get("stored_units"):
         line += f"; {t.get('encoded_units', 0)} block(s) encoded, {t.get('stored_units', 0)} taken as stored"
-    return line + ")"
+    after = []
+    if t.get("publish_units"):
+        after.append(f"{t.get('published', 0)} of {t['publish_units']} block(s) into the host copy shared between "
+                     f"processes ({t.get('publish_ms', 0) / 1000:.2f} s)")
+    if t.get("background_units"):
+        after.append(f"{t.get('background_done', 0)} of {t['background_units']} block(s) encoded "
+                     f"({t.get('background_encode_ms', 0) / 1000:.2f} s)")
+    return line + ")" + (f"\n  after setup, on a thread: {'; '.join(after)}" if after else "")
 
 
 @dataclass
