@@ -152,6 +152,7 @@ def test_every_code_decodes_every_byte(dtype, monkeypatch):
     codes whose words it can view): the decode gives every byte back, in place, and the chunk list reads back."""
     elem, sbits, rbits = codec._FORMS[dtype]
     monkeypatch.setattr(codec, "PAYS", 10.0)  # coded even where a code would not pay
+    monkeypatch.setattr(codec, "BYTE_CODE", False)  # the unit-wide code's every code (test_byte_code: the byte code's)
     real_choose = unit_code.choose
     g = torch.Generator().manual_seed(5)
     for m, bits, n_codes in unit_code.options(elem, sbits, rbits):

@@ -311,7 +311,7 @@ def _coded(ix):
     (lambda ix: ix["units"][0].__setitem__("stored", 1 << 40), "past its shard"),
     (lambda ix: ix["units"][0].__setitem__("compression", "zstd"), "stored as"),
     (lambda ix: ix.__setitem__("version", 1), "version 1"),
-    (lambda ix: ix.__setitem__("version", 4), "version <= 3"),
+    (lambda ix: ix.__setitem__("version", 5), "version <= 4"),
     (lambda ix: ix["units"][0].__setitem__("chunks", "all"), "not a list of chunks"),
     (lambda ix: ix["units"][0]["tensors"][0].__setitem__("offset", ix["units"][0]["nbytes"]), "past the end"),
 ])

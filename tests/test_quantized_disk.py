@@ -169,7 +169,8 @@ def test_an_older_scaled_fp8_file_is_matched_by_bytes_whatever_its_scale_names(t
 @pytest.mark.parametrize("fmt", PARAMS)
 def test_quantized_blocks_held_compressed_are_bitwise(fmt, offload):
     """host_compression='lossless': the payloads and scales are held in the codec's form where it pays (the codec
-    decides: fp8 payloads of e5m2's wider exponent do, random 4-bit nibbles do not), decoded bitwise."""
+    decides: fp8 and tensorwise int8 payloads do under the byte code, NVFP4's near-uniform nibbles do not), decoded
+    bitwise. Measured 2026-11-29: e4m3fn 0.87, e5m2 0.77, mxfp8 0.88, int8 tensorwise 0.91 of raw per block."""
     model = quant_stack(fmt, dim=512)
     x = _x(512)
     ref = model(x)
@@ -178,8 +179,9 @@ def test_quantized_blocks_held_compressed_are_bitwise(fmt, offload):
         assert torch.equal(model(x), ref)
     for b in h.report().blocks:
         assert (b.compression != "none") == (b.host_bytes < b.raw_bytes)
-    if fmt == "fp8_e5m2":
-        assert all(b.compression != "none" and b.host_bytes < 0.95 * b.raw_bytes for b in h.report().blocks)
+    most = {"fp8_e4m3fn": 0.89, "fp8_e5m2": 0.8, "mxfp8": 0.9, "int8_tensorwise": 0.93}.get(fmt)
+    if most is not None:
+        assert all(b.compression != "none" and b.host_bytes < most * b.raw_bytes for b in h.report().blocks)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "w4a8_int8"])

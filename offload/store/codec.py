@@ -26,9 +26,9 @@ from typing import Any, Iterable
 
 import torch
 
-from . import unit_code
+from . import byte_code, unit_code
 from .chunk_decode import decode_chunk
-from .chunk_lists import (FIELDS_V3 as _FIELDS, MAX_CHUNKS, check_escapes, chunks_from_list,  # noqa: F401
+from .chunk_lists import (FIELDS_V3, FIELDS_V4, MAX_CHUNKS, check_escapes, chunks_from_list,  # noqa: F401
                           chunks_to_list, coded_size, escape_span, list_version)
 from .codec_forms import _FORMS, CODEC, ESCAPE_BYTES, Chunk, Encoded, codable  # noqa: F401
 from ..model.layout import SMALL_LEAF
@@ -90,7 +90,9 @@ def max_chunks(leaves: Iterable, nbytes: int) -> int:
     """The most chunks `plan` can cut these leaves into (a shared copy's header room)."""
     total = 0
     for a, b, dtype in runs(list(leaves), nbytes):
-        total += 1 if dtype is None else 2 + (b - a) // (_FORMS[dtype][0] * CHUNK_ELEMS)
+        elem = _FORMS[dtype][0] if dtype is not None else 0
+        piece = byte_code.PIECE_ELEMS if elem == 1 else CHUNK_ELEMS  # the byte code: a raw head and tail too
+        total += 1 if dtype is None else 3 + (b - a) // (elem * piece)
     return total
 
 
@@ -99,6 +101,51 @@ def _hist(top: torch.Tensor) -> torch.Tensor:
 
 
 def _coded_run(raw: torch.Tensor, a: int, b: int, dtype: torch.dtype, cut: int | None = None) -> list[Chunk] | None:
+    """The pieces of one run of `dtype` under the smaller of the unit-wide code and (1-byte elements) the byte code,
+    or None where neither pays."""
+    best = _unit_coded_run(raw, a, b, dtype, cut)
+    if _FORMS[dtype][0] == 1 and BYTE_CODE:
+        bytewise = _byte_coded_run(raw, a, b, dtype)
+        if bytewise is not None and (best is None or sum(c.size for c in bytewise) < sum(c.size for c in best)):
+            best = bytewise
+    return best
+
+
+BYTE_CODE = True  # 1-byte runs may take the byte code (version 4); off: the unit-wide code only (its tests)
+
+
+def _byte_coded_run(raw: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> list[Chunk] | None:
+    """The pieces of one run of 1-byte elements under the byte code (`byte_code.py`), or None where it does not pay:
+    pieces of `byte_code.PIECE_ELEMS` elements from a 4-byte boundary, the last few elements raw."""
+    _, sbits, rbits = _FORMS[dtype]
+    lead = (-a) % 4
+    n = (b - a - lead) // byte_code.STEP * byte_code.STEP
+    if n * 1 < MIN_RUN_BYTES:
+        return None
+    start = a + lead
+    bounds = [(s, min(n, s + byte_code.PIECE_ELEMS)) for s in range(0, n, byte_code.PIECE_ELEMS)]
+    hists = [_hist(raw[start + s:start + e]).tolist() for s, e in bounds]
+    total = [sum(h[v] for h in hists) for v in range(256)]
+    code = byte_code.choose(total)
+    if code is None:
+        return None
+    smask, n_codes, m, bits, base, _ = code
+    pieces = [Chunk(a, lead, 0, lead)] if lead else []
+    for (s, e), h in zip(bounds, hists):
+        n_esc = byte_code.escapes(h, smask, base, n_codes)
+        psize = byte_code.piece_size(m, bits, n_esc, e - s)
+        if psize < PAYS * (e - s):
+            pieces.append(Chunk(start + s, e - s, 0, psize, 1, sbits, rbits, 0, base, n_esc, n_codes, m, bits, smask))
+        else:
+            pieces.append(Chunk(start + s, e - s, 0, e - s))
+    if start + n < b:
+        pieces.append(Chunk(start + n, b - start - n, 0, b - start - n))
+    if sum(c.size for c in pieces) >= PAYS * (b - a):
+        return None
+    return pieces
+
+
+def _unit_coded_run(raw: torch.Tensor, a: int, b: int, dtype: torch.dtype, cut: int | None = None) -> list[Chunk] | None:
     """The pieces of one run of `dtype` (src 0: placed by `plan`), or None where coding it does not pay. A run that
     starts off a word boundary (8 bytes) keeps its first elements raw: the decode writes whole words. `cut`: where
     the run's tail of small tensors starts (laid out last, `layout.group_by_dtype`); that tail is kept raw where the
@@ -106,12 +153,12 @@ def _coded_run(raw: torch.Tensor, a: int, b: int, dtype: torch.dtype, cut: int |
     elem, sbits, rbits = _FORMS[dtype]
     lead = (-a) % 8
     if lead:
-        rest = _coded_run(raw, a + lead, b, dtype, cut) if b - a - lead >= MIN_RUN_BYTES else None
+        rest = _unit_coded_run(raw, a + lead, b, dtype, cut) if b - a - lead >= MIN_RUN_BYTES else None
         return None if rest is None else [Chunk(a, lead, 0, lead)] + rest
     n = (b - a) // elem
     if n % 8:  # whole words of any code: the last few elements raw
         end = b - (n % 8) * elem
-        rest = (_coded_run(raw, a, end, dtype, cut if cut is not None and cut < end else None)
+        rest = (_unit_coded_run(raw, a, end, dtype, cut if cut is not None and cut < end else None)
                 if end - a >= MIN_RUN_BYTES else None)
         return None if rest is None else rest + [Chunk(end, b - end, 0, b - end)]
     top = raw[a:b].view(n, elem)[:, elem - 1]
@@ -206,7 +253,9 @@ def write(raw: torch.Tensor, chunks: tuple[Chunk, ...], blob: torch.Tensor, seri
         for c in chunks:
             piece = raw[c.dst:c.dst + c.nbytes]
             out = blob[c.src:c.src + c.size]
-            if c.coded:
+            if c.coded and c.version == 4:
+                byte_code.encode_piece(piece, c, out, byte_code.SERIAL_ELEMS if serial else byte_code.SUB_ELEMS)
+            elif c.coded:
                 unit_code.encode_piece(piece, c, out, sub)
             else:
                 out.copy_(piece)
@@ -249,11 +298,17 @@ def estimate_size(raw: torch.Tensor, leaves: Iterable, sample_elems: int = 1 << 
 
 def estimate_by_dtype(leaves: Iterable, nbytes: int) -> int:
     """The encoded size of a unit whose bytes are not in RAM yet (a model loaded from its file), from its dtypes:
-    what weights drawn like trained ones give (bf16 0.76, fp16 0.89, fp8 0.88, fp32 0.88 of raw)."""
+    what weights drawn like trained ones give (bf16 0.76, fp16 0.89, fp32 0.88 of raw; per-tensor scaled fp8
+    e4m3fn 0.92 and e5m2 0.80 under the byte code, docs/benchmarks.md); int8 and packed 4-bit payloads, which pay
+    little or nothing, count as raw until their bytes are sampled (`compressed.estimate_layout_size`)."""
     ratios = {torch.bfloat16: 0.76, torch.float16: 0.89, torch.float32: 0.88}
+    for name, r in (("float8_e4m3fn", 0.92), ("float8_e5m2", 0.80), ("float8_e4m3fnuz", 0.92),
+                    ("float8_e5m2fnuz", 0.80)):
+        if hasattr(torch, name):
+            ratios[getattr(torch, name)] = r
     total = nbytes
     for leaf in leaves:
-        r = ratios.get(leaf.dtype, 0.88 if str(leaf.dtype).startswith("torch.float8") else 1.0)
+        r = ratios.get(leaf.dtype, 1.0)
         if leaf.nbytes >= MIN_RUN_BYTES and r < 1.0:
             total -= int(leaf.nbytes * (1 - r))
     return total
@@ -268,6 +323,8 @@ SCRATCH_PER_ELEM = 6  # decode temporaries per element of a version 2 chunk: the
 
 
 def _chunk_scratch(c: Chunk) -> int:
+    if c.version == 4:
+        return byte_code.scratch_need(c)
     if c.version == 3:
         return unit_code.scratch_need(c)
     return c.size + SCRATCH_PER_ELEM * (c.nbytes // c.elem) if c.coded else c.size
@@ -291,6 +348,8 @@ def scratch_estimate(leaves: Iterable) -> int:
         if total < MIN_RUN_BYTES:
             continue
         n = min(CHUNK_ELEMS, total // elem)
+        if elem == 1:  # the byte code's widened bytes (below PAYS of raw), escapes' mask and count, riders
+            peak = max(peak, 4 * int(PAYS * n) + 8 * n + 128)
         for m, bits, n_codes in unit_code.options(elem, sbits, rbits):
             n_m = n - n % m
             c = Chunk(0, n_m * elem, 0, n_m * elem, elem, sbits, rbits, 0, 0, 0, n_codes, m, bits)
@@ -324,7 +383,9 @@ def _decode_all(buf: torch.Tensor, chunks: tuple[Chunk, ...], tail: int, scratch
             payload = buf[a:a + c.size]
             out = buf[c.dst:c.dst + c.nbytes]
             overlaps = a < c.dst + c.nbytes
-            if c.version == 3 and c.coded:
+            if c.version == 4:
+                byte_code.decode_piece(c, payload, out, scratch)
+            elif c.version == 3 and c.coded:
                 unit_code.decode_piece(c, payload, out, scratch)
             elif c.coded:
                 decode_chunk(c, payload, out, overlaps=overlaps)

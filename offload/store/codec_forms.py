@@ -35,7 +35,9 @@ class Chunk:
 
     A raw chunk has `elem` 0. A coded chunk of version 3 (`n_codes` > 0, `unit_code.py`) codes its elements' top
     bytes as `n_codes` codes from `base` (the last an escape), `m` elements to an index `bits` wide; one of version 2
-    (`k` > 0, `chunk_decode.py`: what packed folders of index version 2 hold) as k-bit fields over a window."""
+    (`k` > 0, `chunk_decode.py`: what packed folders of index version 2 hold) as k-bit fields over a window; one of
+    version 4 (`smask` > 0, `byte_code.py`: 1-byte elements) codes the `smask` bits of each byte as `n_codes` codes
+    (the symbols `base` lists four bits each, and an escape), `m` to a byte, the other bits raw."""
 
     dst: int
     nbytes: int
@@ -50,6 +52,7 @@ class Chunk:
     n_codes: int = 0
     m: int = 0
     bits: int = 0
+    smask: int = 0  # version 4 (`byte_code.py`): the 4 bits of each byte coded as its symbol
 
     @property
     def coded(self) -> bool:
@@ -61,7 +64,10 @@ class Chunk:
 
     @property
     def version(self) -> int:
-        """3: the unit-wide code; 2: a k-bit window per chunk (read from old packed folders)."""
+        """4: the byte code of 1-byte elements; 3: the unit-wide code; 2: a k-bit window per chunk (read from old
+        packed folders)."""
+        if self.smask:
+            return 4
         return 2 if self.coded and not self.n_codes else 3
 
 

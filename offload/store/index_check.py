@@ -8,11 +8,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codec import CODEC, Chunk, chunks_from_list
+from .codec import CODEC, Chunk, chunks_from_list, list_version
 from .header_check import CorruptFileError, FileTensor, _show, check_no_overlap, check_tensor, require_regular, whole
 
 PACKED_FORMAT = "layer-offload-packed"
-PACKED_VERSION = 3  # 3: units stored compressed in the codec's chunks of version 3; 2: of version 2; 1: none
+PACKED_VERSION = 4  # 4: units stored compressed in the codec's chunks of version 4 (the byte code) or 3; 3: of version
+# 3; 2: of version 2; 1: none
 _SEPARATORS = ("/", "\\", ":", "\x00")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -159,13 +160,16 @@ def _stored_unit(u: dict[str, Any], uname: str, lo: int, nbytes: int, version: i
     where = f"unit {uname!r}"
     if version < 2 or u["compression"] != CODEC:
         raise CorruptFileError(f"{index_path}: {where} is stored as {_show(u['compression'])}, which a version "
-                               f"{version} index does not hold (this engine reads {CODEC!r} from versions 2 and 3)")
+                               f"{version} index does not hold (this engine reads {CODEC!r} from versions 2 to 4)")
     stored = whole(u.get("stored"), index_path, where, "stored")
     if lo + stored > out.sizes[u["path"]]:
         raise CorruptFileError(f"{index_path}: {where} ends at byte {lo + stored}, past its shard's "
                                f"{out.sizes[u['path']]} bytes")
     try:
-        chunks = chunks_from_list(u.get("chunks"), nbytes, stored, version=2 if version == 2 else 3)
+        listed = list_version(u.get("chunks"))
+        if version == 2 or listed > version:
+            listed = version  # read as the index's version says (a list of a later version: refused by its form)
+        chunks = chunks_from_list(u.get("chunks"), nbytes, stored, version=listed)
     except ValueError as exc:
         raise CorruptFileError(f"{index_path}: {where}: {exc}") from None
     tensors = u.get("tensors")

@@ -187,7 +187,8 @@ def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
                  compress: bool = False) -> Path:
     """Write `units` (in this order) and the `other` tensors as a packed folder; returns the index path.
     `compress`: each unit whose lossless encoding pays is stored encoded (index version 3: the codec's chunks of
-    version 3; its tensors' offsets are then within the unit's raw bytes); the other tensors stay raw."""
+    version 3; version 4 where a unit has the byte code's; its tensors' offsets are then within the unit's raw
+    bytes); the other tensors stay raw."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a folder")
@@ -229,7 +230,9 @@ def write_packed(out_dir: str | os.PathLike, units: list[PackUnit],
             index_other.append({"name": entry.pop("name"), "path": path, **entry})
     finally:
         writer.close()
-    version = 3 if any("compression" in u for u in index_units) else 1  # a plain pack stays readable by version 1
+    # a plain pack stays readable by version 1, one without the byte code by version 3
+    version = 1 if not any("compression" in u for u in index_units) else \
+        4 if any(len(c) == len(codec.FIELDS_V4) for u in index_units for c in u.get("chunks", ())) else 3
     index = {"format": FORMAT, "version": version, "alignment": UNIT_ALIGN, "source": source,
              "shards": writer.shards, "units": index_units, "other": index_other}
     fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".json.tmp", dir=out)  # O_EXCL | O_NOFOLLOW, ours alone

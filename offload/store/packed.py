@@ -18,7 +18,9 @@ weight goes with, else null. Bytes are those of the source, bit for bit; padding
 Version 3 (`pack --compress`): a unit whose lossless encoding pays (`codec.py`) is stored encoded and its entry adds
 `"compression": "expwin", "stored": <encoded bytes at offset>, "chunks": [[dst, nbytes, src, size, elem, sbits,
 rbits, n_codes, base, m, bits, n_esc], ...]` (`codec.chunks_to_list`: the unit-wide code, one stream per dtype);
-its tensors' `offset`s are then within the unit's `nbytes` raw bytes. Version 2 (what earlier engines wrote) is the
+its tensors' `offset`s are then within the unit's `nbytes` raw bytes. Version 4 is version 3 where a unit's chunks
+include the byte code of 1-byte payloads (fp8, int8, packed 4-bit: `byte_code.py`): such a unit's chunk lists have a
+thirteenth field, `smask`; an engine before it refuses the index by its version, naming the version it reads. Version 2 (what earlier engines wrote) is the
 same with chunks of `[dst, nbytes, src, size, elem, sbits, rbits, k, base, n_esc]` (a k-bit window per tensor
 chunk): still read, and decoded on the device as well. A disk-tier unit laid out as stored (the engine lays a unit out in its stored order) streams its encoded
 bytes and the device decodes them in the slot (`compressed.StoredDiskSource`); otherwise `read_into` decodes on the

@@ -14,7 +14,7 @@ from typing import Any
 from ..model.layout import TensorLayout
 from . import codec
 
-_CHUNK_ROOM = 16 + 21 * 12  # the most one chunk's JSON takes (twelve 64-bit integers and separators)
+_CHUNK_ROOM = 16 + 21 * 13  # the most one chunk's JSON takes (thirteen 64-bit integers and separators)
 
 
 def chunk_room(layout: TensorLayout) -> int:
@@ -58,7 +58,7 @@ def parse_header(body: bytes, key: str, offsets: dict[int, int], sizes: dict[int
                     size = int(u["size"])
                     if u["form"] != codec.CODEC or not 0 <= size <= sizes[i]:
                         return None
-                    encoded[i] = (size, codec.chunks_from_list(u["chunks"], sizes[i], size, version=3))
+                    encoded[i] = (size, codec.chunks_from_list(u["chunks"], sizes[i], size))
         return out, encoded
     except (ValueError, KeyError, TypeError):
         return None

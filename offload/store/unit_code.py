@@ -263,7 +263,8 @@ def encode_piece(raw: torch.Tensor, c: Any, out: torch.Tensor, sub: int = SUB_EL
 
 _TABLES: "OrderedDict[tuple, Any]" = OrderedDict()  # (code, device) -> decode table; encoder lookups; shifts
 _TABLE_LOCK = threading.Lock()
-TABLE_CACHE_BYTES = 2 << 20  # the tables kept, least recently used dropped first (a long run meets many codes)
+TABLE_CACHE_BYTES = 8 << 20  # the tables kept, least recently used dropped first (a long run meets many codes; a
+# byte code's of 16-bit indices: 64K rows of m bytes)
 
 
 def _cached(key: tuple) -> Any:
