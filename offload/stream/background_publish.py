@@ -60,8 +60,8 @@ def publish_units(ref: "weakref.ref[Any]", state: Any, units: list[int],
         streamer.host.pin_published(moved)
     finally:
         streamer._lock.release()
-    log.info("%d block(s) moved into the host copy shared between processes after setup (%.2f s), %d kept in this "
-             "process's RAM", state.published, state.publish_ms / 1e3, state.publish_kept)
+    log.debug("%d block(s) moved into the host copy shared between processes after setup (%.2f s), %d kept in this "
+              "process's RAM", state.published, state.publish_ms / 1e3, state.publish_kept)
     return True
 
 
