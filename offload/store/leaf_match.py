@@ -275,16 +275,18 @@ def _non_persistent(entry: Any) -> bool:
 
 
 def unit_candidates(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
-                    index: FileIndex | None = None) -> tuple[list[list[Candidate]] | None, str]:
+                    index: FileIndex | None = None,
+                    lacking_ok: bool = True) -> tuple[list[list[Candidate]] | None, str]:
     """Per leaf, the file tensors that may hold it, from the header alone (RESIDENT last for a leaf the file lacks
     that may stay in RAM, within the unit's bound); (None, why) when the unit cannot stream from the file (the
-    reason names the tensor)."""
+    reason names the tensor). `lacking_ok=False` (a file given as the model's own, `disk_optional=False`): only
+    non-persistent buffers may be lacking; a file without one of the model's persistent tensors is not its file."""
     index = index or file_index(file)
     names = [(entry_name(file, e, key_of), isinstance(e.recipe, int)) for e in layout.entries]
     volatile = {j for j, e in enumerate(layout.entries) if _non_persistent(e)}  # never read from a file
     small = layout.nbytes // RESIDUE_SHARE
     lackable = frozenset(j for j, (e, (_, plain)) in enumerate(zip(layout.entries, names))
-                         if plain and layout.leaves[e.recipe].nbytes <= small)
+                         if plain and layout.leaves[e.recipe].nbytes <= small and (lacking_ok or j in volatile))
     prefix, names = _unit_names(index, names, lackable)
     if prefix is None:
         missing = next(n for n, plain in names if plain and not any(p + n in file.tensors for p in index.prefixes(n))) \
@@ -306,7 +308,7 @@ def unit_candidates(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module
                 found = _inner_candidates(file, _siblings(index, prefix, name), leaf, name.rpartition(".")[2])
             found = [(k, c) for k, c in found if c is not None or file.aligned(k)]  # a view needs aligned bytes
             out[leaf_i] = found
-            if plain and (j in volatile or prefix + name not in file.tensors):
+            if j in volatile or (plain and lacking_ok and prefix + name not in file.tensors):
                 lacking.append((leaf_i, what, entry))
                 continue
             if not found:
@@ -335,6 +337,16 @@ def _no_tensor(file: Any, layout: TensorLayout, entry: Any, leaf: Leaf, what: st
     inside = "" if isinstance(entry.recipe, int) else f", inside a {entry.recipe[0].__name__}"
     return (f"{what} ({tuple(leaf.shape)} {_short(leaf.dtype)}{inside}) has no tensor in {file.path} that holds its "
             f"bytes or casts to them{held}")
+
+
+def _leaf_name(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, str], str], i: int) -> str:
+    """Leaf i's name in the model (a subclass's inner tensor after its weight's name)."""
+    for entry in layout.entries:
+        for k, inner in _entry_leaves(entry.recipe):
+            if k == i:
+                name = entry_name(file, entry, key_of)
+                return f"{name}.{inner}" if inner else name
+    return f"leaf {i}"
 
 
 def holding_map(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
@@ -378,9 +390,9 @@ def holding_map(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, st
                     tried = [k for k, _ in found]
                     held = (f"{tried[0]!r} holds" if len(tried) == 1 else
                             f"none of {tried[:4]}{' ...' if len(tried) > 4 else ''} holds")
-                    why = (f"{file.path}: {held} other values than the model's weight ({tuple(leaf.shape)} "
-                           f"{_short(leaf.dtype)}, leaf {i} of its block), as stored or cast: it was changed or "
-                           f"converted after loading")
+                    why = (f"{file.path}: {held} other values than the model's {_leaf_name(file, layout, key_of, i)!r} "
+                           f"({tuple(leaf.shape)} {_short(leaf.dtype)}, leaf {i} of its block), as stored or cast: it "
+                           f"was changed or converted after loading")
                     break
                 keys.append(pick[0])
                 casts.append(pick[1])
