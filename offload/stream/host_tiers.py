@@ -2,7 +2,8 @@
 
 `HostTiers` moves units between tiers after staging: a disk-tier unit written in place gets a RAM master
 (`promote_to_ram`), and RAM is given back on request by moving units whose exact bytes the file holds to the
-disk tier (`release_host_memory`). It also reports the host bytes the model holds.
+disk tier (`release_host_memory`; a unit's leaves its file lacks stay in RAM as its residue, see
+store/leaf_match.py). It also reports the host bytes the model holds, the residue included.
 """
 from __future__ import annotations
 
