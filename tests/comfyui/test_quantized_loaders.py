@@ -188,7 +188,7 @@ def write_legacy_scaled_fp8(path: str) -> None:
 def test_a_legacy_scaled_fp8_file_is_bitwise_under_a_ram_ceiling(env, monkeypatch):
     """The scaled-fp8 files every tested ComfyUI loads (however it holds them: fp8 weights with scales, or
     QuantizedTensor) stream from the file under a RAM ceiling, bitwise the Load Diffusion Model node's, LoRA on and
-    off."""
+    off, and after ComfyUI asks for RAM back (partially_unload_ram)."""
     name = "lo_q_legacy_scaled_fp8.safetensors"
     if name not in env["written"]:
         write_legacy_scaled_fp8(os.path.join(env["dir"], name))
@@ -216,6 +216,7 @@ def test_a_legacy_scaled_fp8_file_is_bitwise_under_a_ram_ceiling(env, monkeypatc
     # RAM given back the way ComfyUI asks (every block the file holds moves to the disk tier): still bitwise
     assert off.partially_unload_ram(1 << 40) > 0
     assert torch.equal(sample(env, off), ref), "after giving RAM back"
+    assert torch.equal(sample(env, with_lora(env, off)), ref_lora), "a LoRA after giving RAM back"
     assert all(b.tier == "disk" for b in h.report().blocks), [b.placement for b in h.report().blocks]
 
 
