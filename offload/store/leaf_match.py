@@ -25,7 +25,8 @@ leaf lies while the rest is read from the file. This is decided here, from the h
 64-byte aligned) may be at most 1/RESIDUE_SHARE of the unit's bytes, so the disk tier still frees nearly all of
 the unit and a unit whose tensors the file mostly lacks (another model's file) keeps its RAM master. Past the
 bound, or for any other leaf no file tensor holds (a tensor changed after loading, a quantized weight's scale), the
-unit stays in RAM and the reason names the leaf.
+unit stays in RAM and the reason names the leaf. A file given as the model's own (`disk_optional=False`) may lack
+only non-persistent buffers: without one of the model's persistent tensors it is not the model's file (refused).
 """
 from __future__ import annotations
 
