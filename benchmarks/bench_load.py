@@ -12,8 +12,10 @@ real trained weights beside the bound their exponents' entropy sets, in one run.
    - off / lossless: `offload_module(model, OffloadConfig.from_preset("budget", device="sim", disk_path=file,
      host_compression=...))` (every block streams, so every block is staged in host RAM; lossless encodes them all);
    - packed: the same from a folder packed with `pack --compress` (the stored encoding is taken, not encoded again);
-   - off / lossless with `share_host="off"`: the blocks in this process's own buffers instead of the host copy shared
-     between processes (the default with a `disk_path`, which tmpfs writes one writer at a time).
+   - off / lossless with `share_host="off"`: the blocks in this process's own buffers only; by default (a
+     `disk_path`) they go into the host copy shared between processes, which this process fills: staged in its own
+     RAM and moved into the copy on a thread after setup (`HostPlan.publish_later`: tmpfs takes pages at a fraction
+     of anonymous memory's speed), so "all done after s" is when that (and any encoding after setup) is over.
    Beside each, the setup's parts from `OffloadReport.setup` (read, encode, spill, pin: added up over the workers),
    the blocks the plan holds compressed that setup kept raw and had encoded after it (`HostPlan.encode_later`: RAM
    allows, no ceiling), and when every block was held compressed (`handle.wait_encoded()`).
@@ -111,10 +113,11 @@ def offload_load(disk_path: Path, d: int, depth: int, mode: str, share: str = "a
     t0 = time.perf_counter()
     handle = offload_module(model, cfg, budget=VramBudget(None))
     took = time.perf_counter() - t0
-    handle.wait_encoded()  # blocks the plan holds compressed that setup kept raw: encoded after it
+    handle.wait_encoded()  # blocks moved into the shared copy, and those the plan holds compressed, after setup
     encoded_after = time.perf_counter() - t0
     report = handle.report().to_dict()
     parts = dict(report["setup"], host_mib=report["host_bytes"] / 2**20, raw_mib=report["host_raw_bytes"] / 2**20,
+                 shared_mib=report["host_shared_bytes"] / 2**20,
                  compressed=sum(b["compression"] != "none" for b in report["blocks"]), compressed_s=encoded_after)
     handle.detach()
     del handle, model
@@ -295,21 +298,23 @@ def main() -> int:
     print(f"# load time and decode ops, {where}")
     print(f"\nsetup of a {loads['_bytes'] / 2**20:.0f} MiB bf16 model from its safetensors file ({depth} blocks; "
           f"median of {args.repeat} alternated rounds, page cache warm):")
-    print("| config | setup s | vs plain load | read ms | encode ms | spill ms | pin ms | encoded after setup | "
-          "all held compressed after s | blocks compressed | host MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | setup s | vs plain load | read ms | encode ms | spill ms | pin ms | into the shared copy after "
+          "setup | encoded after setup | all done after s | blocks compressed | host MiB | of it shared MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in loads.items():
         if name.startswith("_"):
             continue
         p = r["parts"]
         if name == "plain":
-            print(f"| {name} | {r['s']:.3f} | 1.00x | | | | | | | | |")
+            print(f"| {name} | {r['s']:.3f} | 1.00x | | | | | | | | | | |")
             continue
         later = p.get("background_units", 0)
         after = f"{later} ({p.get('background_encode_ms', 0):.0f} ms)" if later else "-"
+        moved = p.get("published", 0)
+        into = f"{moved} ({p.get('publish_ms', 0):.0f} ms)" if p.get("publish_units") else "-"
         print(f"| {name} | {r['s']:.3f} | {r['ratio']:.2f}x | {p.get('read_ms', 0):.0f} | {p.get('encode_ms', 0):.0f} "
-              f"| {p.get('spill_ms', 0):.0f} | {p.get('pin_ms', 0):.0f} | {after} | {p['compressed_s']:.3f} | "
-              f"{p.get('compressed', '-')} | {p.get('host_mib', 0):.0f} |")
+              f"| {p.get('spill_ms', 0):.0f} | {p.get('pin_ms', 0):.0f} | {into} | {after} | {p['compressed_s']:.3f} | "
+              f"{p.get('compressed', '-')} | {p.get('host_mib', 0):.0f} | {p.get('shared_mib', 0):.0f} |")
     print("\ndecode ops per unit (aten ops beyond the raw unit's copy, views excluded):")
     print("| bf16 tensors in the unit | elements each | extra ops per unit |")
     print("|---|---|---|")

@@ -254,9 +254,10 @@ class OffloadHandle(BudgetMembership):
         return out
 
     def wait_encoded(self, timeout: float | None = None) -> bool:
-        """Wait until the blocks encoded after setup (`report().setup["background_units"]`: the plan holds them
-        compressed, staging kept them raw so the load takes what a raw one does) are held compressed; False on
-        timeout. Nothing to wait for: True."""
+        """Wait until the blocks put in the host copy shared between processes after setup
+        (`report().setup["publish_units"]`) are there and those encoded after setup (`["background_units"]`: the plan
+        holds them compressed, staging kept them raw so the load takes what a raw one does) are held compressed;
+        False on timeout. Nothing to wait for: True."""
         background = self.streamer.background
         return True if background is None else background.wait(timeout)
 

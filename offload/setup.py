@@ -149,7 +149,7 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
         later = plan.host_plan.encode_later
         staged = stage_model(laid, plan.host_tiers, backend, config.pin_memory, plan.bounce_count,
                              plan.bounce_bytes, progress, plan.shared_units, plan.host_plan.compressed,
-                             plan.host_plan.rest_spilled, times, later)
+                             plan.host_plan.rest_spilled, times, later, plan.host_plan.publish_later)
         times.stage_ms = (time.perf_counter() - t2) * 1e3
     except BaseException:
         if file is not None:
@@ -163,11 +163,12 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
     tiers = tuple(u.tier for u in streamer.units)
     # a unit encoded after setup is planned in the form it will have (the decode's scratch is kept for it)
     forms = tuple(CODEC if u.index in later else unit_compression(u.staged) for u in streamer.units)
-    if later:
-        streamer.background = BackgroundEncoder(streamer, sorted(later))
+    if later or staged.publish_later:
+        streamer.background = BackgroundEncoder(streamer, sorted(later), sorted(staged.publish_later))
     notices = {}
-    if config.pin_memory and backend.supports_pinned_host and any(
-            u.master.host is not None and not u.master.pinned for u in staged.units):
+    if config.pin_memory and backend.supports_pinned_host and any(  # (those moving into the shared copy: pinned there)
+            u.master.host is not None and not u.master.pinned and u.index not in staged.publish_later
+            for u in staged.units):
         notices["pinned_fallback"] = ("pinning was refused or over the pin limit: some blocks stream from pageable "
                                       "memory through a bounce buffer (slower copies)")
     if "disk" in tiers:

@@ -120,6 +120,7 @@ def main(path: str, share: str, load: str, compress: str = "-", ceiling: str = "
             cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=path, share_host=share,
                                             sim_capacity_bytes=1 << 30, **more)
             handle = offload_module(model, cfg, budget=VramBudget(256 << 20))
+            handle.wait_encoded()  # the copy's filler puts its blocks in it after setup (HostPlan.publish_later)
             cmd = "forward"
         if cmd == "forward":
             with torch.no_grad():

@@ -27,6 +27,7 @@ from tests import shared_host_worker as worker
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 shared_host = pytest.importorskip("offload.store.shared_host")
+from offload.store.sources import SharedSource  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not shared_host.available(), reason="needs Linux's /dev/shm")
 
@@ -310,8 +311,9 @@ def test_a_process_that_loaded_other_weights_keeps_its_own_copy(tmp_path):
 
 
 def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypatch):
-    """The filler fails after some blocks went into the copy: the model is as it was (ordinary tensors, same
-    outputs), the half-filled segment is gone, and the next offload fills a complete one."""
+    """The filler fails during setup after some blocks went into the copy (a RAM ceiling: the copy is filled while
+    staging, HostPlan.publish_later is for none): the model is as it was (ordinary tensors, same outputs), the
+    half-filled segment is gone, and the next offload fills a complete one."""
     from offload import OffloadConfig, VramBudget, offload_module
     from offload.backends import get_backend
 
@@ -322,7 +324,8 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
     x = worker.inputs()
     with torch.no_grad():
         want = model(x)
-    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), sim_capacity_bytes=(1 << 30) + 7)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), sim_capacity_bytes=(1 << 30) + 7,
+                                    ram_budget_bytes=1 << 30)
     backend = get_backend(cfg)
     created = []  # this model's segment (other processes on the machine may fill /dev/shm meanwhile)
     real_create = shared_host.SharedHostCopy._create.__func__
@@ -355,6 +358,56 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
     assert all(b.shared for b in h.report().blocks)
     h.detach()
     assert backend.used_bytes == 0
+
+
+def test_blocks_go_into_the_copy_after_setup_and_a_failure_there_leaves_the_rest_private(tmp_path, monkeypatch):
+    """Without a RAM ceiling the filler stages its blocks in its own RAM (a load as fast as a private one) and a
+    thread moves them into the copy after setup, one at a time, each swapped in at a safe point and its private
+    buffer freed; a write that fails there (the sixth block) leaves that block and the rest in this process's RAM,
+    and the copy is published with the five it holds (a joiner maps those, stages the rest). Outputs are the same
+    before, during and after."""
+    from offload import OffloadConfig, VramBudget, offload_module
+
+    torch.manual_seed(0)
+    model = worker.build()
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(model.state_dict(), str(path))
+    x = worker.inputs()
+    with torch.no_grad():
+        want = model(x)
+    placed = []
+    real_place = shared_host.SharedHostCopy.place
+
+    def failing_place(self, i, *args):
+        if len(placed) == 5:
+            raise OSError(28, "injected: no space left on device")
+        placed.append(i)
+        return real_place(self, i, *args)
+
+    monkeypatch.setattr(shared_host.SharedHostCopy, "place", failing_place)
+    cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path))
+    h = offload_module(model, cfg, budget=VramBudget(256 << 20))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        assert h.wait_encoded(60)
+        setup = h.report().setup
+        assert (setup["publish_units"], setup["published"], setup["publish_kept"]) == (worker.BLOCKS, 5,
+                                                                                       worker.BLOCKS - 5)
+        with torch.no_grad():
+            assert torch.equal(model(x), want)
+        rep = h.report()
+        assert [b.shared for b in rep.blocks] == [i < 5 for i in range(worker.BLOCKS)]
+        assert rep.host_shared_bytes == 5 * MODEL_BYTES // worker.BLOCKS
+        staged = h.streamer.staged
+        layouts = [u.layout for u in staged.units]
+        forms = shared_host.SharedHostCopy.peek(path, layouts, [u.name for u in staged.units],
+                                                directory=staged.shared.path.parent)
+        assert sorted(forms) == list(range(5))  # published: the five it holds, a joiner stages the rest
+    finally:
+        h.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
 
 
 def test_ram_given_back_frees_the_copy_only_when_nobody_else_maps_it(tmp_path):
@@ -450,13 +503,14 @@ def test_a_full_dev_shm_leaves_the_rest_private(tmp_path, monkeypatch):
 
     def fallocate(fd, offset, length):
         calls.append(offset)
-        if len(calls) > 3:
+        if len(calls) > 4:  # the header's pages (reserved when the copy is created), then three blocks
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, offset, length)
 
     real = os.posix_fallocate
     monkeypatch.setattr(shared_host.os, "posix_fallocate", fallocate)
-    h = offload_module(model, OffloadConfig.from_preset("budget", device="sim", disk_path=str(path)),
+    h = offload_module(model, OffloadConfig.from_preset("budget", device="sim", disk_path=str(path),
+                                                        ram_budget_bytes=1 << 30),  # filled while staging
                        budget=VramBudget(256 << 20))
     try:
         with torch.no_grad():
@@ -548,7 +602,7 @@ def test_a_write_stops_copies_from_the_pinned_view_at_once(tmp_path):
         copy.finish(Pinning(), {0})
         assert registered == [layouts[0].nbytes]
         unit = copy.unit(0, host, layouts[0])
-        source = shared_host.SharedSource(unit, Pinning())
+        source = SharedSource(unit, Pinning())
         dst = torch.empty(layouts[0].nbytes, dtype=torch.uint8)
         source.issue(dst, None)
         assert copies[-1].data_ptr() == unit.pinned_view.data_ptr() != host.data_ptr()

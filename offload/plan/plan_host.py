@@ -30,6 +30,22 @@ class HostPlan:
     # units held compressed that staging may keep raw and have encoded on a thread after setup (RAM holds the raw
     # plan and no ceiling binds: setup then takes what a raw one does; `stream/background_encode.py`)
     encode_later: frozenset[int] = frozenset()
+    # units of the shared host copy this process fills that staging keeps in its own RAM and a thread puts in the
+    # copy after setup (`published_later`; `stream/background_publish.py`)
+    publish_later: frozenset[int] = frozenset()
+
+
+def published_later(plan: HostPlan, hard: bool, filler: bool) -> frozenset[int]:
+    """The units of the shared host copy that setup stages in this process's own RAM and a thread moves into the
+    copy afterwards, one at a time (each swapped in at a safe point, its private buffer then freed): tmpfs takes
+    pages at a fraction of the speed anonymous memory does (one writer per file, every page added to its page
+    cache), so filling the copy during setup would hold the load up about twice as long as a private one. Only for
+    the process that fills the copy (a joiner maps what is there), every shared unit raw at setup (one encoded into
+    the copy while loading keeps the copy filled at setup), and no hard ceiling (a unit is held twice while it
+    moves)."""
+    if not plan.shared or hard or not filler or (plan.compressed - plan.encode_later) & plan.shared:
+        return frozenset()
+    return plan.shared
 
 
 def shared_units(tiers: dict[int, str], share: bool) -> frozenset[int]:

@@ -27,7 +27,8 @@ import psutil
 from .plan_device import (DeviceMemoryError, PlanError, UnitPlan, across_devices, plan_by_cost,  # noqa: F401
                           plan_units, ring_slots, spread, want_bytes)
 from .plan_host import (GIB, MIB, MIN_BOUNCE, PREFERRED_BOUNCE, HostPlan, RamCeilingError,  # noqa: F401
-                        bounce_buffers, host_ram_bytes, in_shared_copy, plan_host, plan_host_capped, shared_units)
+                        bounce_buffers, host_ram_bytes, in_shared_copy, plan_host, plan_host_capped, published_later,
+                        shared_units)
 from ..store.codec import CODEC
 from .facts import HostFacts, PlanFacts  # noqa: F401  (the facts a plan is made from: importable from here)
 from .plan_compress import choose_compressed, encoded_later
@@ -277,6 +278,7 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
     compressed = plan.compressed
     if compressed and not h.hard and fits(plan_for(list(facts.sizes))):  # RAM holds them raw meanwhile
         plan.encode_later = encoded_later(compressed, fixed, facts.from_file, facts.file_forms, facts.sizes)
+    plan.publish_later = published_later(plan, h.hard, filler=h.share and not any(h.shared_forms))
     messages.extend(said.get(id(plan), []))
     if compressed:
         raw = sum(facts.sizes[i] for i in compressed)

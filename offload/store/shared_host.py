@@ -181,6 +181,8 @@ class SharedHostCopy:
             os.fchmod(fd, 0o600)  # whatever the umask: ours alone, readable and writable by us
             fcntl.flock(fd, fcntl.LOCK_EX)  # joiners wait until the header says it is complete
             os.ftruncate(fd, total)  # tmpfs: pages exist once written
+            # the header's pages now: written last through the mapping, where a full tmpfs would be a SIGBUS
+            os.posix_fallocate(fd, 0, min(offsets.values(), default=total))
             copy = cls(path, fd, True, key, offsets, sizes, total)
         except BaseException:
             unlink_own(path, os.fstat(fd))
@@ -367,6 +369,15 @@ class SharedHostCopy:
         else:
             self.refused += 1
 
+    def unplace(self, i: int) -> None:
+        """The filler takes unit i back out before the header is written (it changed while being put in): its pages
+        freed, a joiner stages it on its own."""
+        if self.filler and self._fill is not None:
+            if self.file_leaves.pop(i, None) is not None:
+                self.placed.remove(i)
+            with contextlib.suppress(OSError):  # a write that failed half way may have taken some
+                punch_hole(self.fd, self.offsets[i], round_up(self.sizes[i]))
+
     def held_bytes(self, i: int) -> int:
         """Unit i's bytes in the segment: its encoded size where it is held encoded, else its raw size."""
         return self.encoded[i][0] if i in self.encoded else self.sizes[i]
@@ -478,23 +489,3 @@ class SharedHostCopy:
 
 class _Retry(Exception):
     """The segment went away (or was a dead filler's) while we opened it: look again."""
-
-
-class SharedSource:
-    """A shared unit copied to the device from the registered (pinned) shared mapping while this process has not
-    written it; from its own copy-on-write view once it has (pageable, until `HostTiers.privatize` gives the unit
-    a RAM master of its own at the next pass start)."""
-
-    reads = 0
-    read_ms = 0.0
-    tier = "pinned"
-
-    def __init__(self, unit: SharedUnit, backend: Any) -> None:
-        self.unit = unit
-        self.host = unit.host
-        self.nbytes = unit.host.numel()
-        self.backend = backend
-
-    def issue(self, dst: torch.Tensor, after: Any) -> Any:
-        src = self.host if self.unit.written() else self.unit.pinned_view
-        return self.backend.copy_h2d(dst[:self.nbytes], src, after)

@@ -294,3 +294,23 @@ class DiskSource:
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:
         self.reads += 1
         return self.reader.submit(self._fill, self.nbytes, dst, after)
+
+
+class SharedSource:
+    """A shared unit copied to the device from the registered (pinned) shared mapping while this process has not
+    written it; from its own copy-on-write view once it has (pageable, until `HostTiers.privatize` gives the unit
+    a RAM master of its own at the next pass start)."""
+
+    reads = 0
+    read_ms = 0.0
+    tier = "pinned"
+
+    def __init__(self, unit: Any, backend: Any) -> None:  # a shared_host.SharedUnit
+        self.unit = unit
+        self.host = unit.host
+        self.nbytes = unit.host.numel()
+        self.backend = backend
+
+    def issue(self, dst: torch.Tensor, after: Any) -> Any:
+        src = self.host if self.unit.written() else self.unit.pinned_view
+        return self.backend.copy_h2d(dst[:self.nbytes], src, after)

@@ -121,16 +121,15 @@ def write_through(layout: TensorLayout, file: Any, keys: list[Any] | None,
             hi = max(ft.end for ft, _ in pieces)
             # a map of this unit's range alone, let go at once: the model's file stays unmapped (no resident pages)
             view = mmap.mmap(reader._fd, hi - lo, offset=lo, access=mmap.ACCESS_READ)
+            data = memoryview(view)
             try:
-                data = memoryview(view)
                 for ft, leaf in pieces:
-                    part = data[ft.start - lo:ft.end - lo]
-                    done = 0
-                    while done < leaf.nbytes:
-                        done += os.pwrite(fd, part[done:], offset + leaf.offset + done)
-                    del part
-                del data
+                    with data[ft.start - lo:ft.end - lo] as part:
+                        done = 0
+                        while done < leaf.nbytes:  # a full /dev/shm: ENOSPC here, raised as itself
+                            done += os.pwrite(fd, part[done:], offset + leaf.offset + done)
             finally:
+                data.release()  # no view of the map left, so closing it cannot mask an error with BufferError
                 view.close()
         file.check_unchanged()  # a write that raced the copy must not pass as the original bytes
         if times is not None:

@@ -21,11 +21,11 @@ import torch.nn as nn
 
 from ..model.layout import Binding, TensorLayout
 from .compressed import CompressedSource, bind_master, disk_source, stage_unit_compressed
-from .shared_host import SharedHostCopy, SharedSource, SharedUnit
+from .shared_host import SharedHostCopy, SharedUnit
 from .file_keys import stored_unit_of
 from .leaf_match import as_leaf, leaf_from_file, residue_offsets
 from .model_layout import ModelLayout
-from .sources import BouncedSource, BounceReader, HostSource, UnitSource
+from .sources import BouncedSource, BounceReader, HostSource, SharedSource, UnitSource
 from .spill import SpillFile, release_free_heap
 from .stage_reads import (ReadAhead, SetupTimes, decode_stored, drop_transients, encode_unit, fill_from, ram_unit,
                           write_through)
@@ -222,6 +222,8 @@ class StagedModel:
     file: SafetensorsFile | None
     key_of: Callable[[nn.Module, str], str] | None = None  # a tensor's state-dict name (matching units to the file)
     shared: SharedHostCopy | None = None  # the host copy shared with other processes, as this process maps it
+    publish_later: frozenset[int] = frozenset()  # units in this process's RAM that a thread puts in `shared`
+    publish_pinned: frozenset[int] = frozenset()  # those of them the plan pins (registered in the copy once there)
 
     def check_sources(self) -> None:
         """Raise SourceChangedError if the file behind the disk tier changed since setup."""
@@ -272,13 +274,15 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
                 bounce_bytes: int | None = None, progress: Callable[[int, int], None] | None = None,
                 shared: frozenset[int] = frozenset(), compressed: frozenset[int] | set[int] = frozenset(),
                 spill_rest: bool = False, times: SetupTimes | None = None,
-                encode_later: frozenset[int] = frozenset()) -> StagedModel:
+                encode_later: frozenset[int] = frozenset(), publish_later: frozenset[int] = frozenset()) -> StagedModel:
     """Apply a host plan: each unit into its tier (`tiers`: pinned, pageable or disk; the units in `shared` in the
     host copy shared with other processes offloading the same file) and form (`compressed`: held in RAM in the
     codec's form), one unit at a time in order, with the next units read (and encoded) ahead on staging's workers
     (`stage_reads.py`), and the read-ahead thread (`bounce_count` buffers of at most `bounce_bytes`) for the units
     that are bounced. `times` adds up where the time went. The units in `encode_later` are staged raw (encoded on a
-    thread after setup, `stream/background_encode.py`)."""
+    thread after setup, `stream/background_encode.py`). The units in `publish_later` are staged in this process's
+    own RAM when it fills the shared copy (put in it on a thread after setup, `stream/background_publish.py`), in
+    the copy now when another process filled it."""
     units, layouts, file, keys = laid.units, laid.layouts, laid.file, laid.keys
     compressed = frozenset(compressed) - encode_later
     times = times if times is not None else SetupTimes()
@@ -290,6 +294,12 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
     spill = SpillFile() if spill_rest or casting or any(tiers.get(i) != "disk" for i in compressed) else None
     copy = (SharedHostCopy.open(file.path, layouts, [u.name for u in units], shared)
             if shared and file is not None else None)
+    later = frozenset(publish_later) if copy is not None and copy.filler else frozenset()
+    shared = frozenset(shared) - later  # the units in the copy at setup
+    # until they move into the copy (registered there, where the plan pins them) they are pageable and copied
+    # straight: no pin made to be let go, no bounce buffers kept for them
+    pinned_later = frozenset(i for i in later if pin and tiers.get(i) == "pinned")
+    tiers = {**tiers, **{i: "pageable" for i in later}}
     try:
         ahead = ReadAhead(_jobs(laid, tiers, backend, pin, shared, compressed, spill, copy, times))
         times.workers = ahead.n
@@ -319,7 +329,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
                                                               notice, prepared))
             if progress:
                 progress(i + 1, total)
-        if copy is not None:
+        if copy is not None and not later:  # else the thread putting the rest in finishes it
             copy.finish(backend, {i for i in shared if pin and tiers.get(i) == "pinned"})
             for k, m in enumerate(masters):  # the copy is pinned (registered) now, or not
                 if m.shared is not None or m.segment is not None:  # raw in the copy, or its encoded blob there
@@ -333,8 +343,8 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
             rest = StagingBuffer.in_ram(laid.rest, backend.alloc_host, False, file, laid.rest_keys)
         # the read-ahead thread, for units that are bounced: the disk tier, and pageable RAM (planned so, or
         # pinning refused) on a device with pinned memory, whose straight copies would block the forward
-        bounced = [m.layout.nbytes if m.encoded is None else m.encoded.size for m in masters
-                   if m.host is None or (not m.pinned and backend.supports_pinned_host)]
+        bounced = [m.layout.nbytes if m.encoded is None else m.encoded.size for k, m in enumerate(masters)
+                   if m.host is None or (not m.pinned and backend.supports_pinned_host and k not in later)]
         if bounced:
             size = max(bounced) if bounce_bytes is None else min(max(bounced), bounce_bytes)
             reader = BounceReader(backend, size, bounce_count)  # a smaller buffer reads a unit in ranges
@@ -366,7 +376,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
     if progress:
         progress(total, total)
     return StagedModel(staged, rest, laid.rest_bytes, reader, file, laid.key_of,
-                       copy if copy is not None and copy.placed else None)
+                       copy if copy is not None and (copy.placed or later) else None, later, pinned_later)
 
 
 def _room_in(copy: SharedHostCopy, index: int, alloc_host: Any) -> Callable[[int, bool], tuple[torch.Tensor, bool]]:

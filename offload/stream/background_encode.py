@@ -6,7 +6,8 @@ the unit streams raw, bitwise the same. A unit the host copy shared with other p
 another process maps the copy (compressing it privately would add RAM, not save it); alone, its pages in the copy
 are given back.
 
-The thread refers to the streamer weakly (dropping the model stops it) and stops at `detach`."""
+The same thread first moves the units setup staged in this process's RAM into the host copy shared between
+processes (`HostPlan.publish_later`, background_publish.py). It refers to the streamer weakly (dropping the model stops it) and stops at `detach`."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +20,7 @@ import torch
 
 from ..store import codec
 from ..store.spill import SpillFile, release_free_heap
+from .background_publish import publish_units
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +28,15 @@ log = logging.getLogger(__name__)
 class BackgroundEncoder:
     """Encodes the units it is given, one at a time, and hands each to `HostTiers.take_encoded`."""
 
-    def __init__(self, streamer: Any, units: list[int]) -> None:
+    def __init__(self, streamer: Any, units: list[int], publish: list[int] | None = None) -> None:
         self.units = list(units)
+        self.publish = list(publish or [])  # put in the shared host copy first (background_publish.py)
         self.done = 0  # swapped in
         self.kept_raw = 0  # written meanwhile, moved, or shared with another process: left raw
         self.encode_ms = 0.0
+        self.published = 0  # moved into the shared host copy
+        self.publish_kept = 0  # kept in this process's RAM (changed meanwhile, moved, or no room in /dev/shm)
+        self.publish_ms = 0.0
         self.stop = threading.Event()
         self.finished = threading.Event()
         self._thread = threading.Thread(target=_run, args=(weakref.ref(streamer), self), daemon=True,
@@ -44,10 +50,19 @@ class BackgroundEncoder:
     def status(self) -> dict[str, Any]:
         return {"background_units": len(self.units), "background_done": self.done,
                 "background_kept_raw": self.kept_raw, "background_pending": self.pending,
-                "background_encode_ms": round(self.encode_ms, 3)}
+                "background_encode_ms": round(self.encode_ms, 3), "publish_units": len(self.publish),
+                "published": self.published, "publish_kept": self.publish_kept,
+                "publish_ms": round(self.publish_ms, 3)}
+
+    def end(self) -> None:
+        """Stop, and wait for the thread to end (it may be writing through the shared host copy's descriptor, which
+        closes after this)."""
+        self.stop.set()
+        self.finished.wait()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every unit was encoded and swapped in (or left raw); False on timeout."""
+        """Wait until every unit was put in the shared copy and encoded and swapped in (or left as it was); False on
+        timeout."""
         return self.finished.wait(timeout)
 
 
@@ -67,6 +82,8 @@ def _locked(ref: "weakref.ref[Any]", state: BackgroundEncoder) -> Any:
 def _run(ref: "weakref.ref[Any]", state: BackgroundEncoder) -> None:
     spill = SpillFile()
     try:
+        if state.publish and not publish_units(ref, state, state.publish, _locked):
+            return
         for i in state.units:
             if state.stop.is_set():
                 return
@@ -110,8 +127,9 @@ def _run(ref: "weakref.ref[Any]", state: BackgroundEncoder) -> None:
                 state.done += 1
             else:
                 state.kept_raw += 1
-        log.info("%d block(s) encoded in the background (%.2f s), %d left raw", state.done, state.encode_ms / 1e3,
-                 state.kept_raw)
+        if state.units:
+            log.info("%d block(s) encoded in the background (%.2f s), %d left raw", state.done, state.encode_ms / 1e3,
+                     state.kept_raw)
     finally:
         spill.close()
         release_free_heap()

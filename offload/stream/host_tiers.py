@@ -8,6 +8,7 @@ store/leaf_match.py). It also reports the host bytes the model holds, the residu
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -121,6 +122,41 @@ class HostTiers:
             old.shared.copy.give_back(old.shared.index)  # alone (checked before encoding): its pages go
         self.worker.restart()  # copies queued from the raw master are issued again from the encoded one
         return True
+
+    def take_shared(self, i: int, old: StagingBuffer, version: int, host: torch.Tensor) -> bool:
+        """Unit i, put in the shared host copy after setup from its private master `old` (at `version`): its modules
+        view `host` (this process's copy-on-write mapping of it) from now on, and the private buffer goes. Refused
+        (False) where the unit moved or was written since. The caller holds the pass lock."""
+        u = self.units[i]
+        layout = u.staged.layout
+        copy = self.staged.shared
+        if copy is None or u.staged.master is not old or layout.version() != version:
+            return False
+        binding = layout.build(host, master=True)
+        master = StagingBuffer(layout, host, False, binding, shared=copy.unit(i, host, layout))
+        quiesce(self.staged, self.backend)  # no read or copy may still use the private master about to go
+        if u.resident_buf is None:
+            binding.apply()
+        u.staged.master = master
+        u.staged.source = self.sources[i] = make_ram_source(master, self.backend, self.staged.reader)
+        u.mark = layout.version()
+        self.worker.restart()  # copies queued from the private master are issued again from the shared one
+        return True
+
+    def pin_published(self, units: list[int]) -> None:
+        """The units moved into the shared host copy after setup copy to the device from its registered (pinned)
+        mapping once the copy is finished, where it registered them. The caller holds the pass lock."""
+        copy = self.staged.shared
+        if copy is None:
+            return
+        for i in units:
+            u = self.units[i]
+            m = u.staged.master
+            if m.shared is None or m.shared.copy is not copy or copy.pinned_view(i) is None:
+                continue
+            u.staged.master = replace(m, pinned=True, shared=copy.unit(i, m.host, m.layout))
+            u.staged.source = self.sources[i] = make_ram_source(u.staged.master, self.backend, self.staged.reader)
+        self.worker.restart()
 
     def host_memory(self) -> dict[str, int]:
         """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, of which in the copy

@@ -478,7 +478,7 @@ class ModelStreamer:
     def detach(self) -> None:
         """Remove the hooks and give every tensor back as an ordinary host tensor."""
         if self.background is not None:
-            self.background.stop.set()  # a unit not swapped in yet stays raw
+            self.background.end()  # a unit not swapped in yet stays as it is
         with self._lock:
             if any(u.master.host is None for u in self.units):
                 self.staged.check_sources()  # refuse before touching anything: the file no longer has the weights
