@@ -55,6 +55,7 @@ def build_report(s: ModelStreamer, plan: Plan | None, base: ReportBase, device_n
         b.device = u.home or device_name
         b.host_bytes, b.raw_bytes, b.compression = unit_host_bytes(u.staged), u.nbytes, unit_compression(u.staged)
         b.shared = u.master is not None and unit_shared(u.staged)
+        b.residue_bytes = b.host_bytes if u.master is not None and u.master.host is None else 0
     host = s.host_memory()
     h2d, compute, stall, nbytes = s.metrics.totals()
     forwards = s.metrics.forwards

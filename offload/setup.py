@@ -41,7 +41,7 @@ from .store.compressed import estimate_layout_size, unit_compression, unit_host_
 from .store import shared_host
 from .store.packed import open_weights
 from .store.file_keys import stored_units
-from .store.leaf_match import planned_casts
+from .store.leaf_match import planned_casts, planned_residue
 from .store.sources import cast_scratch_bytes
 from .store.stage_reads import SetupTimes
 from .store.model_layout import ModelLayout, lay_out_model, verify_for_disk
@@ -136,7 +136,7 @@ def _set_up(model: nn.Module, config: OffloadConfig, name: str, budget: VramBudg
         for _ in range(len(laid.layouts) + 1):  # the file must hold the very bytes it streams
             refused = verify_for_disk(laid, plan.disk_units)
             checked = replace(facts, disk_ok=tuple(ok and i not in refused for i, ok in enumerate(facts.disk_ok)),
-                              disk_refusals=tuple(laid.refusals), **_cast_facts(laid))
+                              disk_refusals=tuple(laid.refusals), **_file_facts(laid))
             if checked == facts:
                 break
             facts = checked  # units the file does not hold stay in RAM; casts known exactly: plan again
@@ -212,13 +212,17 @@ def _make_plan(facts: PlanFacts, laid: ModelLayout) -> Plan:
                               f"'lossless' keeps this ceiling)") from None
 
 
-def _cast_facts(laid: ModelLayout) -> dict[str, Any]:
-    """`file_casts` and `cast_scratch` for the plan: per unit the casts its leaves take on read (exact for units
-    whose bytes were checked, from the header for the others) and the read-ahead thread's scratch for them."""
+def _file_facts(laid: ModelLayout) -> dict[str, Any]:
+    """`file_casts`, `cast_scratch` and `disk_residue` for the plan: per unit the casts its leaves take on read and
+    the RAM it keeps on the disk tier for the leaves its file lacks (exact for units whose bytes were checked, from
+    the header for the others), and the read-ahead thread's scratch for the casts."""
     found = [planned_casts(laid.file, layout, laid.candidates.get(i), laid.casts.get(i))
              for i, layout in enumerate(laid.layouts)] if laid.file is not None else []
+    residue = tuple(planned_residue(layout, laid.candidates.get(i), laid.keys.get(i) if i in laid.casts else None)
+                    for i, layout in enumerate(laid.layouts)) if laid.file is not None else ()
     return {"file_casts": tuple(c for c, _ in found),
-            "cast_scratch": cast_scratch_bytes(max((n for c, n in found if c), default=0))}
+            "cast_scratch": cast_scratch_bytes(max((n for c, n in found if c), default=0)),
+            "disk_residue": residue if any(residue) else ()}
 
 
 def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str, budget: VramBudget,
@@ -246,7 +250,7 @@ def _facts(config: OffloadConfig, name: str, backend: Backend, device_name: str,
                        for i, (s, layout) in enumerate(zip(stored, laid.layouts)))
     forms = tuple(CODEC if s is not None else "none" for s in stored)
     scratch = packed or CODEC in forms
-    return PlanFacts(disk_refusals=tuple(laid.refusals), **_cast_facts(laid),
+    return PlanFacts(disk_refusals=tuple(laid.refusals), **_file_facts(laid),
         host_compression=config.host_compression, packed_sizes=packed, file_forms=forms,
         decode_scratch=max(scratch_estimate(layout.leaves) for layout in laid.layouts) if scratch else 0,
         name=name, sizes=sizes, names=tuple(u.name for u in laid.units), rest_bytes=laid.rest_bytes,

@@ -59,6 +59,8 @@ class PlanFacts:
     file_casts: tuple[str, ...] = ()  # per unit: the casts its file's tensors take on read ("float8_e4m3fn from
     # bfloat16", "" for none: ComfyUI's weight_dtype, a bf16 file loaded as fp32), done by the read-ahead thread
     cast_scratch: int = 0  # host bytes the read-ahead thread's cast scratch holds while a cast unit is on disk
+    disk_residue: tuple[int, ...] = ()  # per unit: host bytes it keeps in RAM on the disk tier, the leaves its file
+    # lacks (store/leaf_match.py: exact where its bytes were checked, else at most this; empty: none)
 
     @property
     def scratch_bytes(self) -> int:

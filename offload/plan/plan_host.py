@@ -68,13 +68,17 @@ def bounce_buffers(prefetch: int) -> int:
 
 
 def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: bool, pin: bool,
-              order: list[int] | None = None) -> HostPlan:
-    """Put units in pinned RAM while the pin limit allows, pageable RAM after, disk when RAM runs out."""
+              order: list[int] | None = None, residue: list[int] | tuple[int, ...] = ()) -> HostPlan:
+    """Put units in pinned RAM while the pin limit allows, pageable RAM after, disk when RAM runs out; a disk-tier
+    unit still holds its `residue` in RAM (the leaves its file lacks), which RAM keeps room for."""
     tiers: dict[int, str] = {}
     ram = pinned = 0
+    ahead = sum(residue)  # the residue of the units not placed yet: each needs its room if it goes to disk
     for i in (order if order is not None else range(len(sizes))):
         size = sizes[i]
-        if ram + size <= ram_budget or not allow_disk:
+        left = residue[i] if i < len(residue) else 0
+        ahead -= left
+        if ram + size + ahead <= ram_budget or not allow_disk:
             if pin and pinned + size <= pin_limit:
                 tiers[i] = "pinned"
                 pinned += size
@@ -83,12 +87,14 @@ def plan_host(sizes: list[int], ram_budget: int, pin_limit: int, allow_disk: boo
             ram += size
         else:
             tiers[i] = "disk"
+            ram += left
     return HostPlan(tiers, ram, pinned)
 
 
 def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_limit: int, allow_disk: bool,
                      pin: bool, prefetch: int, bounces_pageable: bool, biggest: int | None = None,
-                     order: list[int] | None = None, file_given: bool = False) -> HostPlan:
+                     order: list[int] | None = None, file_given: bool = False,
+                     residue: list[int] | tuple[int, ...] = ()) -> HostPlan:
     """Host tiers under a hard RAM ceiling: the non-block weights, the blocks kept in RAM and the read-ahead
     thread's bounce buffers together stay within `ram_budget`; the rest of the blocks go to the disk tier.
 
@@ -105,7 +111,7 @@ def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_lim
     in_ram = plan_host(sizes, max(0, avail), pin_limit, False, pin, order)  # every block in RAM
     bounced_in_ram = bounces_pageable and any(t == "pageable" for t in in_ram.tiers.values())
     if allow_disk:
-        minimum = rest_bytes + least_bounce
+        minimum = rest_bytes + least_bounce + sum(residue)
         how = "or give it more RAM"
     else:
         minimum = rest_bytes + sum(sizes) + (least_bounce if bounced_in_ram else 0)
@@ -116,26 +122,30 @@ def plan_host_capped(sizes: list[int], rest_bytes: int, ram_budget: int, pin_lim
         raise RamCeilingError(
             f"ram_budget_bytes={ram_budget} is below the {minimum} bytes this model needs in host RAM at the least "
             f"({rest_bytes} bytes of weights outside the blocks"
-            + (f", {least_bounce} bytes of bounce buffers" if allow_disk else f", {sum(sizes)} bytes of blocks")
+            + (f", {least_bounce} bytes of bounce buffers" + (f", {sum(residue)} bytes the disk tier keeps in RAM "
+                                                              f"(tensors the file lacks)" if any(residue) else "")
+               if allow_disk else f", {sum(sizes)} bytes of blocks")
             + f"); raise ram_budget_bytes to at least {minimum} {how}")
     if in_ram.ram_bytes <= avail and not bounced_in_ram:
         return in_ram  # everything in RAM, no bounce buffer at all
     preferred = min(biggest, max(PREFERRED_BOUNCE, avail // 4 // count // 4096 * 4096))
     if count * preferred <= avail // 2:
         chunk = preferred
-        plan = plan_host(sizes, avail - count * chunk, pin_limit, allow_disk, pin, order)
+        plan = plan_host(sizes, avail - count * chunk, pin_limit, allow_disk, pin, order, residue)
     else:  # tight: blocks in RAM first, the bounce buffers share what they leave
-        plan = plan_host(sizes, avail - least_bounce, pin_limit, allow_disk, pin, order)
+        plan = plan_host(sizes, avail - least_bounce, pin_limit, allow_disk, pin, order, residue)
         chunk = min(biggest, max(MIN_BOUNCE, (avail - plan.ram_bytes) // count // 4096 * 4096))
     plan.bounce_bytes = chunk
     return plan
 
 
 def host_ram_bytes(sizes: list[int], rest_bytes: int, tiers: dict[int, str], bounce_bytes: int | None,
-                   prefetch: int, bounces_pageable: bool) -> int:
-    """Host RAM a staged model with these tiers holds: the blocks kept in RAM, the non-block weights and the
-    read-ahead thread's bounce buffers (there when a block is bounced: on disk, or pageable where pinning exists)."""
+                   prefetch: int, bounces_pageable: bool, residue: list[int] | tuple[int, ...] = ()) -> int:
+    """Host RAM a staged model with these tiers holds: the blocks kept in RAM, the disk-tier blocks' residue, the
+    non-block weights and the read-ahead thread's bounce buffers (there when a block is bounced: on disk, or
+    pageable where pinning exists)."""
     ram = rest_bytes + sum(s for i, s in enumerate(sizes) if tiers.get(i) != "disk")
+    ram += sum(r for i, r in enumerate(residue) if tiers.get(i) == "disk")
     bounced = [s for i, s in enumerate(sizes)
                if tiers.get(i) == "disk" or (bounces_pageable and tiers.get(i) == "pageable")]
     if bounced:

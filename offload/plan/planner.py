@@ -265,7 +265,7 @@ def _host_plan(facts: PlanFacts, messages: list[tuple[int, str]]) -> HostPlan:
         if h.hard:
             rest = 0 if plan.rest_spilled else facts.rest_bytes
             return host_ram_bytes(plan.host_sizes, rest, plan.tiers, plan.bounce_bytes, facts.prefetch,
-                                  h.bounces_pageable) <= h.ram_budget
+                                  h.bounces_pageable, facts.disk_residue) <= h.ram_budget
         return plan.ram_bytes <= h.ram_budget + sum(plan.host_sizes[i] for i in fixed)
 
     plan, compressed = choose_compressed(facts.host_compression, list(facts.sizes), list(facts.packed_sizes),
@@ -304,13 +304,14 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     # under no hard ceiling they take nothing from the RAM available: their pages are in RAM already
     fixed = in_shared_copy(h.shared_forms, h.share, facts.host_compression)
     order = sorted(fixed) + [i for i in range(len(sizes)) if i not in fixed] if fixed else None
+    residue = _residue(facts)
     if h.hard:
         plan = plan_host_capped(sizes, rest_bytes, h.ram_budget - cast_scratch, pin_limit, h.allow_disk, h.pin,
                                 facts.prefetch, h.bounces_pageable, max(facts.sizes, default=0), order,
-                                file_given=h.file_path is not None)
+                                file_given=h.file_path is not None, residue=residue)
     else:
         budget = h.ram_budget + sum(sizes[i] for i in fixed)
-        plan = plan_host(sizes, budget, pin_limit, h.allow_disk, h.pin, order)
+        plan = plan_host(sizes, budget, pin_limit, h.allow_disk, h.pin, order, residue)
         if plan.ram_bytes > budget:
             messages.append((logging.WARNING, f"{facts.name} needs {plan.ram_bytes / GIB:.2f} GiB of host RAM for its "
                                               f"blocks but about {h.ram_budget / GIB:.2f} GiB is available; give "
@@ -322,6 +323,10 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
     notes = {i: f"kept in RAM, off the disk tier: {why}" for i, why in refused.items()}
     notes.update({i: f"read from {h.file_path} with a cast ({casts[i]})" for i, t in tiers.items()
                   if t == "disk" and casts[i]})
+    for i, t in tiers.items():  # the leaves the file lacks stay in RAM beside the disk tier
+        if t == "disk" and residue[i]:
+            notes[i] = "; ".join(filter(None, [notes.get(i, ""), f"keeps {residue[i]} bytes in RAM: tensors "
+                                                                 f"{h.file_path} lacks"]))
     plan = HostPlan(tiers, plan.ram_bytes, plan.pinned_bytes, plan.bounce_bytes,
                     shared=shared_units(tiers, h.share), notes=notes)
     disk = sum(1 for t in tiers.values() if t == "disk")
@@ -335,7 +340,8 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
                                           f"{refused[first]}" + (" (and more)" if len(refused) > 1 else "")))
     if h.hard:
         held = [facts.sizes[i] if tiers.get(i) == "disk" else s for i, s in enumerate(sizes)]  # disk: read raw
-        ram = host_ram_bytes(held, rest_bytes, tiers, plan.bounce_bytes, facts.prefetch, h.bounces_pageable)
+        ram = host_ram_bytes(held, rest_bytes, tiers, plan.bounce_bytes, facts.prefetch, h.bounces_pageable,
+                             residue)
         ram += cast_scratch if any(tiers.get(i) == "disk" and casts[i] for i in range(len(sizes))) else 0
         if ram > h.ram_budget:
             kept = [i for i in range(len(sizes)) if tiers.get(i) != "disk"]
@@ -351,6 +357,11 @@ def _host_tiers(facts: PlanFacts, sizes: list[int], messages: list[tuple[int, st
                                               f"{h.ram_budget}: {len(kept)} block(s) could not go to the disk tier "
                                               f"({names}; disk_optional=True keeps them in RAM)"))
     return plan
+
+
+def _residue(facts: PlanFacts) -> list[int]:
+    """Per unit, the host bytes it keeps in RAM on the disk tier (the leaves its file lacks); 0 where unknown."""
+    return [facts.disk_residue[i] if i < len(facts.disk_residue) else 0 for i in range(len(facts.sizes))]
 
 
 def _refusal(facts: PlanFacts, i: int) -> str:

@@ -41,6 +41,7 @@ class BlockReport:
     raw_bytes: int = 0
     compression: str = "none"
     shared: bool = False  # its host master is the copy shared with other processes offloading the same file
+    residue_bytes: int = 0  # on the disk tier: host RAM it keeps for the leaves its file lacks (in `host_bytes`)
 
 
 TIERS = ("vram", "pinned", "pageable", "disk")

@@ -152,13 +152,14 @@ def decode_scratch(backend: Any) -> codec.DecodeScratch:
 
 
 
-def disk_source(file: Any, keys: list[str], leaves: list[Leaf], nbytes: int, reader: BounceReader,
-                backend: Any, casts: tuple | None = None) -> Any:
+def disk_source(file: Any, keys: list[Any], leaves: list[Leaf], nbytes: int, reader: BounceReader,
+                backend: Any, casts: tuple | None = None, residue: list | None = None) -> Any:
     """The source of a disk-tier unit: its encoded bytes decoded on the device where the file stores it compressed
     laid out as the unit is (`StoredDiskSource`), else its bytes as stored (`DiskSource`; a unit stored compressed
-    but laid out otherwise is then decoded on the CPU, said once per file; leaves cast on read: `casts`)."""
-    if casts is not None and any(c is not None for c in casts):
-        return DiskSource(file, keys, leaves, nbytes, reader, casts)
+    but laid out otherwise is then decoded on the CPU, said once per file; leaves cast on read: `casts`; leaves the
+    file lacks copied from the unit's residue in RAM: `residue`, as `StagingBuffer.residue_pieces` gives it)."""
+    if residue or (casts is not None and any(c is not None for c in casts)):
+        return DiskSource(file, keys, leaves, nbytes, reader, casts, residue)
     pieces = [(k, leaf.offset) for k, leaf in zip(keys, leaves)]
     stored_unit = getattr(file, "stored_unit", None)
     unit = stored_unit(pieces, nbytes) if stored_unit is not None else None
@@ -222,11 +223,15 @@ def codec_leaf(nbytes: int, dtype: torch.dtype) -> Any:
 
 
 def unit_host_bytes(staged: Any) -> int:
-    """Host RAM a staged unit's master holds: its encoded blob when compressed, its raw bytes in RAM, 0 on disk."""
+    """Host RAM a staged unit's master holds: its encoded blob when compressed, its raw bytes in RAM, on disk its
+    residue (the leaves the file lacks)."""
     source = staged.source
     if isinstance(source, CompressedSource):
         return source.host_bytes
-    return 0 if staged.master.host is None else staged.master.layout.nbytes
+    if staged.master.host is None:  # the disk tier: the leaves the file lacks, in RAM (its residue)
+        residue = getattr(staged.master, "residue", None)
+        return 0 if residue is None else int(residue.numel())
+    return staged.master.layout.nbytes
 
 
 def unit_shared(staged: Any) -> bool:

@@ -14,8 +14,19 @@ How the file's bytes become the leaf's: as stored (same dtype and shape); the sa
 shape (ComfyUI views uint8 block scales as float8_e8m0fnu); or a dtype cast (ComfyUI's `weight_dtype` fp8_e4m3fn,
 a bf16 file loaded as fp32 on the CPU), applied where the bytes arrive (`sources.DiskSource`). The header says which
 file tensors may hold a leaf (`unit_candidates`: no bytes read; what the plan knows before it is made), the bytes
-decide (`holding_map`: each candidate read and compared with the leaf's current bytes, cast where it is a cast);
-a leaf no file tensor holds keeps its unit in RAM, and the reason names it.
+decide (`holding_map`: each candidate read and compared with the leaf's current bytes, cast where it is a cast).
+
+A leaf the file LACKS (a plain tensor stored under no name of the file: a parameter or buffer the loader made, such
+as ComfyUI 0.3.64's `scale_input` of ones on every scaled-fp8 layer, or a non-persistent buffer) and that no tensor
+stored beside it holds stays resident in host RAM: the unit's residue (`(None, None)` among its candidates; a
+`FileMap` key of None), one small flat buffer per unit that the disk tier copies into the unit's bytes where that
+leaf lies while the rest is read from the file. This is decided here, from the header, before the plan is made
+(`planned_residue` is its fact `PlanFacts.disk_residue`), and bounded: the residue (`residue_offsets`, each leaf
+64-byte aligned) may be at most 1/RESIDUE_SHARE of the unit's bytes, so the disk tier still frees nearly all of
+the unit and a unit whose tensors the file mostly lacks (another model's file) keeps its RAM master. Past the
+bound, or for any other leaf no file tensor holds (a tensor changed after loading, a quantized weight's scale), the
+unit stays in RAM and the reason names the leaf. A file given as the model's own (`disk_optional=False`) may lack
+only non-persistent buffers: without one of the model's persistent tensors it is not the model's file (refused).
 """
 from __future__ import annotations
 
@@ -29,13 +40,17 @@ import torch
 import torch.nn as nn
 
 from ..model.layout import Leaf, TensorLayout
-from .file_keys import entry_name, non_persistent_buffer
+from .file_keys import entry_name
 from .storage import CorruptFileError, strippable
 
 log = logging.getLogger("offload.store.staging")  # the messages keep the logger they always had
 
 _KEEP_READ = 1 << 16  # file tensors up to this size stay read while one unit is checked (a payload is read, let go)
-Candidate = tuple[str, "torch.dtype | None"]  # (file key, the file's dtype when the leaf is a cast of it, else None)
+Candidate = tuple["str | None", "torch.dtype | None"]  # (file key, the file's dtype when the leaf is a cast of it,
+# else None); (None, None): the leaf stays resident in RAM (the file lacks it)
+RESIDENT: Candidate = (None, None)
+RESIDUE_SHARE = 16  # a unit's residue may be at most 1/16 of its bytes (the disk tier frees at least 15/16 of it)
+RESIDUE_ALIGN = 64  # each resident leaf's offset in the unit's residue buffer
 
 
 @dataclass(frozen=True)
@@ -43,12 +58,37 @@ class FileMap:
     """Where a unit's leaves come from in the file: per leaf its key, and the file dtype it is cast from (None: the
     bytes as stored)."""
 
-    keys: list[str]
+    keys: list[str | None]  # None: the leaf stays resident in RAM (the file lacks it)
     casts: tuple[torch.dtype | None, ...]
 
     @property
     def cast(self) -> bool:
         return any(c is not None for c in self.casts)
+
+    @property
+    def resident(self) -> list[int]:
+        """The leaves held in RAM beside the disk tier (the unit's residue)."""
+        return [i for i, k in enumerate(self.keys) if k is None]
+
+
+def residue_offsets(leaves: list[Leaf]) -> tuple[list[int], int]:
+    """(each resident leaf's offset in the unit's residue buffer, the buffer's bytes): RESIDUE_ALIGN-aligned."""
+    offsets, at = [], 0
+    for leaf in leaves:
+        offsets.append(at)
+        at += -(-leaf.nbytes // RESIDUE_ALIGN) * RESIDUE_ALIGN
+    return offsets, at
+
+
+def planned_residue(layout: TensorLayout, candidates: list[list[Candidate]] | None,
+                    keys: list[Any] | None = None) -> int:
+    """Host bytes the unit keeps in RAM on the disk tier (its residue), for the plan: exact where its bytes were
+    checked (`keys`), else every leaf that may stay resident (at most what the bytes leave resident)."""
+    if keys is not None:
+        return residue_offsets([leaf for leaf, k in zip(layout.leaves, keys) if k is None])[1]
+    if not candidates:
+        return 0
+    return residue_offsets([leaf for leaf, found in zip(layout.leaves, candidates) if RESIDENT in found])[1]
 
 
 def cast_summary(layout: TensorLayout, casts: tuple[torch.dtype | None, ...] | list[Any]) -> str:
@@ -187,10 +227,12 @@ def _siblings(index: FileIndex, prefix: str, name: str) -> list[str]:
     return index.children.get(prefix + module_path if module_path else prefix.rstrip("."), [])
 
 
-def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]], unique: bool = False) -> str | None:
+def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]], unique: bool = False,
+                 lackable: frozenset[int] = frozenset()) -> str | None:
     """The key prefix under which the file stores the unit: some tensor of the unit under its own name there, and
     every tensor under its name or among the tensors stored beside it (a quantized weight's scales, a tensor the
-    loader renamed: ComfyUI's `scale_input` is its `input_scale`). `unique`: None where two prefixes would do."""
+    loader renamed: ComfyUI's `scale_input` is its `input_scale`), or one the file may lack (`lackable`: the unit's
+    residue). `unique`: None where two prefixes would do."""
     if not names:
         return ""
     tried: list[str] = []
@@ -201,7 +243,8 @@ def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]], unique: bool =
                 continue
             tried.append(prefix)
             held = [prefix + n in index.file.tensors for n, _ in names]
-            if any(held) and all(h or _siblings(index, prefix, n) for h, (n, _) in zip(held, names)):
+            if any(held) and all(h or j in lackable or _siblings(index, prefix, n)
+                                 for j, (h, (n, _)) in enumerate(zip(held, names))):
                 if not unique:
                     return prefix
                 if found is not None:
@@ -210,60 +253,109 @@ def _unit_prefix(index: FileIndex, names: list[tuple[str, bool]], unique: bool =
     return found
 
 
-def _unit_names(index: FileIndex, names: list[tuple[str, bool]]) -> tuple[str | None, list[tuple[str, bool]]]:
+def _unit_names(index: FileIndex, names: list[tuple[str, bool]],
+                lackable: frozenset[int] = frozenset()) -> tuple[str | None, list[tuple[str, bool]]]:
     """(the prefix under which the file stores the unit, the unit's names there): the model's names, or without the
-    leading parts they all share that the file lacks (`storage.strippable`), where exactly one prefix holds them."""
-    prefix = _unit_prefix(index, names)
-    if prefix is not None:
-        return prefix, names
-    for k in range(1, strippable([n for n, _ in names]) + 1):
-        tails = [(n.split(".", k)[k], plain) for n, plain in names]
-        prefix = _unit_prefix(index, tails, unique=True)
+    leading parts they all share that the file lacks (`storage.strippable`), where exactly one prefix holds them;
+    names the file may lack (`lackable`) are allowed only where no prefix holds them all."""
+    for lack in ((frozenset(), lackable) if lackable else (frozenset(),)):
+        prefix = _unit_prefix(index, names, lackable=lack)
         if prefix is not None:
-            return prefix, tails
+            return prefix, names
+        for k in range(1, strippable([n for n, _ in names]) + 1):
+            tails = [(n.split(".", k)[k], plain) for n, plain in names]
+            prefix = _unit_prefix(index, tails, unique=True, lackable=lack)
+            if prefix is not None:
+                return prefix, tails
     return None, names
 
 
+def _non_persistent(entry: Any) -> bool:
+    """A non-persistent buffer (no checkpoint holds one)."""
+    return any(kind == "buffer" and name in mod._non_persistent_buffers_set for mod, name, kind in entry.locations)
+
+
 def unit_candidates(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
-                    index: FileIndex | None = None) -> tuple[list[list[Candidate]] | None, str]:
-    """Per leaf, the file tensors that may hold it, from the header alone; (None, why) when the unit cannot stream
-    from the file (the reason names the tensor)."""
+                    index: FileIndex | None = None,
+                    lacking_ok: bool = True) -> tuple[list[list[Candidate]] | None, str]:
+    """Per leaf, the file tensors that may hold it, from the header alone (RESIDENT last for a leaf the file lacks
+    that may stay in RAM, within the unit's bound); (None, why) when the unit cannot stream from the file (the
+    reason names the tensor). `lacking_ok=False` (a file given as the model's own, `disk_optional=False`): only
+    non-persistent buffers may be lacking; a file without one of the model's persistent tensors is not its file."""
     index = index or file_index(file)
-    if non_persistent_buffer(layout) is not None:
-        return None, f"holds the non-persistent buffer {non_persistent_buffer(layout)!r} (no checkpoint holds one)"
     names = [(entry_name(file, e, key_of), isinstance(e.recipe, int)) for e in layout.entries]
-    prefix, names = _unit_names(index, names)
+    volatile = {j for j, e in enumerate(layout.entries) if _non_persistent(e)}  # never read from a file
+    small = layout.nbytes // RESIDUE_SHARE
+    lackable = frozenset(j for j, (e, (_, plain)) in enumerate(zip(layout.entries, names))
+                         if plain and layout.leaves[e.recipe].nbytes <= small and (lacking_ok or j in volatile))
+    prefix, names = _unit_names(index, names, lackable)
     if prefix is None:
         missing = next(n for n, plain in names if plain and not any(p + n in file.tensors for p in index.prefixes(n))) \
             if any(plain for _, plain in names) else names[0][0]
         return None, f"{file.path} does not hold {missing!r}"
     out: list[list[Candidate]] = [[] for _ in layout.leaves]
-    for entry, (name, plain) in zip(layout.entries, names):
+    lacking: list[tuple[int, str, Any]] = []  # (leaf, name) of plain tensors the file stores under no name of theirs
+    for j, (entry, (name, plain)) in enumerate(zip(layout.entries, names)):
         for leaf_i, inner in _entry_leaves(entry.recipe):
             leaf = layout.leaves[leaf_i]
             what = f"{name}{'.' + inner if inner else ''}"
             if not leaf.row_major:
                 return None, f"{what} is not row-major (the disk tier views the file's bytes as they lie)"
-            if plain and prefix + name in file.tensors:
+            if j in volatile:
+                found = []
+            elif plain and prefix + name in file.tensors:
                 found = _plain_candidates(file, prefix + name, leaf)
             else:  # an inner tensor, or a tensor stored under another name: among its module's, by bytes
                 found = _inner_candidates(file, _siblings(index, prefix, name), leaf, name.rpartition(".")[2])
             found = [(k, c) for k, c in found if c is not None or file.aligned(k)]  # a view needs aligned bytes
-            if not found:
-                ft = file.tensors.get(prefix + name) if plain else None
-                held = f" (the file has {tuple(ft.shape)} {_short(ft.dtype)})" if ft is not None else ""
-                inside = "" if plain else f", inside a {entry.recipe[0].__name__}"
-                return None, (f"{what} ({tuple(leaf.shape)} {_short(leaf.dtype)}{inside}) has no tensor in "
-                              f"{file.path} that holds its bytes or casts to them{held}")
             out[leaf_i] = found
+            if j in volatile or (plain and lacking_ok and prefix + name not in file.tensors):
+                lacking.append((leaf_i, what, entry))
+                continue
+            if not found:
+                return None, _no_tensor(file, layout, entry, leaf, what, prefix + name if plain else None)
+    if lacking:
+        residue = residue_offsets([layout.leaves[i] for i, _, _ in lacking])[1]
+        if residue <= small:
+            for i, _, _ in lacking:
+                out[i].append(RESIDENT)
+        else:
+            empty = [(i, what, entry) for i, what, entry in lacking if not out[i]]
+            if empty:
+                i, what, entry = empty[0]
+                names_ = ", ".join(repr(w) for _, w, _ in lacking[:4]) + (" ..." if len(lacking) > 4 else "")
+                return None, (_no_tensor(file, layout, entry, layout.leaves[i], what, None)
+                              + f"; the tensors the file lacks ({names_}: {residue} bytes) are more than "
+                                f"1/{RESIDUE_SHARE} of the block ({layout.nbytes} bytes), too many to keep in RAM "
+                                f"beside the disk tier")
     return out, ""
+
+
+def _no_tensor(file: Any, layout: TensorLayout, entry: Any, leaf: Leaf, what: str, key: str | None) -> str:
+    """Why a leaf has no file tensor: its name, shape and dtype, and what the file holds under its name."""
+    ft = file.tensors.get(key) if key is not None else None
+    held = f" (the file has {tuple(ft.shape)} {_short(ft.dtype)})" if ft is not None else ""
+    inside = "" if isinstance(entry.recipe, int) else f", inside a {entry.recipe[0].__name__}"
+    return (f"{what} ({tuple(leaf.shape)} {_short(leaf.dtype)}{inside}) has no tensor in {file.path} that holds its "
+            f"bytes or casts to them{held}")
+
+
+def _leaf_name(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, str], str], i: int) -> str:
+    """Leaf i's name in the model (a subclass's inner tensor after its weight's name)."""
+    for entry in layout.entries:
+        for k, inner in _entry_leaves(entry.recipe):
+            if k == i:
+                name = entry_name(file, entry, key_of)
+                return f"{name}.{inner}" if inner else name
+    return f"leaf {i}"
 
 
 def holding_map(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, str], str],
                 candidates: list[list[Candidate]] | None = None, strict: bool = False,
                 refused: list[str] | None = None) -> FileMap | None:
     """The file tensors holding the unit's current bytes, leaf by leaf (each candidate read and compared, cast where
-    it is a cast); None when some leaf has none (the unit stays in RAM: the reason goes to `refused`, or is logged;
+    it is a cast; a leaf the file lacks that no tensor beside it holds: resident, key None); None when some leaf has
+    none (the unit stays in RAM: the reason goes to `refused`, or is logged;
     CorruptFileError when `strict` and the unit is plain: its file was given as the model's own)."""
     why = ""
     if candidates is None:
@@ -277,6 +369,9 @@ def holding_map(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, st
                 have = src.detach().contiguous().reshape(-1).view(torch.uint8)
                 pick: Candidate | None = None
                 for key, cast in found:
+                    if key is None:  # no file tensor holds it: resident in RAM (the unit's residue)
+                        pick = RESIDENT
+                        break
                     t = read.get(key)
                     if t is None:
                         t = file.read_tensor(key)
@@ -286,7 +381,7 @@ def holding_map(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, st
                     if torch.equal(value.reshape(-1).view(torch.uint8), have):
                         pick = (key, cast)
                         break
-                if pick is None and all(c is not None for _, c in found):
+                if pick is None and found and all(c is not None for _, c in found):
                     ft = file.tensors[found[0][0]]
                     why = (f"{file.path}: {found[0][0]!r} is {tuple(ft.shape)} {_short(ft.dtype)} in the file but "
                            f"{tuple(leaf.shape)} {_short(leaf.dtype)} in the model, and the model's values are not "
@@ -296,9 +391,9 @@ def holding_map(file: Any, layout: TensorLayout, key_of: Callable[[nn.Module, st
                     tried = [k for k, _ in found]
                     held = (f"{tried[0]!r} holds" if len(tried) == 1 else
                             f"none of {tried[:4]}{' ...' if len(tried) > 4 else ''} holds")
-                    why = (f"{file.path}: {held} other values than the model's weight ({tuple(leaf.shape)} "
-                           f"{_short(leaf.dtype)}, leaf {i} of its block), as stored or cast: it was changed or "
-                           f"converted after loading")
+                    why = (f"{file.path}: {held} other values than the model's {_leaf_name(file, layout, key_of, i)!r} "
+                           f"({tuple(leaf.shape)} {_short(leaf.dtype)}, leaf {i} of its block), as stored or cast: it "
+                           f"was changed or converted after loading")
                     break
                 keys.append(pick[0])
                 casts.append(pick[1])

@@ -105,7 +105,7 @@ def lay_out_model(model: nn.Module, units: list[Unit], file: SafetensorsFile | N
             if not layout.plain or not all(k is not None and file.aligned(k) for k in laid.keys[i]):
                 why = "part of it is computed, not read from the file (or a tensor lies misaligned in it)"
         elif file is not None:
-            found, why = unit_candidates(file, layout, laid.key_of, index)
+            found, why = unit_candidates(file, layout, laid.key_of, index, lacking_ok=file_optional)
             if found is not None:
                 laid.candidates[i] = found
                 if not file_optional and layout.plain and any(all(c is not None for _, c in f) for f in found):

@@ -369,11 +369,15 @@ def _unit_filler(master: Any) -> Callable[[torch.Tensor], None]:
         host = master.host
         return lambda buf: buf.copy_(host[:buf.numel()])
     casts = master.casts or (None,) * len(master.keys)
-    pieces = [(k, leaf.offset) for k, leaf, c in zip(master.keys, master.layout.leaves, casts) if c is None]
+    pieces = [(k, leaf.offset) for k, leaf, c in zip(master.keys, master.layout.leaves, casts)
+              if c is None and k is not None]
     cast = [(k, leaf, c) for k, leaf, c in zip(master.keys, master.layout.leaves, casts) if c is not None]
+    residue = master.residue_pieces()  # the leaves the file lacks: their RAM copy, stored like the others
 
     def fill(buf: torch.Tensor) -> None:  # a unit read with a cast is stored as the model holds it (cast)
         master.file.read_into(buf, pieces)
+        for off, raw in residue:
+            buf[off:off + raw.numel()].copy_(raw)
         scratch = torch.empty(0, dtype=torch.uint8)
 
         def grow(n: int) -> torch.Tensor:

@@ -242,18 +242,21 @@ class BouncedSource:
 class DiskSource:
     """A disk-tier unit: its tensors read from the safetensors file on each streamed use; a leaf that is a cast of
     the file's tensor (`casts`: the file's dtype) is read in pieces into the read-ahead thread's scratch and cast
-    into the bounce buffer there, where its bytes arrive (`read_cast`)."""
+    into the bounce buffer there, where its bytes arrive (`read_cast`); a leaf the file lacks (key None) is copied
+    from the unit's residue in RAM (`residue`: (offset in the unit, its bytes)), not counted as read."""
 
     tier = "disk"
 
-    def __init__(self, file: SafetensorsFile, keys: list[str], leaves: list[Leaf], nbytes: int,
-                 reader: BounceReader, casts: tuple | None = None) -> None:
+    def __init__(self, file: SafetensorsFile, keys: list[Any], leaves: list[Leaf], nbytes: int,
+                 reader: BounceReader, casts: tuple | None = None,
+                 residue: list[tuple[int, torch.Tensor]] | None = None) -> None:
         self.file = file
         self.reader = reader
         self.nbytes = nbytes
         casts = casts or (None,) * len(keys)
-        self.pieces = [(k, leaf.offset) for k, leaf, c in zip(keys, leaves, casts) if c is None]
+        self.pieces = [(k, leaf.offset) for k, leaf, c in zip(keys, leaves, casts) if c is None and k is not None]
         self.cast_pieces = [(k, leaf, c) for k, leaf, c in zip(keys, leaves, casts) if c is not None]
+        self.residue = list(residue or [])
         self.reads = 0
         self.read_ms = 0.0  # time the read-ahead thread spent reading this unit's bytes from the file
 
@@ -265,6 +268,10 @@ class DiskSource:
                 n = self.file.read_range(buf, self.pieces, start, end)
             for key, leaf, cast in self.cast_pieces:
                 n += read_cast(self.file, key, leaf, cast, buf, start, end, self.reader.scratch)
+            for off, raw in self.residue:  # the leaves the file lacks: their RAM copy
+                lo, hi = max(start, off), min(end, off + raw.numel())
+                if lo < hi:
+                    buf[lo - start:hi - start].copy_(raw[lo - off:hi - off])
             return n
 
         n, ms = self.reader.clock.timed("disk", self._file_bytes(start, end), read)
@@ -279,6 +286,9 @@ class DiskSource:
             lo, hi = max(start, leaf.offset), min(end, leaf.offset + leaf.nbytes)
             if lo < hi:
                 extra += (hi - lo) // leaf.dtype.itemsize * cast.itemsize - (hi - lo)
+        for off, raw in self.residue:  # copied from RAM, not read
+            lo, hi = max(start, off), min(end, off + raw.numel())
+            extra -= max(0, hi - lo)
         return max(0, end - start + extra)
 
     def issue(self, dst: torch.Tensor, after: Any) -> DeferredCopy:

@@ -23,7 +23,7 @@ from ..model.layout import Binding, TensorLayout
 from .compressed import CompressedSource, bind_master, disk_source, stage_unit_compressed
 from .shared_host import SharedHostCopy, SharedUnit
 from .file_keys import stored_unit_of
-from .leaf_match import as_leaf, leaf_from_file
+from .leaf_match import as_leaf, leaf_from_file, residue_offsets
 from .model_layout import ModelLayout
 from .sources import BouncedSource, BounceReader, HostSource, SharedSource, UnitSource
 from .spill import SpillFile, release_free_heap
@@ -61,6 +61,8 @@ class StagingBuffer:
     spilled: bool = False  # `host` maps the spill file (no RAM of its own until read)
     segment: SharedHostCopy | None = None  # the encoded blob lies in this host copy shared between processes
     casts: tuple | None = None  # disk tier: per leaf, the file dtype it is cast from on read (None: as stored)
+    # disk tier: the leaves the file lacks (key None), held in RAM in one flat buffer (leaf_match.residue_offsets)
+    residue: torch.Tensor | None = None
 
     @classmethod
     def compressed(cls, layout: TensorLayout, alloc_host: Callable[[int, bool], tuple[torch.Tensor, bool]],
@@ -135,33 +137,49 @@ class StagingBuffer:
         return cls(layout, host, False, binding, shared=copy.unit(index, host, layout))
 
     @classmethod
-    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[str], casts: tuple | None = None,
+    def on_disk(cls, layout: TensorLayout, file: SafetensorsFile, keys: list[Any], casts: tuple | None = None,
                 spill: SpillFile | None = None, apply: bool = True,
                 values: list[torch.Tensor] | None = None) -> "StagingBuffer":
         """A disk-tier master: the module views the file's private map between forwards; no RAM copy. A leaf read
         with a cast views its cast bytes written once to the spill file instead (`values`: the leaves' bytes now,
-        by default the modules' tensors), as a compressed unit's do (spill.py).
+        by default the modules' tensors), as a compressed unit's do (spill.py); a leaf the file lacks (key None)
+        views its copy in the unit's residue, a small RAM buffer the disk tier copies from (leaf_match.py).
 
         `apply=False` for a unit resident on the device now: its views are swapped in when it is evicted.
         """
         casts = tuple(casts) if casts is not None else (None,) * len(keys)
-        current = values if values is not None or not any(casts) else list(layout.sources())
-        views = [leaf.restride(_spilled(spill, current[k], leaf) if casts[k] is not None else
-                               as_leaf(file.view(key), leaf)) for k, (key, leaf) in enumerate(zip(keys, layout.leaves))]
-        del current
+        resident = [k for k, key in enumerate(keys) if key is None]
+        current = values if values is not None or not (any(casts) or resident) else list(layout.sources())
+        residue, kept = _residue(layout, resident, current)
+        views = [leaf.restride(kept[k] if key is None else _spilled(spill, current[k], leaf) if casts[k] is not None
+                               else as_leaf(file.view(key), leaf))
+                 for k, (key, leaf) in enumerate(zip(keys, layout.leaves))]
+        del current, kept
         if apply:
             layout.rebind_fresh(views)
         binding = layout.bind(views, None, master=True)
         if apply:
             binding.apply()
             layout.adopt_params()
-        return cls(layout, None, False, binding, file, keys, casts=casts)
+        return cls(layout, None, False, binding, file, keys, casts=casts, residue=residue)
+
+    def residue_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the unit's bytes, the bytes) of each leaf the disk tier copies from the residue."""
+        if self.residue is None:
+            return []
+        leaves = [(leaf, k) for leaf, k in zip(self.layout.leaves, self.keys) if k is None]
+        offsets, _ = residue_offsets([leaf for leaf, _ in leaves])
+        return [(leaf.offset, self.residue[at:at + leaf.nbytes]) for (leaf, _), at in zip(leaves, offsets)]
 
     def leaf_copy(self, i: int, device: torch.device) -> torch.Tensor:
         """Leaf i as an ordinary, independent tensor (from the file by positioned read for the disk tier)."""
         if self.host is None:
             cast = self.casts[i] if self.casts else None
             leaf = self.layout.leaves[i]
+            if self.keys[i] is None:  # a leaf of the residue: its RAM copy
+                at = [k for k, key in enumerate(self.keys) if key is None].index(i)
+                off = self.residue_pieces()[at][1]
+                return leaf.restride(off.view(leaf.dtype).view(leaf.shape)).to(device=device, copy=True)
             return leaf.restride(leaf_from_file(self.file, self.keys[i], leaf, cast)).to(device)
         return self.layout.leaf_views(self.host)[i].to(device=device, copy=True)
 
@@ -352,7 +370,7 @@ def stage_model(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: boo
     staged = []
     for i, (unit, master) in enumerate(zip(units, masters)):
         source: UnitSource = (disk_source(file, keys[i], master.layout.leaves, master.layout.nbytes, reader, backend,
-                                          master.casts) if master.host is None else
+                                          master.casts, master.residue_pieces()) if master.host is None else
                               make_ram_source(master, backend, reader))
         staged.append(StagedUnit(i, unit.name, unit.module, master, source))
     if progress:
@@ -395,3 +413,21 @@ def _spilled(spill: SpillFile, value: torch.Tensor, leaf: Any) -> torch.Tensor:
     """A leaf's bytes written to the spill file, viewed back as the leaf (a cast leaf's master between passes)."""
     raw = value.detach().contiguous().reshape(-1).view(torch.uint8)
     return spill.put(raw).view(leaf.dtype).view(leaf.shape)
+
+
+def _residue(layout: TensorLayout, resident: list[int], current: list[torch.Tensor] | None,
+             ) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+    """The unit's residue: the leaves the file lacks copied into one flat RAM buffer (leaf_match.residue_offsets),
+    and each one's view there as the leaf."""
+    if not resident:
+        return None, {}
+    leaves = [layout.leaves[k] for k in resident]
+    offsets, total = residue_offsets(leaves)
+    residue = torch.zeros(total, dtype=torch.uint8)
+    kept = {}
+    with torch.no_grad():
+        for k, leaf, at in zip(resident, leaves, offsets):
+            raw = residue[at:at + leaf.nbytes]
+            raw.copy_(current[k].detach().contiguous().reshape(-1).view(torch.uint8))
+            kept[k] = raw.view(leaf.dtype).view(leaf.shape)
+    return residue, kept

@@ -2,7 +2,8 @@
 
 `HostTiers` moves units between tiers after staging: a disk-tier unit written in place gets a RAM master
 (`promote_to_ram`), and RAM is given back on request by moving units whose exact bytes the file holds to the
-disk tier (`release_host_memory`). It also reports the host bytes the model holds.
+disk tier (`release_host_memory`; a unit's leaves its file lacks stay in RAM as its residue, see
+store/leaf_match.py). It also reports the host bytes the model holds, the residue included.
 """
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class HostTiers:
         if any(e.current() is None for e in layout.entries):
             return True
         for leaf, t, key, cast in zip(layout.leaves, layout.sources(), master.keys, casts):
+            if key is None:  # a leaf of the residue: its RAM copy is the master, written in place or not
+                continue
             want = leaf_from_file(master.file, key, leaf, cast)
             if not torch.equal(t.detach().contiguous().reshape(-1).view(torch.uint8),
                                want.reshape(-1).view(torch.uint8)):
@@ -158,11 +161,15 @@ class HostTiers:
     def host_memory(self) -> dict[str, int]:
         """Host bytes this model holds: in RAM (blocks and non-block weights), of which pinned, of which in the copy
         shared with other processes, and on disk; the blocks' raw bytes in RAM (`blocks_raw`: what `ram` holds
-        compressed, counted as raw)."""
-        ram = pinned = disk = shared = raw = 0
+        compressed, counted as raw); `residue`: the RAM the disk-tier blocks keep for the leaves their file lacks
+        (counted in `ram`)."""
+        ram = pinned = disk = shared = raw = residue = 0
         for u in self.units:
             if u.master.host is None:
                 disk += u.nbytes
+                held = unit_host_bytes(u.staged)  # the unit's residue
+                ram += held
+                residue += held
             else:
                 held = unit_host_bytes(u.staged)
                 ram += held
@@ -174,7 +181,7 @@ class HostTiers:
         if reader is not None:
             ram += reader.bounce_bytes * reader.count + reader.scratch_bytes
             pinned += reader.bounce_bytes * reader.count if reader.pinned else 0
-        return {"ram": ram, "pinned": pinned, "disk": disk, "shared": shared, "blocks_raw": raw}
+        return {"ram": ram, "pinned": pinned, "disk": disk, "shared": shared, "blocks_raw": raw, "residue": residue}
 
     def release_host_memory(self, nbytes: int, order: list[int]) -> int:
         """Free at least `nbytes` of host RAM by moving blocks to the disk tier in the plan's `order`, where the
@@ -211,13 +218,16 @@ class HostTiers:
                 cost += self._replace_reader(biggest)
             held = unit_host_bytes(u.staged)  # a compressed unit frees its encoded blob
             layout = u.staged.layout
-            values = layout.leaf_views(u.master.host) if found.cast else None  # cast leaves: their bytes spilled
+            # cast leaves: their bytes spilled; the leaves the file lacks: kept as the unit's residue
+            values = layout.leaf_views(u.master.host) if found.cast or found.resident else None
             u.staged.master = StagingBuffer.on_disk(layout, file, found.keys, found.casts, self._spill(found),
                                                     apply=u.resident_buf is None, values=values)
             del values
             u.staged.source = self.sources[u.index] = disk_source(file, found.keys, layout.leaves, u.nbytes,
-                                                                  staged.reader, self.backend, found.casts)
+                                                                  staged.reader, self.backend, found.casts,
+                                                                  u.staged.master.residue_pieces())
             u.mark = u.staged.layout.version()
+            held -= unit_host_bytes(u.staged)  # the residue stays in RAM
             if shared is None or shared[0].give_back(shared[1]):
                 freed += held
             else:
