@@ -588,6 +588,42 @@ def test_release_host_memory_moves_blocks_to_disk_exactly(tmp_path, offload, pre
     assert torch.equal(run(model, (x,)), ref)
 
 
+def test_ram_given_back_leaves_the_pinned_allocators_cache_too(tmp_path, offload, monkeypatch):
+    """Pinned buffers freed on CUDA go to torch's caching host allocator, not to the OS: giving RAM back (and
+    detaching) asks the backend to empty that cache once the old masters and bounce buffers are gone, so the RAM
+    leaves the process. The CUDA backend finds the call by name (torch.accelerator.empty_host_cache, else
+    torch._C._host_emptyCache, else nothing) without a GPU."""
+    from offload.backends.cuda import CudaBackend
+
+    model = _model()
+    x = _x()
+    ref = run(model, (x,))
+    path = _save(model, tmp_path / "m.safetensors")
+    h = offload(model, OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), disk_optional=True,
+                                                 sim_capacity_bytes=_private_capacity()))
+    calls = []
+    monkeypatch.setattr(h.streamer.backend, "release_host_cache", lambda: calls.append(h.host_memory()["ram"]))
+    assert h.release_host_memory(0) == 0 and calls == []  # nothing freed: nothing to ask
+    ram = h.host_memory()["ram"]
+    assert h.release_host_memory(1 << 40) > 0
+    assert len(calls) == 1 and calls[0] < ram  # asked after the masters were replaced
+    assert torch.equal(run(model, (x,)), ref)
+    h.detach()
+    assert len(calls) == 2
+    assert torch.equal(run(model, (x,)), ref)
+    emptied = []
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        monkeypatch.setattr(accelerator, "empty_host_cache", lambda: emptied.append("accelerator"), raising=False)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append("_C"), raising=False)
+    CudaBackend.release_host_cache(object.__new__(CudaBackend))
+    assert emptied == (["accelerator"] if accelerator is not None else ["_C"])
+    if accelerator is not None:
+        monkeypatch.delattr(accelerator, "empty_host_cache")
+        CudaBackend.release_host_cache(object.__new__(CudaBackend))
+        assert emptied[-1] == "_C"
+
+
 def test_release_host_memory_keeps_blocks_the_file_does_not_hold(tmp_path, offload):
     model = _model()
     x = _x()

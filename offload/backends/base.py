@@ -91,6 +91,10 @@ class Backend(abc.ABC):
     def empty_cache(self) -> None:
         """Return cached, unused device memory to the driver (a no-op where there is no cache)."""
 
+    def release_host_cache(self) -> None:
+        """Return cached, unused pinned host memory to the OS (a no-op where there is no cache): RAM given back must
+        leave the process, not wait in an allocator's cache."""
+
     def peak_allocated(self) -> int | None:
         """Peak bytes allocated on the device by anything in this process (activations included), if known."""
         return None

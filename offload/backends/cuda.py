@@ -158,6 +158,14 @@ class CudaBackend(Backend):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def release_host_cache(self) -> None:
+        """Pinned buffers freed go to torch's caching host allocator, not to the OS, until its cache is emptied
+        (torch.accelerator.empty_host_cache; torch._C._host_emptyCache before it had a name; neither: nothing)."""
+        empty = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+                 or getattr(torch._C, "_host_emptyCache", None))
+        if empty is not None:
+            empty()
+
     def peak_allocated(self) -> int | None:
         return int(torch.cuda.max_memory_allocated(self.device))
 

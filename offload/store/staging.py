@@ -230,13 +230,17 @@ class StagedModel:
         if self.file is not None and any(u.master.host is None for u in self.units):
             self.file.check_unchanged()
 
-    def close(self) -> None:
+    def close(self, backend: Any = None) -> None:
+        """Let go of the read-ahead thread and the shared copy; with `backend`, the pinned memory freed (bounce
+        buffers, masters dropped before) leaves its allocator's cache too."""
         if self.reader is not None:
             self.reader.close()
             self.reader = None
         if self.shared is not None:
             self.shared.close()
             self.shared = None
+        if backend is not None:
+            backend.release_host_cache()
 
 
 def _jobs(laid: ModelLayout, tiers: dict[int, str], backend: Any, pin: bool, shared: frozenset[int],

@@ -237,6 +237,7 @@ class HostTiers:
                         f" (and {len(refused) - 1} more like it)" if len(refused) > 1 else "")
         if freed or pending:
             self.worker.restart()  # copies queued from the old masters are replaced by reads of the file
+            self.backend.release_host_cache()  # freed pinned masters leave the process, not the allocator's cache
             log.info("moved %.1f MB of blocks to the disk tier (%s) to give RAM back%s", (freed + pending) / 2 ** 20,
                      file.path, f" ({pending / 2 ** 20:.1f} MB of them once the other models of this process holding "
                                 f"them in the shared copy let them go)" if pending else "")

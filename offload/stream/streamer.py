@@ -497,4 +497,4 @@ class ModelStreamer:
             self.writes.data.close()
             self.units.clear()  # the list the parts share
             self.sources.clear()
-            self.staged.close()
+            self.staged.close(self.backend)
