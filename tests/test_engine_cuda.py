@@ -168,3 +168,29 @@ def test_cuda_pre_existing_unit_hook_computes_on_device(offload):
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_cuda_pinned_masters_take_the_host_ram_the_report_says(offload):
+    """The host RAM pinned masters take is what `host_memory()["pinned"]` reports (the plan and `ram_budget_bytes`
+    count those bytes): torch's caching host allocator rounds each pinned allocation up to a power of two, so a
+    21 MB block pinned through it would take 32 MB. Blocks of a size far from a power of two, measured by the
+    allocator's own counters; after detach (and Backend.release_host_cache) the pinned bytes leave the process."""
+    from offload import OffloadConfig
+
+    torch.manual_seed(0)
+    width = 2304  # a Linear of 2304 x 2304 fp32: 21.2 MB, 0.66 of the next power of two
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(4)])
+    x = torch.randn(2, width)
+    ref = model.to("cuda")(x.cuda())
+    model.to("cpu")
+    torch.cuda.synchronize()
+    stats = torch.cuda.host_memory_stats
+    before = stats().get("allocated_bytes.current", 0)
+    handle = offload(model, OffloadConfig.from_preset("budget", device="cuda", share_host="off"))
+    assert torch.equal(model(x.cuda()), ref)
+    pinned = handle.host_memory()["pinned"]
+    assert pinned >= 4 * width * width * 4
+    taken = stats().get("allocated_bytes.current", 0) - before
+    assert taken <= pinned * 1.05 + (8 << 20), (taken, pinned)
+    handle.detach()
+    assert stats().get("allocated_bytes.current", 0) - before <= 8 << 20
