@@ -59,15 +59,30 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _leaves(n: int, tensors: int) -> list[Leaf]:
-    """A unit of `n` bytes of bf16 as `tensors` tensors, laid out as the engine lays a unit out (512-byte aligned)."""
+PAYLOADS = {"bf16": torch.bfloat16, "fp8_e4m3fn": getattr(torch, "float8_e4m3fn", None)}
+
+
+def _leaves(n: int, tensors: int, dtype: torch.dtype = torch.bfloat16) -> list[Leaf]:
+    """A unit of `n` bytes of `dtype` as `tensors` tensors, laid out as the engine lays a unit out (512-byte
+    aligned)."""
     per = n // tensors // 512 * 512
-    return [Leaf(i * per, per, torch.bfloat16, (per // 2,), None) for i in range(tensors)]
+    size = torch.empty(0, dtype=dtype).element_size()
+    return [Leaf(i * per, per, dtype, (per // size,), None) for i in range(tensors)]
 
 
-def unit_rates(device: str, sizes_mb: list[float], repeat: int, tensors: int = 1) -> list[dict]:
+def _payload(n: int, payload: str, g: torch.Generator) -> torch.Tensor:
+    """`n` raw bytes of weights drawn like trained ones: bf16, or fp8 e4m3fn scaled per tensor to its range as
+    ComfyUI's quantizers write `*_fp8_scaled` payloads (the byte code's case)."""
+    if payload == "bf16":
+        return (torch.randn(n // 2, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)
+    w = torch.randn(n, generator=g) * 0.02
+    return (w * (448.0 / w.abs().max())).to(PAYLOADS[payload]).view(torch.uint8)
+
+
+def unit_rates(device: str, sizes_mb: list[float], repeat: int, tensors: int = 1,
+               payload: str = "bf16") -> list[dict]:
     """Per unit size: encode rate (CPU), raw copy, encoded copy and decode alone (with the device's reused decode
-    scratch, as the engine decodes), the decode's ops; a unit of `tensors` bf16 tensors."""
+    scratch, as the engine decodes), the decode's ops; a unit of `tensors` tensors of `payload` (PAYLOADS)."""
     from offload.store.compressed import decode_scratch
     backend = get_backend(OffloadConfig(device=device))
     scratch = decode_scratch(backend)
@@ -75,9 +90,9 @@ def unit_rates(device: str, sizes_mb: list[float], repeat: int, tensors: int = 1
     for mb in sizes_mb:
         n = int(mb * (1 << 20)) // (512 * tensors) * 512 * tensors
         g = torch.Generator().manual_seed(0)
-        raw = (torch.randn(n // 2, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)
+        raw = _payload(n, payload, g)
         t0 = time.perf_counter()
-        enc = codec.encode(raw, _leaves(n, tensors))
+        enc = codec.encode(raw, _leaves(n, tensors, PAYLOADS[payload]))
         encode_s = time.perf_counter() - t0
         host_raw, _ = backend.alloc_host(n, True)
         host_raw.copy_(raw)
@@ -104,7 +119,8 @@ def unit_rates(device: str, sizes_mb: list[float], repeat: int, tensors: int = 1
         ok = torch.equal(slot.cpu(), raw)
         backend.release(slot)
         med = {k: statistics.median(v) for k, v in (("copy", copies), ("enc_copy", enc_copies), ("decode", decodes))}
-        rows.append({"unit_mb": mb, "tensors": tensors, "decode_ops": ops.n, "ratio": round(enc.ratio, 4),
+        rows.append({"unit_mb": mb, "tensors": tensors, "payload": payload, "decode_ops": ops.n,
+                     "ratio": round(enc.ratio, 4),
                      "encode_gbps": n / encode_s / 1e9,
                      "raw_copy_gbps": n / med["copy"] / 1e9, "encoded_copy_gbps": n / med["enc_copy"] / 1e9,
                      "decode_gbps": n / med["decode"] / 1e9, "decode_vs_raw_copy": med["copy"] / med["decode"],

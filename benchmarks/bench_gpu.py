@@ -415,10 +415,14 @@ class Bench:
             rows = mod.unit_rates(self.device, sizes, 5 if self.cuda else 2)
             # a block of many small tensors (norms, biases, modulation vectors): one stream, a constant op count
             rows += mod.unit_rates(self.device, [1, 16] if self.cuda else [1], 5 if self.cuda else 2, tensors=128)
+            # quantized payloads (issue 42's byte code: escapes placed by a running count, no host sync)
+            rows += mod.unit_rates(self.device, [16, 64] if self.cuda else [1], 5 if self.cuda else 2,
+                                   payload="fp8_e4m3fn")
         except Exception as exc:  # noqa: BLE001 - a row that says why, not a lost run
             return self.skip("compression", "decode vs copy", f"{type(exc).__name__}: {exc}"[:300])
         for r in rows:
-            self.add(Row("compression", f"decode {r['unit_mb']} MiB unit of {r['tensors']} tensor(s)", ms=None,
+            self.add(Row("compression", f"decode {r['unit_mb']} MiB unit of {r['tensors']} {r['payload']} tensor(s)",
+                         ms=None,
                          gbps=r["decode_gbps"], equal=r["bitwise"],
                          note=(f"encoded {r['ratio']:.3f} of raw; raw copy {r['raw_copy_gbps']:.1f} GB/s, encoded "
                                f"copy {r['encoded_copy_gbps']:.1f} GB/s (raw bytes), decode "

@@ -32,6 +32,9 @@ def test_dry_run_lists_every_row(tmp_path):
         assert r["status"] == "ok" or len(r["reason"]) > 10, r
     assert data["env"]["device"] == "sim" and data["env"]["sim_gbps"] > 0
     assert [r for r in rows if r["section"] == "bandwidth" and r["status"] == "ok" and r["gbps"] > 0]
+    decodes = [r for r in rows if r["section"] == "compression"]  # bf16 units and fp8 payloads (the byte code)
+    assert {"bf16", "fp8_e4m3fn"} <= {p for r in decodes for p in ("bf16", "fp8_e4m3fn") if p in r["config"]}, decodes
+    assert all(r["status"] == "ok" and r["equal"] is True for r in decodes), decodes
     tests = [r for r in rows if r["section"] == "tests"]
     assert len(tests) == 1 and tests[0]["status"] == "skipped" and "CUDA" in tests[0]["reason"]
 
