@@ -283,6 +283,23 @@ def test_links_are_read_boundedly(tmp_path):
     assert got.error_kind == "format" and got.infos is None  # never asked: not a header this pack reads
 
 
+@pytest.mark.parametrize("url,linked", [("https://h/v.safetensors", True), ("file:///etc/v.safetensors", False),
+                                        ("javascript:alert(1)", False), ("https://h/" + "x" * 5000, False)],
+                         ids=["https", "file", "javascript", "too-long"])
+def test_a_loaders_own_link_is_read_as_every_link(url, linked):
+    """The workflow reader takes a loader node's `properties.models` link through the same reader as the download
+    list (model_links: bounded, http(s) only): a link that list refuses is no loader's url either."""
+    from offload.predict.workflow_graph import read_graph
+
+    wf = {"version": 0.4, "links": [], "nodes": [{
+        "id": 1, "type": "VAELoader", "mode": 0, "inputs": [], "widgets_values": ["v.safetensors"],
+        "outputs": [{"name": "VAE", "type": "VAE", "links": []}],
+        "properties": {"models": [{"name": "v.safetensors", "url": url, "directory": "vae"}]}}]}
+    ref = read_graph(wf).loaders["1"]
+    assert (ref.url, ref.directory) == ((url, "vae") if linked else (None, None))
+    assert [link.url for link in workflow_links(wf)] == ([url] if linked else [])
+
+
 def _entry(cache: Path) -> Path:
     found = list(cache.glob("*.hdr"))
     assert len(found) == 1, found

@@ -49,6 +49,16 @@ def _entries(models: Any) -> list[ModelLink]:
     return out
 
 
+def node_links(properties: Any) -> dict[str, ModelLink]:
+    """The links one node's `properties.models` carries, by file name (the first entry for a name wins), read with
+    the same bounds and checks as the whole workflow's."""
+    models = properties.get("models") if isinstance(properties, dict) else None
+    out: dict[str, ModelLink] = {}
+    for link in _entries(models):
+        out.setdefault(link.name, link)
+    return out
+
+
 def workflow_links(graph: Any) -> list[ModelLink]:
     """Every download link of a UI workflow (or an {"workflow": ...} / {"extra_pnginfo": {"workflow": ...}} wrapper),
     in the order the file lists them; [] for an API-form graph, which keeps no links."""

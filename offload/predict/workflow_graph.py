@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .comfy_nodes import DIRECTORY_KINDS, LOADERS, NO_FILE, NodeDefs
+from .model_links import ModelLink, node_links
 from .workflow_flat import FlatGraph, FlatNode, WorkflowError, is_link
 from .workflow_read import flatten
 from .workflow_values import UNKNOWN, Values
@@ -127,8 +128,8 @@ class _Reader:
             declared = _declared(node)
             table = LOADERS.get(node.class_type)
             if table is None:  # a loader this reader does not know: the template names its file and folder
-                table = tuple((w, DIRECTORY_KINDS.get(str(m.get("directory")), str(m.get("directory"))),
-                               DIRECTORY_ROLES.get(str(m.get("directory")), str(m.get("directory"))))
+                table = tuple((w, DIRECTORY_KINDS.get(m.directory, m.directory),
+                               DIRECTORY_ROLES.get(m.directory, m.directory))
                               for w, v in node.inputs.items() if isinstance(v, str) and (m := declared.get(v)))
             for widget, folder, role in table:
                 raw = node.inputs.get(widget)
@@ -146,8 +147,7 @@ class _Reader:
                 ref.runs, ref.why = self._runs(node)
                 entry = declared.get(name)
                 if entry is not None:
-                    ref.url = entry.get("url") if isinstance(entry.get("url"), str) else None
-                    ref.directory = entry.get("directory") if isinstance(entry.get("directory"), str) else None
+                    ref.url, ref.directory = entry.url, entry.directory or None
                 ref.subgraph = self._subgraph(node)
                 found[key] = ref
         return found
@@ -173,11 +173,10 @@ class _Reader:
         return default if x is None else x
 
 
-def _declared(node: FlatNode) -> dict[str, dict[str, Any]]:
-    """The model files a UI node's `properties.models` names (what the frontend's missing-models dialog lists)."""
-    models = node.properties.get("models") if isinstance(node.properties, dict) else None
-    return {m["name"]: m for m in models if isinstance(m, dict) and isinstance(m.get("name"), str)} \
-        if isinstance(models, list) else {}
+def _declared(node: FlatNode) -> dict[str, ModelLink]:
+    """The model files a UI node's `properties.models` links (what the frontend's missing-models dialog lists),
+    read as `model_links` reads every link (bounded, http(s) only)."""
+    return node_links(node.properties)
 
 
 def _role(node: FlatNode | None, loaders: dict[str, LoaderRef]) -> str | None:
@@ -231,7 +230,7 @@ def read_graph(graph: dict[str, Any], defs: NodeDefs | None = None) -> GraphFact
     declared: dict[str, dict[str, Any]] = {}
     for node in list(flat.nodes.values()) + list(flat.skipped.values()):
         for name, m in _declared(node).items():
-            declared.setdefault(name, {"url": m.get("url"), "directory": m.get("directory")})
+            declared.setdefault(name, {"url": m.url, "directory": m.directory})
     idle = []  # samplers the workflow holds but does not run: read all the same, said why
     for n in list(flat.nodes.values()) + list(flat.skipped.values()):
         if n.class_type in SAMPLERS and not r._runs(n)[0]:
