@@ -256,3 +256,21 @@ def host_master_guard(*handles: Any) -> Iterator[HostMasterGuard]:
     """While active, any op outside the engine that reads one of `handles`' host masters raises `HostMasterRead`."""
     with HostMasterGuard(*handles) as guard:
         yield guard
+
+
+def step_disk_reads(handle: Any, model: Any, x: Any, ref: Any) -> int:
+    """The disk bytes one step reads: two forwards under the guard, each bitwise `ref`; the second one's reads (the
+    first builds what a first pass builds)."""
+    with host_master_guard(handle) as guard, torch.no_grad():
+        assert torch.equal(model(x), ref)
+        before = handle.report().disk_bytes_read
+        assert torch.equal(model(x), ref)
+    assert guard.checked
+    return handle.report().disk_bytes_read - before
+
+
+def disk_units_file_bytes(handle: Any) -> int:
+    """The bytes the model's file stores for the tensors of the units now on the disk tier."""
+    staged = handle.streamer.staged
+    return sum(staged.file.tensors[k].end - staged.file.tensors[k].start
+               for u in staged.units if u.master.host is None for k in u.master.keys if k is not None)

@@ -12,7 +12,7 @@ pytest.importorskip("comfy_kitchen")
 
 from offload import OffloadConfig  # noqa: E402
 from offload.plan.planner import RamCeilingError  # noqa: E402
-from tests.host_master_guard import host_master_guard  # noqa: E402
+from tests.host_master_guard import disk_units_file_bytes, host_master_guard, step_disk_reads  # noqa: E402
 from tests.quantized_models import (FORMATS, QuantizedTensor, available, comfy_state_dict, quant_stack,  # noqa: E402
                                     quantized_bytes, save_comfy_checkpoint)
 from offload.store.pack_writer import pack_file  # noqa: E402
@@ -56,19 +56,13 @@ def test_every_format_streams_from_its_file_under_a_ram_ceiling(fmt, tmp_path, o
     path = save_comfy_checkpoint(model, tmp_path / "q.safetensors")
     ceiling = _ceiling(model)
     h = offload(model, _cfg(disk_path=path, ram_budget_bytes=ceiling))
-    with host_master_guard(h) as guard, torch.no_grad():
-        assert torch.equal(model(x), ref)
-        read = h.report().disk_bytes_read
-        assert torch.equal(model(x), ref)
-    assert guard.checked
+    read = step_disk_reads(h, model, x, ref)
     rep = h.report()
     assert "disk" in [b.tier for b in rep.blocks], [b.placement for b in rep.blocks]
     assert h.host_memory()["ram"] <= ceiling
     # a pass reads each disk-tier block's payload and scales as the file stores them, once (its comfy_quant never)
     staged = h.streamer.staged
-    stored = sum(staged.file.tensors[k].end - staged.file.tensors[k].start
-                 for u in staged.units if u.master.host is None for k in u.master.keys)
-    assert rep.disk_bytes_read - read == stored
+    assert read == disk_units_file_bytes(h)
     assert not any(k.endswith("comfy_quant") for u in staged.units if u.master.host is None for k in u.master.keys)
     h.detach()
     assert torch.equal(model(x), ref)

@@ -310,13 +310,8 @@ def test_a_process_that_loaded_other_weights_keeps_its_own_copy(tmp_path):
     assert not segment.exists()
 
 
-def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypatch):
-    """The filler fails during setup after some blocks went into the copy (a RAM ceiling: the copy is filled while
-    staging, HostPlan.publish_later is for none): the model is as it was (ordinary tensors, same outputs), the
-    half-filled segment is gone, and the next offload fills a complete one."""
-    from offload import OffloadConfig, VramBudget, offload_module
-    from offload.backends import get_backend
-
+def _saved_model(tmp_path: Path) -> tuple[torch.nn.Module, Path, torch.Tensor, torch.Tensor]:
+    """The worker's model (seed 0), its file, an input and the model's own output for it."""
     torch.manual_seed(0)
     model = worker.build()
     path = tmp_path / "model.safetensors"
@@ -324,6 +319,31 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
     x = worker.inputs()
     with torch.no_grad():
         want = model(x)
+    return model, path, x, want
+
+
+def _fail_place_after(n: int, exc: BaseException, monkeypatch) -> None:
+    """SharedHostCopy.place raises `exc` from the (n + 1)-th block on (the blocks before it go in)."""
+    placed = []
+    real_place = shared_host.SharedHostCopy.place
+
+    def failing_place(self, i, *args):
+        if len(placed) == n:
+            raise exc
+        placed.append(i)
+        return real_place(self, i, *args)
+
+    monkeypatch.setattr(shared_host.SharedHostCopy, "place", failing_place)
+
+
+def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypatch):
+    """The filler fails during setup after some blocks went into the copy (a RAM ceiling: the copy is filled while
+    staging, HostPlan.publish_later is for none): the model is as it was (ordinary tensors, same outputs), the
+    half-filled segment is gone, and the next offload fills a complete one."""
+    from offload import OffloadConfig, VramBudget, offload_module
+    from offload.backends import get_backend
+
+    model, path, x, want = _saved_model(tmp_path)
     cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path), sim_capacity_bytes=(1 << 30) + 7,
                                     ram_budget_bytes=1 << 30)
     backend = get_backend(cfg)
@@ -335,16 +355,7 @@ def test_a_staging_that_fails_half_way_leaves_no_copy_behind(tmp_path, monkeypat
         return real_create(cls, path, *args)
 
     monkeypatch.setattr(shared_host.SharedHostCopy, "_create", classmethod(recording_create))
-    placed = []
-    real_place = shared_host.SharedHostCopy.place
-
-    def failing_place(self, i, *args):
-        if len(placed) == 5:
-            raise MemoryError("injected")
-        placed.append(i)
-        return real_place(self, i, *args)
-
-    monkeypatch.setattr(shared_host.SharedHostCopy, "place", failing_place)
+    _fail_place_after(5, MemoryError("injected"), monkeypatch)
     with pytest.raises(MemoryError):
         offload_module(model, cfg, budget=VramBudget(256 << 20))
     monkeypatch.undo()
@@ -368,23 +379,8 @@ def test_blocks_go_into_the_copy_after_setup_and_a_failure_there_leaves_the_rest
     before, during and after."""
     from offload import OffloadConfig, VramBudget, offload_module
 
-    torch.manual_seed(0)
-    model = worker.build()
-    path = tmp_path / "model.safetensors"
-    safetensors_torch.save_file(model.state_dict(), str(path))
-    x = worker.inputs()
-    with torch.no_grad():
-        want = model(x)
-    placed = []
-    real_place = shared_host.SharedHostCopy.place
-
-    def failing_place(self, i, *args):
-        if len(placed) == 5:
-            raise OSError(28, "injected: no space left on device")
-        placed.append(i)
-        return real_place(self, i, *args)
-
-    monkeypatch.setattr(shared_host.SharedHostCopy, "place", failing_place)
+    model, path, x, want = _saved_model(tmp_path)
+    _fail_place_after(5, OSError(28, "injected: no space left on device"), monkeypatch)
     cfg = OffloadConfig.from_preset("budget", device="sim", disk_path=str(path))
     h = offload_module(model, cfg, budget=VramBudget(256 << 20))
     try:
@@ -495,13 +491,7 @@ def test_a_full_dev_shm_leaves_the_rest_private(tmp_path, monkeypatch):
 
     from offload import OffloadConfig, VramBudget, offload_module
 
-    torch.manual_seed(0)
-    model = worker.build()
-    path = tmp_path / "model.safetensors"
-    safetensors_torch.save_file(model.state_dict(), str(path))
-    x = worker.inputs()
-    with torch.no_grad():
-        want = model(x)
+    model, path, x, want = _saved_model(tmp_path)
     calls = []
 
     def fallocate(fd, offset, length):

@@ -150,6 +150,21 @@ def half_ceiling(env, name, dtype="default") -> int:
     return staged.rest_bytes + sum(u.nbytes for u in staged.units) // 2 + (256 << 10)
 
 
+def under_a_ram_ceiling(env, name: str, ref, ref_lora, monkeypatch):
+    """`name` through the Offload Loader with a RAM ceiling of half its blocks: bitwise `ref` (and `ref_lora` with
+    the LoRA, and `ref` again after it), some blocks on the disk tier, host RAM under the ceiling. (model, handle)"""
+    ram = half_ceiling(env, name)
+    off = offloaded(env, name, ram=ram, monkeypatch=monkeypatch)
+    h = handle(off)
+    assert torch.equal(sample(env, off), ref)
+    assert torch.equal(sample(env, with_lora(env, off)), ref_lora)
+    assert torch.equal(sample(env, off), ref), "after the LoRA"
+    blocks = h.report().blocks
+    assert "disk" in [b.tier for b in blocks], [b.placement for b in blocks]
+    assert h.host_memory()["ram"] <= ram
+    return off, h
+
+
 @pytest.mark.parametrize("variant", _variants())
 def test_every_format_through_the_offload_loader_is_bitwise_under_a_ram_ceiling(env, variant, monkeypatch):
     name = quantized_file(env, variant)
@@ -158,15 +173,7 @@ def test_every_format_through_the_offload_loader_is_bitwise_under_a_ram_ceiling(
     quantized = [p for p in plain(env, name).model.diffusion_model.parameters() if type(p).__name__ ==
                  "QuantizedTensor"]
     assert quantized, "ComfyUI must load the file's quantized layers as QuantizedTensor weights"
-    ram = half_ceiling(env, name)
-    off = offloaded(env, name, ram=ram, monkeypatch=monkeypatch)
-    h = handle(off)
-    assert torch.equal(sample(env, off), ref)
-    assert torch.equal(sample(env, with_lora(env, off)), ref_lora)
-    assert torch.equal(sample(env, off), ref), "after the LoRA"
-    tiers = [b.tier for b in h.report().blocks]
-    assert "disk" in tiers, [b.placement for b in h.report().blocks]
-    assert h.host_memory()["ram"] <= ram
+    under_a_ram_ceiling(env, name, ref, ref_lora, monkeypatch)
 
 
 def write_legacy_scaled_fp8(path: str) -> None:
@@ -197,15 +204,8 @@ def test_a_legacy_scaled_fp8_file_is_bitwise_under_a_ram_ceiling(env, monkeypatc
     held = [p for p in plain(env, name).model.diffusion_model.blocks.parameters()
             if p.dtype == torch.float8_e4m3fn or type(p).__name__ == "QuantizedTensor"]
     assert held, "ComfyUI must load the scaled-fp8 file as fp8 weights"
-    ram = half_ceiling(env, name)
-    off = offloaded(env, name, ram=ram, monkeypatch=monkeypatch)
-    h = handle(off)
-    assert torch.equal(sample(env, off), ref)
-    assert torch.equal(sample(env, with_lora(env, off)), ref_lora)
-    assert torch.equal(sample(env, off), ref), "after the LoRA"
+    off, h = under_a_ram_ceiling(env, name, ref, ref_lora, monkeypatch)
     blocks = h.report().blocks
-    assert "disk" in [b.tier for b in blocks], [b.placement for b in blocks]
-    assert h.host_memory()["ram"] <= ram
     if not any(type(p).__name__ == "QuantizedTensor" for p in held):
         # 0.3.64's scaled-fp8 layers hold a float32 `scale_input` of ones made at load that the file lacks: each
         # disk-tier block keeps those few bytes in RAM (its residue, reported) and reads the rest from the file
