@@ -17,25 +17,12 @@
 //                                               ("network" | "cache" | ""), its error's text when not read
 //   [data-lo-download-total]                    data-lo-bytes: the files whose headers were read, together
 
+import { el } from "./dom.js";
+
 const GB = 1e9;
 const state = {
   mode: "links", // "links": only learn the links; "fetch": read headers in the next plan; "cache": headers read before
 };
-
-function el(tag, attrs, ...children) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === undefined || v === null || v === false) continue;
-    if (k === "class") e.className = v;
-    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
-    else e.setAttribute(k, v === true ? "" : String(v));
-  }
-  for (const c of children.flat()) {
-    if (c === undefined || c === null || c === false) continue;
-    e.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  }
-  return e;
-}
 
 function gb(n) {
   // download sizes as download sites give them: decimal GB, MB below 1 GB

@@ -41,6 +41,7 @@
 //                                       are not this run's to compare (the simulated device, --cpu)
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { el } from "./dom.js";
 import { downloadSection, planRequestExtras } from "./download_plan.js";
 import { convertSection } from "./offload_convert.js";
 
@@ -98,22 +99,6 @@ const plan = {
 };
 
 // helpers -----------------------------------------------------------------------------------------------------------
-function el(tag, attrs, ...children) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === undefined || v === null || v === false) continue;
-    if (k === "class") e.className = v;
-    else if (k === "style") e.style.cssText = v;
-    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
-    else e.setAttribute(k, v === true ? "" : String(v));
-  }
-  for (const c of children.flat()) {
-    if (c === undefined || c === null || c === false) continue;
-    e.append(c instanceof Node ? c : document.createTextNode(String(c)));
-  }
-  return e;
-}
-
 function svg(tag, attrs) {
   const e = document.createElementNS(SVG_NS, tag);
   for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, String(v));

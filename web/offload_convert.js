@@ -16,6 +16,7 @@
 //   [data-lo-convert-error]                 the refusal's message
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { el } from "./dom.js";
 
 export const CONVERT_ROUTE = "/layer_offload/convert";
 const DROPPED_PROPERTIES = ["cnr_id", "ver", "aux_id"]; // which pack a node comes from: not ComfyUI's any more
@@ -263,17 +264,6 @@ export async function offloadThisWorkflow(card) {
   if (!res.ok || !data.ok) throw new Error(data.error || `the server answered ${res.status}`);
   await applyEdits(data.edits);
   return data;
-}
-
-function el(tag, attrs, ...children) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (k.startsWith("on") && typeof v === "function") e.addEventListener(k.slice(2), v);
-    else if (v === true) e.setAttribute(k, "");
-    else if (v !== false && v !== null && v !== undefined) e.setAttribute(k, String(v));
-  }
-  for (const c of children.flat()) if (c !== null && c !== undefined) e.append(c);
-  return e;
 }
 
 function summary(data) {

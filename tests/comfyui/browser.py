@@ -6,11 +6,12 @@ data-testid on newer ones), filter the frontend's own startup errors out of the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import comfy_server as cs
 
@@ -122,6 +123,22 @@ def make_driver(binary: str, driver_path: str, width: int = 1400, height: int = 
     drv.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": PAGE_SHIMS})
     drv.set_script_timeout(300)
     return drv
+
+
+@contextlib.contextmanager
+def app_page(server: "BrowserServer", binary: str, driver_path: str) -> Iterator[Any]:
+    """A headless page of the started `server` with the frontend up (the driver); after it, or a failure on the
+    way, the driver quits and the server stops."""
+    driver = None
+    try:
+        driver = make_driver(binary, driver_path)
+        driver.get(server.url)
+        wait_for_app(driver)
+        yield driver
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.stop()
 
 
 MIN_WAIT_S = 180.0  # every wait is a guard against a hang, never a bound on speed: at least this long on a loaded box

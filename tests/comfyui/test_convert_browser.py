@@ -49,17 +49,9 @@ def page(tmp_path_factory):
     server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
     server.seed_settings()
     server.start()
-    driver = None
-    try:
+    with browser.app_page(server, CHROMIUM, CHROMEDRIVER) as driver:
         server.info = server.get_json("/object_info")
-        driver = browser.make_driver(CHROMIUM, CHROMEDRIVER)
-        driver.get(server.url)
-        browser.wait_for_app(driver)
         yield server, driver
-    finally:
-        if driver is not None:
-            driver.quit()
-        server.stop()
 
 
 def load(driver, wf) -> None:

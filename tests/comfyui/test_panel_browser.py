@@ -89,16 +89,8 @@ def page(tmp_path_factory):
             os.environ.pop("LAYER_OFFLOAD_SIM_DEVICES", None)
         else:
             os.environ["LAYER_OFFLOAD_SIM_DEVICES"] = old_env
-    driver = None
-    try:
-        driver = browser.make_driver(CHROMIUM, CHROMEDRIVER)
-        driver.get(server.url)
-        browser.wait_for_app(driver)
+    with browser.app_page(server, CHROMIUM, CHROMEDRIVER) as driver:
         yield server, driver
-    finally:
-        if driver is not None:
-            driver.quit()
-        server.stop()
 
 
 EXAMPLE = os.path.join(cs.REPO_ROOT, "example_workflows", "wan2.1_t2v_layer_offload.json")

@@ -58,18 +58,10 @@ def page(tmp_path_factory):
     server = browser.BrowserServer(os.environ["COMFYUI_PATH"], base, startup_timeout=120)
     server.extra_env["LAYER_OFFLOAD_CACHE"] = str(tmp_path_factory.mktemp("header_cache"))
     server.seed_settings({"Comfy.Canvas.SelectionToolbox": True})
-    driver = None
     with servers.HeaderServer(served) as headers:
         server.start()
-        try:
-            driver = browser.make_driver(CHROMIUM, CHROMEDRIVER)
-            driver.get(server.url)
-            browser.wait_for_app(driver)
+        with browser.app_page(server, CHROMIUM, CHROMEDRIVER) as driver:
             yield server, driver, headers, served
-        finally:
-            if driver is not None:
-                driver.quit()
-            server.stop()
 
 
 def q(driver, css):
